@@ -1,0 +1,53 @@
+"""The `rlfleet` command line: one entry point, one subcommand per job.
+
+Each subcommand lives in the module that owns it and is imported only when it
+runs, so `rlfleet --help` stays fast and a torch-free install can use the
+subcommands that do not need torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+# name -> (module, help). The module defines `add_arguments(parser)` and `run(args) -> int`.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "init-model": ("rlfleet.common.tiny_model", "build a tiny Llama model and tokenizer offline"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(_module=module)
+        _load(module, "add_arguments")(p)
+    return parser
+
+
+def _version() -> str:
+    from rlfleet import __version__
+
+    return f"rlfleet {__version__}"
+
+
+def _load(module: str, attr: str) -> Callable[..., int]:
+    fn: Callable[..., int] = getattr(importlib.import_module(module), attr)
+    return fn
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return _load(args._module, "run")(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
