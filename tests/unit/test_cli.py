@@ -1,0 +1,44 @@
+"""The `rlfleet` console script: installed, lists its subcommands, fails clearly."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlfleet import __version__
+from rlfleet.cli import SUBCOMMANDS, main
+
+
+def _script() -> str:
+    found = shutil.which("rlfleet", path=str(Path(sys.executable).parent))
+    if found is None:
+        pytest.skip("the rlfleet console script is not installed next to this interpreter")
+    return found
+
+
+def test_console_script_lists_every_subcommand() -> None:
+    out = subprocess.run([_script(), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for name in SUBCOMMANDS:
+        assert name in out.stdout
+
+
+def test_version() -> None:
+    out = subprocess.run([_script(), "--version"], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == f"rlfleet {__version__}"
+
+
+def test_no_command_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().out
+
+
+def test_unknown_command_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["no-such-command"])
+    assert exc.value.code == 2
+    assert "no-such-command" in capsys.readouterr().err
