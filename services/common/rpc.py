@@ -1,0 +1,892 @@
+"""gRPC helpers every rlfleet service uses: server, channel, TLS, auth, health, errors.
+
+Server side::
+
+    server = create_server([(reward_pb2_grpc.add_RewardServiceServicer_to_server, servicer)])
+    server.install_signal_handlers()   # SIGTERM/SIGINT: NOT_SERVING, then drain within grace
+    print(server.address)              # "127.0.0.1:43215" (port 0 -> a free port)
+    server.wait()
+
+Client side::
+
+    channel = create_channel(address, auth_token=token)
+    stub = reward_pb2_grpc.RewardServiceStub(channel)
+    try:
+        stub.Score(request, **call_options(timeout_s=10))
+    except grpc.RpcError as e:
+        raise to_rlfleet_error(e) from e   # the same class the service raised
+
+What :func:`create_server` sets up, and why:
+
+* **Message size**: send and receive limits of :data:`DEFAULT_MAX_MESSAGE_BYTES`
+  (64 MiB). Batches and weights travel chunked well below it (the codec's chunk
+  size), so the limit is a guard against runaway messages, not a bound on batch
+  size. A message over the limit fails with ``RESOURCE_EXHAUSTED``.
+* **Health**: the standard ``grpc.health.v1.Health`` service, ``SERVING`` for ``""``
+  and every registered service; :meth:`Server.set_serving` flips one; stopping
+  turns every one ``NOT_SERVING`` before the drain starts.
+* **Reflection** (``grpc.reflection.v1alpha``) for the registered services, health
+  and reflection, so ``grpcurl`` works against any service.
+* **Errors** (:class:`ErrorMappingInterceptor`): an :class:`~rlfleet.common.errors.RlfleetError`
+  raised by a handler becomes its gRPC status with the message as details, plus a
+  serialized ``rlfleet.v1.ErrorInfo`` in the ``rlfleet-error-bin`` trailing
+  metadata (read back with :func:`error_info`); any other exception becomes
+  ``INTERNAL`` with its type and message, logged with its traceback. Unary and
+  streaming handlers alike; the server keeps serving.
+* **Auth** (optional): a bearer token checked on every call except health checks,
+  which stay open so probes need no secret and reveal only serving status.
+  Reflection requires the token, since it reveals the API surface.
+* **TLS / mTLS** (optional): :class:`TLSConfig`.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hmac
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent import futures
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any, NoReturn, TypeVar, cast
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rlfleet.common.errors import (
+    Internal,
+    RlfleetError,
+    Unauthenticated,
+    Unavailable,
+    error_class_for_status,
+)
+from rlfleet.v1 import common_pb2
+
+__all__ = [
+    "AUTH_METADATA_KEY",
+    "DEFAULT_GRACE_S",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_TIMEOUT_S",
+    "ERROR_INFO_KEY",
+    "HEALTH_SERVICE",
+    "REFLECTION_SERVICE",
+    "BearerTokenInterceptor",
+    "ErrorMappingInterceptor",
+    "Registration",
+    "Server",
+    "TLSConfig",
+    "call_options",
+    "check_health",
+    "create_channel",
+    "create_server",
+    "error_info",
+    "grpc_method",
+    "to_rlfleet_error",
+    "wait_for_ready",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""Send/receive limit on both ends: 64 MiB, above any chunk the codec produces."""
+
+DEFAULT_TIMEOUT_S = 30.0
+"""Per-call deadline clients use when the caller gives none (see :func:`call_options`)."""
+
+DEFAULT_GRACE_S = 10.0
+"""How long in-flight calls may run on after a stop before they are cancelled."""
+
+ERROR_INFO_KEY = "rlfleet-error-bin"
+"""Trailing metadata key carrying a serialized ``rlfleet.v1.ErrorInfo``."""
+
+AUTH_METADATA_KEY = "authorization"
+"""Metadata key of the bearer token (``authorization: Bearer <token>``)."""
+
+HEALTH_SERVICE: str = health.SERVICE_NAME
+"""``grpc.health.v1.Health``: open even when a bearer token is required."""
+
+REFLECTION_SERVICE: str = reflection.SERVICE_NAME
+"""``grpc.reflection.v1alpha.ServerReflection``."""
+
+# Methods that stay open when a bearer token is required.
+_OPEN_METHOD_PREFIXES = (f"/{HEALTH_SERVICE}/",)
+# Infrastructure methods whose handlers are left alone by the error mapping
+# (health's Watch uses a non-blocking handler signature that must not be wrapped).
+_INFRA_METHOD_PREFIXES = (f"/{HEALTH_SERVICE}/", f"/{REFLECTION_SERVICE}/")
+
+# Status details and metadata share the client's 8 KiB default metadata limit;
+# keep the error well below it whatever the handler put in the message.
+_MAX_DETAILS_CHARS = 2048
+_MAX_VALUE_CHARS = 512
+_MAX_FIELD_CHARS = 256
+
+# Keepalive: clients ping an idle connection every 30 s and drop it after 10 s
+# without an answer; servers accept pings that often (the gRPC default would
+# answer them with GOAWAY "too_many_pings").
+_KEEPALIVE_TIME_MS = 30_000
+_KEEPALIVE_TIMEOUT_MS = 10_000
+_MIN_PING_INTERVAL_MS = 10_000
+
+Registration = tuple[Callable[[Any, Any], None], object]
+"""``(add_XServicer_to_server, servicer)``, as generated in ``rlfleet.v1.*_pb2_grpc``."""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+# --------------------------------------------------------------------------- TLS
+
+
+@dataclasses.dataclass(frozen=True)
+class TLSConfig:
+    """TLS material, for a server or a client (PEM file paths).
+
+    Server: ``cert``/``key`` are the server's; ``ca`` verifies client certificates
+    and is required when ``require_client_cert`` (mTLS).
+    Client: ``ca`` is the root that verifies the server (``None``: the system
+    roots); ``cert``/``key`` are the client's certificate for mTLS.
+
+    Attributes:
+        cert: certificate chain (PEM).
+        key: private key of ``cert`` (PEM).
+        ca: CA bundle (PEM).
+        require_client_cert: server only: refuse clients without a certificate
+            signed by ``ca``.
+        server_name_override: client only: the name to verify the server's
+            certificate against instead of the address's host (tests, IP addresses).
+    """
+
+    cert: str | Path | None = None
+    key: str | Path | None = None
+    ca: str | Path | None = None
+    require_client_cert: bool = False
+    server_name_override: str | None = None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """``grpc.ssl_server_credentials`` from the files; checks what mTLS needs."""
+        if self.cert is None or self.key is None:
+            raise ValueError(
+                f"TLSConfig for a server needs cert and key, got cert={self.cert!r} "
+                f"key={self.key!r}"
+            )
+        if self.require_client_cert and self.ca is None:
+            raise ValueError("TLSConfig.require_client_cert=True needs ca to verify clients")
+        root = _read(self.ca) if self.ca is not None else None
+        return grpc.ssl_server_credentials(
+            [(_read(self.key), _read(self.cert))],
+            root_certificates=root,
+            require_client_auth=self.require_client_cert,
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """``grpc.ssl_channel_credentials`` from the files."""
+        if (self.cert is None) != (self.key is None):
+            raise ValueError(
+                f"TLSConfig client certificate needs both cert and key, got "
+                f"cert={self.cert!r} key={self.key!r}"
+            )
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca) if self.ca is not None else None,
+            private_key=_read(self.key) if self.key is not None else None,
+            certificate_chain=_read(self.cert) if self.cert is not None else None,
+        )
+
+
+def _read(path: str | Path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read TLS file {str(path)!r}: {e}") from e
+
+
+# ------------------------------------------------------------ errors at the boundary
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 15] + "...[truncated]"
+
+
+def _to_error_info(err: RlfleetError) -> common_pb2.ErrorInfo:
+    return common_pb2.ErrorInfo(
+        code=err.code,
+        field=_clip(err.field, _MAX_FIELD_CHARS),
+        value=_clip(err.value_text, _MAX_VALUE_CHARS),
+        sample_index=-1 if err.sample_index is None else err.sample_index,
+        message=_clip(str(err), _MAX_DETAILS_CHARS),
+        recoverable=err.recoverable,
+    )
+
+
+def _abort_for(exc: Exception, context: grpc.ServicerContext, where: str) -> None:
+    """Abort the call for ``exc`` (raises), or return when the caller should re-raise.
+
+    Re-raise (return) when the call already has its status, e.g. the exception
+    is the one ``context.abort`` raises, or when the client is gone.
+    """
+    code = context.code()
+    if code is not None and code != grpc.StatusCode.OK:
+        return
+    if isinstance(exc, grpc.RpcError) and not context.is_active():
+        return  # cancelled or past its deadline: nobody to tell
+    if isinstance(exc, RlfleetError):
+        err = exc
+        if isinstance(exc, Internal):
+            logger.error("%s failed: %s", where, exc, exc_info=exc)
+        else:
+            logger.info("%s failed: %s: %s", where, exc.status, exc)
+    else:
+        err = Internal(f"{type(exc).__name__}: {exc}")
+        logger.error("%s raised an unexpected exception", where, exc_info=exc)
+    trailing = tuple(context.trailing_metadata() or ())
+    context.set_trailing_metadata(
+        (*trailing, (ERROR_INFO_KEY, _to_error_info(err).SerializeToString()))
+    )
+    context.abort(grpc.StatusCode[err.status], _clip(str(err), _MAX_DETAILS_CHARS))
+
+
+def _guard_iterator(
+    iterator: Iterable[Any], context: grpc.ServicerContext, where: str
+) -> Iterator[Any]:
+    try:
+        yield from iterator
+    except Exception as exc:
+        _abort_for(exc, context, where)
+        raise
+
+
+def _mapped(behavior: Callable[..., Any], where: str) -> Callable[..., Any]:
+    """Wrap a handler ``(request_or_iterator, context) -> response_or_iterator``."""
+
+    @functools.wraps(behavior)
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            result = behavior(request, context)
+        except Exception as exc:
+            _abort_for(exc, context, where)
+            raise
+        if isinstance(result, Iterator):  # a streaming response: guard its iteration too
+            return _guard_iterator(result, context, where)
+        return result
+
+    return call
+
+
+def grpc_method(method: _F) -> _F:
+    """Decorate a servicer method so errors map to status codes as in :class:`ErrorMappingInterceptor`.
+
+    Only needed on servers not built by :func:`create_server` (which installs the
+    interceptor); harmless on those. Works for unary methods and for methods that
+    return or yield a stream.
+    """
+    where = method.__qualname__
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        return _mapped(functools.partial(method, self), where)(request, context)
+
+    return cast(_F, wrapper)
+
+
+def _rebuild_handler(
+    handler: grpc.RpcMethodHandler, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> grpc.RpcMethodHandler:
+    """The same kind of handler with its behavior replaced by ``wrap(behavior)``."""
+    kinds = (
+        ("unary_unary", grpc.unary_unary_rpc_method_handler),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler),
+        ("stream_unary", grpc.stream_unary_rpc_method_handler),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler),
+    )
+    for attr, factory in kinds:
+        behavior = getattr(handler, attr)
+        if behavior is not None:
+            return factory(
+                wrap(behavior),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+    raise ValueError(f"method handler {handler!r} has no behavior")
+
+
+class ErrorMappingInterceptor(grpc.ServerInterceptor):
+    """Server interceptor mapping exceptions of every handler to gRPC statuses.
+
+    ``RlfleetError`` -> ``grpc.StatusCode[err.status]``, details ``str(err)``, and
+    ``ErrorInfo`` in the ``rlfleet-error-bin`` trailing metadata; any other
+    ``Exception`` -> ``INTERNAL`` ``"<Type>: <message>"``, logged with traceback.
+    Calls already aborted with ``context.abort`` keep their status.
+    """
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        method: str = handler_call_details.method
+        if handler is None or method.startswith(_INFRA_METHOD_PREFIXES):
+            return handler
+        return _rebuild_handler(handler, lambda behavior: _mapped(behavior, method))
+
+
+def error_info(error: grpc.RpcError) -> common_pb2.ErrorInfo | None:
+    """The ``ErrorInfo`` a failed call carried in its trailing metadata, if any."""
+    trailing = getattr(error, "trailing_metadata", None)
+    if trailing is None:
+        return None
+    for key, value in trailing() or ():
+        if key == ERROR_INFO_KEY:
+            try:
+                info: common_pb2.ErrorInfo = common_pb2.ErrorInfo.FromString(value)
+            except DecodeError as e:
+                logger.warning("unreadable %s trailing metadata (%d bytes): %s", key, len(value), e)
+                return None
+            return info
+    return None
+
+
+def to_rlfleet_error(error: grpc.RpcError) -> RlfleetError:
+    """The :class:`RlfleetError` a failed call stands for, to re-raise client-side.
+
+    With an ``ErrorInfo``, the class matching the status code with all its fields;
+    without (transport errors, other servers), the class matching the status code
+    (``Internal`` when none does) with the status details as the message.
+    """
+    code_fn = getattr(error, "code", None)
+    code: grpc.StatusCode = code_fn() if code_fn is not None else grpc.StatusCode.UNKNOWN
+    cls = error_class_for_status(code.name)
+    info = error_info(error)
+    if info is not None:
+        prefix = f"{info.field}: "
+        message = info.message
+        if info.field and message.startswith(prefix):
+            message = message[len(prefix) :]
+        return cls(
+            message,
+            field=info.field,
+            value=info.value or None,
+            sample_index=None if info.sample_index < 0 else info.sample_index,
+            code=info.code or None,
+            recoverable=info.recoverable,
+        )
+    details_fn = getattr(error, "details", None)
+    details = (details_fn() if details_fn is not None else None) or str(error)
+    return cls(f"{code.name}: {details}", code=code.name)
+
+
+# -------------------------------------------------------------------------- auth
+
+
+def _check_token(token: str) -> str:
+    if not token or not token.isascii() or not token.isprintable() or " " in token:
+        raise ValueError("auth token must be non-empty printable ASCII without spaces")
+    return token
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Server interceptor requiring ``authorization: Bearer <token>`` on every call.
+
+    Calls without exactly one matching header fail with ``UNAUTHENTICATED``
+    (compared in constant time). Health checks are exempt (see module docstring).
+    """
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {_check_token(token)}".encode()
+
+    def _authorized(self, metadata: Iterable[tuple[str, Any]] | None) -> str | None:
+        """``None`` when authorized, else why not."""
+        values = [value for key, value in metadata or () if key == AUTH_METADATA_KEY]
+        if not values:
+            return f"missing '{AUTH_METADATA_KEY}' metadata"
+        if len(values) > 1:
+            return f"{len(values)} '{AUTH_METADATA_KEY}' metadata entries, expected 1"
+        value = values[0]
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        if not hmac.compare_digest(raw, self._expected):
+            return "invalid bearer token"
+        return None
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method: str = handler_call_details.method
+        if method.startswith(_OPEN_METHOD_PREFIXES):
+            return continuation(handler_call_details)
+        reason = self._authorized(handler_call_details.invocation_metadata)
+        if reason is None:
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        # Deny with a handler of the same kind; unknown methods are denied too, so
+        # an unauthenticated caller cannot probe which methods exist.
+        denied = Unauthenticated(f"{method}: {reason}")
+
+        def deny(_request: Any, context: grpc.ServicerContext) -> NoReturn:
+            _abort_for(denied, context, method)
+            raise denied  # unreachable: _abort_for aborts
+
+        if handler is None:
+            return grpc.unary_unary_rpc_method_handler(deny)
+        return _rebuild_handler(handler, lambda _behavior: deny)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CallDetails(grpc.ClientCallDetails):
+    method: str
+    timeout: float | None
+    metadata: Sequence[tuple[str, str | bytes]] | None
+    credentials: grpc.CallCredentials | None
+    wait_for_ready: bool | None
+    compression: grpc.Compression | None
+
+
+class _BearerTokenClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds ``authorization: Bearer <token>`` to every call of a channel.
+
+    An interceptor rather than call credentials: gRPC only sends call
+    credentials over TLS, and loopback services run in plaintext.
+    """
+
+    def __init__(self, token: str) -> None:
+        self._header = (AUTH_METADATA_KEY, f"Bearer {_check_token(token)}")
+
+    def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = [(k, v) for k, v in details.metadata or () if k != AUTH_METADATA_KEY]
+        metadata.append(self._header)
+        return _CallDetails(
+            method=details.method,
+            timeout=details.timeout,
+            metadata=metadata,
+            credentials=details.credentials,
+            wait_for_ready=getattr(details, "wait_for_ready", None),
+            compression=getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(
+        self, continuation: Callable[..., Any], client_call_details: Any, request: Any
+    ) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(
+        self, continuation: Callable[..., Any], client_call_details: Any, request: Any
+    ) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(
+        self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(
+        self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+# ------------------------------------------------------------------------ server
+
+
+def _format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class _RecordingServer:
+    """Passes registrations through to a ``grpc.Server``, noting the service names."""
+
+    def __init__(self, server: grpc.Server) -> None:
+        self._server = server
+        self.service_names: list[str] = []
+
+    def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:
+        handlers = tuple(handlers)
+        for handler in handlers:
+            name = getattr(handler, "service_name", None)
+            if callable(name):
+                self.service_names.append(name())
+        self._server.add_generic_rpc_handlers(handlers)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+
+class Server:
+    """A started gRPC server with health, reflection and graceful shutdown.
+
+    Built by :func:`create_server`; wraps (does not subclass) ``grpc.Server``,
+    reachable as :attr:`grpc_server`.
+    """
+
+    def __init__(
+        self,
+        server: grpc.Server,
+        *,
+        host: str,
+        port: int,
+        health_servicer: health.HealthServicer,
+        service_names: Sequence[str],
+    ) -> None:
+        self.grpc_server = server
+        self.host = host
+        self.port = port
+        self.service_names = tuple(service_names)
+        self._health = health_servicer
+        self._stopping = threading.Event()
+        self._stop_lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        """``"host:port"`` to give :func:`create_channel` (``[host]:port`` for IPv6)."""
+        return _format_address(self.host, self.port)
+
+    def set_serving(self, service: str, serving: bool) -> None:
+        """Report ``service`` (``""`` = the whole server) SERVING or NOT_SERVING.
+
+        Ignored once the server is stopping (everything is NOT_SERVING then).
+        """
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        self._health.set(service, status)
+
+    def _begin_stop(self, grace_s: float) -> threading.Event:
+        with self._stop_lock:
+            if not self._stopping.is_set():
+                self._stopping.set()
+                logger.info("server %s stopping (grace %.1fs)", self.address, grace_s)
+                # Health first, so watchers and balancers see NOT_SERVING before
+                # the listener closes.
+                self._health.enter_graceful_shutdown()
+            event: threading.Event = self.grpc_server.stop(grace_s)
+            return event
+
+    def stop(self, grace_s: float = DEFAULT_GRACE_S) -> None:
+        """Stop gracefully and block until done.
+
+        Health goes NOT_SERVING, new calls are refused at once, in-flight calls may
+        finish for up to ``grace_s`` seconds and are cancelled after. Idempotent;
+        a second call with a shorter grace shortens it.
+        """
+        self._begin_stop(grace_s).wait()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the server has stopped (or ``timeout_s`` passed); True if stopped."""
+        timed_out: bool = self.grpc_server.wait_for_termination(timeout_s)
+        return not timed_out
+
+    def install_signal_handlers(
+        self,
+        grace_s: float = DEFAULT_GRACE_S,
+        signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
+    ) -> None:
+        """Make ``signals`` stop the server gracefully; a second signal stops it at once.
+
+        Must be called from the main thread. The stop runs on a helper thread (no
+        locks taken inside the signal handler); :meth:`wait` returns when it is done.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("install_signal_handlers must be called from the main thread")
+
+        def handle(signum: int, _frame: FrameType | None) -> None:
+            grace = 0.0 if self._stopping.is_set() else grace_s
+            name = signal.Signals(signum).name
+            threading.Thread(
+                target=self._stop_on_signal, args=(name, grace), name="rlfleet-stop", daemon=True
+            ).start()
+
+        for sig in signals:
+            signal.signal(sig, handle)
+
+    def _stop_on_signal(self, name: str, grace_s: float) -> None:
+        logger.info("server %s got %s", self.address, name)
+        self._begin_stop(grace_s)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop(grace_s=0.0 if exc is not None else DEFAULT_GRACE_S)
+
+
+def create_server(
+    registrations: Iterable[Registration],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_workers: int = 32,
+    max_concurrent_rpcs: int | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    tls: TLSConfig | None = None,
+    auth_token: str | None = None,
+    service_names: Sequence[str] = (),
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    map_errors: bool = True,
+    serving: bool = True,
+    options: Sequence[tuple[str, Any]] = (),
+) -> Server:
+    """Build, bind and start a thread-pool gRPC server.
+
+    Args:
+        registrations: ``(add_XServicer_to_server, servicer)`` pairs.
+        host: interface to bind; loopback by default, ``"0.0.0.0"`` to expose.
+        port: port to bind; 0 picks a free one (read it from ``server.port``).
+            Binding a busy port fails (``SO_REUSEPORT`` is off).
+        max_workers: handler threads; a streaming call holds one for its duration.
+        max_concurrent_rpcs: calls beyond this fail with RESOURCE_EXHAUSTED (None: no cap).
+        max_message_bytes: send and receive limit per message.
+        tls: serve TLS (mTLS with ``tls.require_client_cert``); None: plaintext.
+        auth_token: require ``authorization: Bearer <auth_token>`` (health exempt).
+        service_names: extra service names for health and reflection, beyond those
+            the registrations register (found automatically).
+        interceptors: more server interceptors, run after auth and error mapping.
+        map_errors: install :class:`ErrorMappingInterceptor`.
+        serving: initial health status of ``""`` and every service; pass False and
+            call ``set_serving`` once the service is ready (e.g. model loaded).
+        options: more ``grpc.server`` channel arguments.
+
+    Returns:
+        The started :class:`Server`.
+    """
+    all_interceptors: list[grpc.ServerInterceptor] = []
+    if auth_token is not None:
+        all_interceptors.append(BearerTokenInterceptor(auth_token))
+    if map_errors:
+        all_interceptors.append(ErrorMappingInterceptor())
+    all_interceptors.extend(interceptors)
+    server_options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", _MIN_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 0),
+        *options,
+    ]
+    grpc_server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rlfleet-grpc"),
+        interceptors=all_interceptors,
+        options=server_options,
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
+    )
+    recorder = _RecordingServer(grpc_server)
+    for add_to_server, servicer in registrations:
+        add_to_server(servicer, recorder)
+    names = list(dict.fromkeys([*recorder.service_names, *service_names]))
+
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ("", *names):
+        health_servicer.set(name, status)
+    reflection.enable_server_reflection((*names, HEALTH_SERVICE, REFLECTION_SERVICE), grpc_server)
+
+    address = _format_address(host, port)
+    try:
+        if tls is not None:
+            bound = grpc_server.add_secure_port(address, tls.server_credentials())
+        else:
+            bound = grpc_server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise OSError(f"cannot bind gRPC server to {address}: {e}") from e
+    if not bound:
+        raise OSError(f"cannot bind gRPC server to {address}")
+    grpc_server.start()
+    logger.info(
+        "serving %s on %s (%s%s)",
+        ", ".join(names) or "no services",
+        _format_address(host, bound),
+        "tls" if tls is not None else "plaintext",
+        ", token auth" if auth_token is not None else "",
+    )
+    return Server(
+        grpc_server, host=host, port=bound, health_servicer=health_servicer, service_names=names
+    )
+
+
+# ------------------------------------------------------------------------ client
+
+
+def _service_config(
+    *,
+    retry_unavailable: bool,
+    max_attempts: int,
+    initial_backoff_s: float,
+    max_backoff_s: float,
+    backoff_multiplier: float,
+) -> str:
+    method_config: dict[str, Any] = {"name": [{}]}  # [{}] matches every method
+    if retry_unavailable and max_attempts > 1:
+        method_config["retryPolicy"] = {
+            "maxAttempts": max_attempts,
+            "initialBackoff": f"{initial_backoff_s:.3f}s",
+            "maxBackoff": f"{max_backoff_s:.3f}s",
+            "backoffMultiplier": backoff_multiplier,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        }
+    return json.dumps({"methodConfig": [method_config]})
+
+
+def create_channel(
+    address: str,
+    *,
+    tls: TLSConfig | None = None,
+    auth_token: str | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    retry_unavailable: bool = True,
+    max_attempts: int = 5,
+    initial_backoff_s: float = 0.2,
+    max_backoff_s: float = 5.0,
+    backoff_multiplier: float = 2.0,
+    options: Sequence[tuple[str, Any]] = (),
+) -> grpc.Channel:
+    """A channel to ``address`` ("host:port") with retries, keepalive and size limits.
+
+    Retries: calls that fail with UNAVAILABLE (server down or restarting, or a
+    handler raising ``Unavailable``) are retried by gRPC itself, up to
+    ``max_attempts`` attempts in all (gRPC caps this at 5), with exponential
+    backoff from ``initial_backoff_s`` to ``max_backoff_s`` (randomized). The call's
+    deadline bounds all attempts together. A call is retried only until the
+    first response message arrives, and only while its request fits the retry
+    buffer (sized to ``max_message_bytes``).
+
+    Args:
+        address: ``"host:port"``.
+        tls: connect with TLS (and a client certificate if ``tls.cert``); None: plaintext.
+        auth_token: send ``authorization: Bearer <auth_token>`` on every call.
+        max_message_bytes: send and receive limit per message.
+        retry_unavailable: retry UNAVAILABLE as above.
+        max_attempts: attempts per call including the first.
+        initial_backoff_s, max_backoff_s, backoff_multiplier: the retry backoff.
+        options: more channel arguments.
+    """
+    channel_options: list[tuple[str, Any]] = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.enable_retries", 1 if retry_unavailable else 0),
+        ("grpc.per_rpc_retry_buffer_size", max_message_bytes),
+        (
+            "grpc.service_config",
+            _service_config(
+                retry_unavailable=retry_unavailable,
+                max_attempts=max_attempts,
+                initial_backoff_s=initial_backoff_s,
+                max_backoff_s=max_backoff_s,
+                backoff_multiplier=backoff_multiplier,
+            ),
+        ),
+        ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    if tls is not None and tls.server_name_override:
+        channel_options.append(("grpc.ssl_target_name_override", tls.server_name_override))
+    channel_options.extend(options)
+    if tls is not None:
+        channel = grpc.secure_channel(address, tls.channel_credentials(), options=channel_options)
+    else:
+        channel = grpc.insecure_channel(address, options=channel_options)
+    if auth_token is not None:
+        channel = grpc.intercept_channel(channel, _BearerTokenClientInterceptor(auth_token))
+    return channel
+
+
+def call_options(
+    timeout_s: float | None = DEFAULT_TIMEOUT_S, *, wait_for_ready: bool = False
+) -> dict[str, Any]:
+    """Keyword arguments for a stub call: ``stub.Score(req, **call_options(10))``.
+
+    Args:
+        timeout_s: the call's deadline in seconds, retries included; None: no
+            deadline (only for calls that legitimately run unbounded, e.g. watches).
+        wait_for_ready: wait (within the deadline) for the server to come up
+            instead of failing fast with UNAVAILABLE while it is unreachable.
+    """
+    return {"timeout": timeout_s, "wait_for_ready": wait_for_ready}
+
+
+def _health_status(
+    channel: grpc.Channel, service: str, timeout_s: float, wait_for_ready: bool
+) -> str:
+    """The health status name, or the status code name of the failed check."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        response = stub.Check(
+            health_pb2.HealthCheckRequest(service=service),
+            timeout=timeout_s,
+            wait_for_ready=wait_for_ready,
+        )
+    except grpc.RpcError as e:
+        code = e.code() if hasattr(e, "code") else None
+        return code.name if code is not None else "UNKNOWN"
+    name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    return name
+
+
+def check_health(
+    channel: grpc.Channel, service: str = "", *, timeout_s: float = 5.0, wait: bool = False
+) -> bool:
+    """True iff the server answers SERVING for ``service`` ("" = the server).
+
+    Any failure (unreachable, NOT_SERVING, unknown service, deadline) is False.
+    ``wait``: wait up to ``timeout_s`` for an unreachable server to come up.
+    """
+    return _health_status(channel, service, timeout_s, wait) == "SERVING"
+
+
+def wait_for_ready(
+    address: str,
+    *,
+    timeout_s: float = 30.0,
+    service: str = "",
+    tls: TLSConfig | None = None,
+    poll_interval_s: float = 0.1,
+) -> None:
+    """Block until the server at ``address`` reports ``service`` SERVING.
+
+    Raises:
+        Unavailable: not SERVING within ``timeout_s``; says what it last saw.
+    """
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    channel = create_channel(address, tls=tls, retry_unavailable=False)
+    with contextlib.closing(channel):
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            last = _health_status(channel, service, min(remaining, 5.0), wait_for_ready=True)
+            if last == "SERVING":
+                return
+            time.sleep(min(poll_interval_s, max(0.0, deadline - time.monotonic())))
+    raise Unavailable(
+        f"{address} did not report service {service!r} SERVING within {timeout_s}s "
+        f"(last health check: {last})",
+        field="address",
+        value=address,
+    )
