@@ -1,0 +1,491 @@
+"""The typed run config: defaults, examples, overrides, all-at-once errors, round trip."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlfleet.common.config import (
+    ROLES,
+    Config,
+    ConfigError,
+    config_from_dict,
+    load_config,
+    save_resolved,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLE_FILES = sorted(EXAMPLES.glob("ppo_*.yaml"))
+
+
+def _error(overrides: list[str], raw: dict[str, Any] | None = None) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(raw, overrides)
+    return info.value
+
+
+def _paths(err: ConfigError) -> list[str]:
+    return [issue.path for issue in err.issues]
+
+
+# --------------------------------------------------------------------------- defaults, examples
+
+
+def test_defaults_load_and_resolve() -> None:
+    cfg = load_config(None)
+    assert cfg == Config()
+    assert cfg.enabled_roles() == ("actor", "critic", "rollout")  # gae, no KL: no ref
+    assert cfg.placement().mode == "disaggregated"
+    # derived values are filled in
+    assert cfg.critic.enable is True
+    assert cfg.critic.model_path == cfg.actor.model_path == "outputs/models/tiny"
+    assert cfg.critic.ppo_mini_batch_size == cfg.actor.ppo_mini_batch_size
+    assert cfg.ref.model_path == cfg.actor.model_path
+    assert cfg.actor.clip_ratio_low == cfg.actor.clip_ratio_high == cfg.actor.clip_ratio
+    assert cfg.rollout.response_length == cfg.data.max_response_length
+    assert cfg.rollout.prompt_length == cfg.data.max_prompt_length
+    assert cfg.rollout.replicas == 1
+    assert cfg.trainer.default_local_dir == "outputs/runs/rlfleet/tiny"
+
+
+def test_empty_file_and_empty_sections_mean_defaults(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(empty) == Config()
+    assert config_from_dict({"critic": None, "reward": None}) == Config()
+
+
+@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)
+def test_examples_load(path: Path) -> None:
+    cfg = load_config(path)
+    assert set(cfg.enabled_roles()) <= set(ROLES)
+    for role in cfg.enabled_roles():
+        assert getattr(cfg.mapping, role) in cfg.resource_pools
+
+
+def test_example_files_exist() -> None:
+    assert {p.name for p in EXAMPLE_FILES} >= {"ppo_tiny.yaml", "ppo_gsm8k.yaml"}
+
+
+def test_tiny_example_is_a_cpu_run() -> None:
+    cfg = load_config(EXAMPLES / "ppo_tiny.yaml")
+    assert cfg.trainer.device == "cpu"
+    assert cfg.rollout.engine == "hf"
+    assert cfg.actor.model_path == "outputs/models/tiny"
+    assert cfg.data.train_files == ["outputs/data/arithmetic/train.parquet"]
+    assert cfg.data.val_files == ["outputs/data/arithmetic/test.parquet"]
+    assert cfg.placement().mode == "disaggregated"
+    assert cfg.enabled_roles() == ("actor", "ref", "rollout")
+
+
+def test_gsm8k_example_is_a_gpu_run() -> None:
+    cfg = load_config(EXAMPLES / "ppo_gsm8k.yaml")
+    assert cfg.trainer.device == "cuda"
+    assert cfg.enabled_roles() == ("actor", "critic", "ref", "rollout")
+    assert len(cfg.resource_pools) >= 2
+    assert cfg.dp_size("actor") == 8
+    assert cfg.rollout_replicas() == 4
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def test_overrides_of_every_kind() -> None:
+    cfg = load_config(
+        None,
+        [
+            "actor.lr=1e-6",  # PyYAML reads this as a string; pydantic makes it a float
+            "rollout.n=4",
+            "algorithm.adv_estimator=grpo",
+            "trainer.logger=[console,jsonl]",
+            "resource_pools.train_pool=[2,2]",
+            "resource_pools.extra_pool=3",  # a bare int is one node
+            "mapping.actor=extra_pool",
+            "data.train_files=a.parquet",  # one path where a list is expected
+            "data.val_files=[b.parquet, c.parquet]",
+            "actor.fsdp.sequence_parallel_size=1",  # nested sub-section
+            "data.val_batch_size=null",
+            "data.shuffle=false",
+            "actor.betas=[0.9, 0.95]",
+            "reward.custom_function.path=my_reward.py",  # into an optional sub-model
+        ],
+    )
+    assert cfg.actor.lr == pytest.approx(1e-6)
+    assert cfg.rollout.n == 4
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.trainer.logger == ["console", "jsonl"]
+    assert cfg.resource_pools["train_pool"] == [2, 2]
+    assert cfg.resource_pools["extra_pool"] == [3]
+    assert cfg.resource_pools["rollout_pool"] == [1]  # the other default pools stay
+    assert cfg.mapping.actor == "extra_pool"
+    assert cfg.mapping.rollout == "rollout_pool"  # the other default roles stay mapped
+    assert cfg.data.train_files == ["a.parquet"]
+    assert cfg.data.val_files == ["b.parquet", "c.parquet"]
+    assert cfg.data.val_batch_size is None
+    assert cfg.data.shuffle is False
+    assert cfg.actor.betas == (0.9, 0.95)
+    assert cfg.reward.custom_function.path == "my_reward.py"
+    assert cfg.reward.custom_function.name == "compute_score"
+
+
+def test_overrides_apply_on_top_of_the_file() -> None:
+    cfg = load_config(EXAMPLES / "ppo_tiny.yaml", ["rollout.n=8", "actor.ppo_micro_batch_size=4"])
+    assert cfg.rollout.n == 8
+    assert cfg.actor.ppo_micro_batch_size == 4
+    assert cfg.data.max_response_length == 16  # from the file
+
+
+def test_override_replaces_a_whole_section() -> None:
+    cfg = load_config(
+        None,
+        ["resource_pools={global_pool: [4]}", "trainer.device=cuda"]
+        + [f"mapping.{r}=global_pool" for r in ROLES],
+    )
+    assert cfg.resource_pools == {"global_pool": [4]}
+    assert cfg.placement().mode == "colocated"
+
+
+def test_unknown_override_key_suggests_close_matches() -> None:
+    err = _error(["actor.lrr=1e-5", "rollout.temprature=0.5"])
+    text = str(err)
+    assert "actor.lrr" in text and "did you mean actor.lr?" in text
+    assert "rollout.temprature" in text and "rollout.temperature" in text
+    assert "'actor.lrr=1e-5'" in text  # the override as given
+
+
+def test_unknown_key_without_close_match_lists_known_keys() -> None:
+    err = _error(["zzz.lr=1"])
+    assert err.issues[0].path == "zzz"
+    assert "known keys" in err.issues[0].message and "actor" in err.issues[0].message
+
+
+def test_unknown_key_in_file_suggests_close_matches(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("actor:\n  fsdp:\n    wrld_size: 2\ncritc: {}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    text = str(info.value)
+    assert "actor.fsdp.wrld_size: unknown key; did you mean actor.fsdp.world_size" in text
+    assert "critc: unknown key; did you mean critic?" in text
+
+
+def test_override_into_a_value_is_an_error() -> None:
+    err = _error(["data.seed.x=1"])
+    assert "data.seed is a value, not a section" in str(err)
+
+
+@pytest.mark.parametrize("bad", ["actor.lr", "=3", "actor..lr=1", "actor.lr=[1,"])
+def test_malformed_overrides(bad: str) -> None:
+    err = _error([bad])
+    assert repr(bad) in str(err) or bad.split("=", 1)[-1] in str(err)
+
+
+def test_bad_yaml_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("actor: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+    path.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(path)
+
+
+# --------------------------------------------------------------------------- all errors at once
+
+
+def test_every_error_is_reported_at_once_with_values() -> None:
+    err = _error(
+        [
+            "actor.lrr=1",  # unknown key
+            "actor.lr=-1",  # field constraint
+            "rollout.n=0",
+            "algorithm.lam=2",
+            "algorithm.gamma=-0.5",
+            "data.max_response_length=0",
+            "trainer.save_freq=0",
+            "trainer.logger=[console,console]",
+            "actor.clip_ratio_c=0.5",
+            "rollout.engine=sglang",
+            "data.train_batch_size=7",  # cross-field: 7 % mini 4
+            "mapping.critic=nope",  # cross-field: unknown pool
+        ]
+    )
+    expected = {
+        "actor.lrr": "'actor.lrr=1'",
+        "actor.lr": "-1",
+        "rollout.n": "0",
+        "algorithm.lam": "2",
+        "algorithm.gamma": "-0.5",
+        "data.max_response_length": "0",
+        "trainer.save_freq": "0",
+        "trainer.logger": "['console', 'console']",
+        "actor.clip_ratio_c": "0.5",
+        "rollout.engine": "'sglang'",
+        "actor.ppo_mini_batch_size": "4",
+        "mapping.critic": "'nope'",
+    }
+    lines = str(err).splitlines()[1:]
+    assert len(err.issues) == len(expected), str(err)
+    for path, value in expected.items():
+        assert any(
+            line.strip().startswith(f"{path}:") and f"(got {value})" in line for line in lines
+        ), f"{path} with {value} not in:\n{err}"
+    assert str(err).startswith(f"invalid config ({len(expected)} errors)")
+
+
+def test_a_bad_field_does_not_hide_other_sections_or_invent_errors() -> None:
+    # the actor section has an error, yet the data/actor batch check still runs
+    err = _error(["actor.lr=-1", "data.train_batch_size=6"])
+    assert _paths(err) == ["actor.lr", "actor.ppo_mini_batch_size"]
+    # a bad rollout.n must not also trigger the grpo group-size check on a stand-in value
+    err = _error(["rollout.n=0", "algorithm.adv_estimator=grpo"])
+    assert _paths(err) == ["rollout.n"]
+    # a section that is not a mapping at all
+    err = _error([], {"actor": 5})
+    assert _paths(err) == ["actor"]
+
+
+def test_direct_construction_is_validated_too() -> None:
+    with pytest.raises(ValueError, match=r"must divide data\.train_batch_size"):
+        Config.model_validate({"data": {"train_batch_size": 6}})
+
+
+# --------------------------------------------------------------------------- cross-field checks
+
+GRPO = ["algorithm.adv_estimator=grpo", "rollout.n=4"]
+CUDA_POOLS = [  # 8 training GPUs: a mini-batch of 8 prompts is one sample per GPU
+    "trainer.device=cuda",
+    "resource_pools.train_pool=[4,4]",
+    "resource_pools.rollout_pool=[4]",
+    "data.train_batch_size=16",
+    "actor.ppo_mini_batch_size=8",
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "bad_path"),
+    [
+        # train_batch_size (prompts) divisible by ppo_mini_batch_size (prompts)
+        (["data.train_batch_size=8", "actor.ppo_mini_batch_size=4"], None),
+        (["data.train_batch_size=8", "actor.ppo_mini_batch_size=3"], "actor.ppo_mini_batch_size"),
+        (["data.train_batch_size=8", "actor.ppo_mini_batch_size=16"], "actor.ppo_mini_batch_size"),
+        # per-device mini-batch = mini x n / dp, in samples, divisible by micro
+        ([*GRPO, "actor.ppo_micro_batch_size=16"], None),  # 4 x 4 = 16 samples
+        ([*GRPO, "actor.ppo_micro_batch_size=8"], None),
+        ([*GRPO, "actor.ppo_micro_batch_size=3"], "actor.ppo_micro_batch_size"),
+        ([*GRPO, "actor.ppo_micro_batch_size=32"], "actor.ppo_micro_batch_size"),
+        ([*CUDA_POOLS, "actor.ppo_micro_batch_size=1"], None),  # 8 x 1 samples / dp 8
+        ([*CUDA_POOLS, "actor.ppo_micro_batch_size=2"], "actor.ppo_micro_batch_size"),
+        ([*CUDA_POOLS, "actor.ppo_mini_batch_size=4"], "actor.ppo_mini_batch_size"),  # 4 / dp 8
+        ([*CUDA_POOLS, "actor.ppo_mini_batch_size=4", "rollout.n=2", *GRPO[:1]], None),
+        # the critic, when enabled (gae), is checked the same way
+        (["critic.ppo_mini_batch_size=2", "critic.ppo_micro_batch_size=2"], None),
+        (["critic.ppo_mini_batch_size=3"], "critic.ppo_mini_batch_size"),
+        (["critic.ppo_micro_batch_size=3"], "critic.ppo_micro_batch_size"),
+        ([*GRPO, "critic.ppo_micro_batch_size=3"], None),  # no critic with grpo
+        # mapping: pools exist, enabled roles are mapped
+        (["mapping.rollout=nope"], "mapping.rollout"),
+        (["mapping.critic=null"], "mapping.critic"),
+        ([*GRPO, "mapping.critic=null", "mapping.ref=nope"], None),  # neither is enabled
+        (["actor.use_kl_loss=true", "mapping.ref=null"], "mapping.ref"),
+        (["algorithm.use_kl_in_reward=true", "mapping.ref=nope"], "mapping.ref"),
+        (["resource_pools.train_pool=[0]"], "resource_pools.train_pool"),
+        (["resource_pools.unused=[0]"], None),
+        (
+            [
+                "reward.reward_model.enable=true",
+                "reward.reward_model.path=rm",
+                "mapping.reward_model=x",
+            ],
+            "mapping.reward_model",
+        ),
+        (["reward.reward_model.enable=true", "reward.reward_model.path=rm"], None),
+        (["reward.reward_model.enable=true"], "reward.reward_model.path"),
+        # critic.enable must agree with the estimator
+        (["critic.enable=false"], "critic.enable"),
+        ([*GRPO, "critic.enable=true"], "critic.enable"),
+        ([*GRPO, "trainer.critic_warmup=2"], "trainer.critic_warmup"),
+        # group estimators need several responses per prompt
+        (["algorithm.adv_estimator=grpo", "rollout.n=1"], "rollout.n"),
+        (["algorithm.adv_estimator=rloo", "rollout.n=1"], "rollout.n"),
+        (["algorithm.adv_estimator=reinforce_plus_plus", "rollout.n=1"], None),
+        # field constraints
+        (["actor.clip_ratio_c=1.0"], "actor.clip_ratio_c"),
+        (["actor.clip_ratio_c=1.5"], None),
+        (["algorithm.lam=0.95", "algorithm.gamma=0.99"], None),
+        (["algorithm.lam=1.1"], "algorithm.lam"),
+        (["algorithm.gamma=-0.1"], "algorithm.gamma"),
+        (["data.max_prompt_length=0"], "data.max_prompt_length"),
+        (["trainer.test_freq=-1", "trainer.save_freq=5"], None),
+        (["trainer.test_freq=-2"], "trainer.test_freq"),
+        (["algorithm.kl_penalty=full"], "algorithm.kl_penalty"),
+        # lengths
+        (["rollout.response_length=32"], None),
+        (["rollout.response_length=65"], "rollout.response_length"),
+        (["rollout.prompt_length=129"], "rollout.prompt_length"),
+        # resume
+        (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
+        (["trainer.resume_mode=resume_path", "trainer.resume_from_path=ckpt/step_10"], None),
+        # device
+        (["rollout.engine=vllm"], "rollout.engine"),
+        (["actor.backend=megatron"], "actor.backend"),
+        ([*CUDA_POOLS, "rollout.engine=vllm"], None),
+        # parallel layouts
+        (
+            [*CUDA_POOLS, "actor.backend=megatron", "actor.megatron.tensor_model_parallel_size=2"],
+            None,
+        ),
+        (
+            [*CUDA_POOLS, "actor.backend=megatron", "actor.megatron.tensor_model_parallel_size=3"],
+            "actor.megatron",
+        ),
+        (
+            [
+                *CUDA_POOLS,
+                "actor.backend=megatron",
+                "actor.megatron.tensor_model_parallel_size=2",
+                "actor.megatron.data_parallel_size=2",
+            ],
+            "actor.megatron.data_parallel_size",
+        ),
+        ([*CUDA_POOLS, "actor.fsdp.world_size=16"], "actor.fsdp.world_size"),
+        ([*CUDA_POOLS, "actor.fsdp.sequence_parallel_size=3"], "actor.fsdp.sequence_parallel_size"),
+        ([*CUDA_POOLS, "actor.fsdp.fsdp_size=3"], "actor.fsdp.fsdp_size"),
+        ([*CUDA_POOLS, "rollout.tensor_parallel_size=2", "rollout.replicas=2"], None),
+        ([*CUDA_POOLS, "rollout.tensor_parallel_size=2", "rollout.replicas=3"], "rollout.replicas"),
+        ([*CUDA_POOLS, "rollout.tensor_parallel_size=8"], "rollout.tensor_parallel_size"),
+        (["services.rollout=[a:1, b:2]", "rollout.replicas=3"], "rollout.replicas"),
+        (["services.rollout=[a:1, b:2]", "rollout.replicas=2"], None),
+        (["services.reward=localhost"], "services.reward"),
+        (["services.reward=unix:/tmp/reward.sock"], None),
+        # pipelining needs separate pools and some staleness
+        (["trainer.pipeline.enable=true"], None),
+        (
+            ["trainer.pipeline.enable=true", "trainer.pipeline.max_staleness=0"],
+            "trainer.pipeline.max_staleness",
+        ),
+        (["trainer.pipeline.enable=true", "mapping.rollout=train_pool"], "trainer.pipeline.enable"),
+        (["mapping.rollout=train_pool"], None),  # colocated without pipelining is fine
+    ],
+)
+def test_cross_field_checks(overrides: list[str], bad_path: str | None) -> None:
+    if bad_path is None:
+        config_from_dict(None, overrides)
+        return
+    err = _error(overrides)
+    assert bad_path in _paths(err), str(err)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.integers(1, 64),
+    mini=st.integers(1, 64),
+    micro=st.integers(1, 64),
+    n=st.integers(1, 8),
+    nodes=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+)
+def test_batch_checks_match_verl_arithmetic(
+    batch: int, mini: int, micro: int, n: int, nodes: list[int]
+) -> None:
+    overrides = [
+        "algorithm.adv_estimator=reinforce_plus_plus",  # no critic, any n
+        "trainer.device=cuda",
+        f"resource_pools.train_pool={nodes}",
+        f"data.train_batch_size={batch}",
+        f"actor.ppo_mini_batch_size={mini}",
+        f"actor.ppo_micro_batch_size={micro}",
+        f"rollout.n={n}",
+    ]
+    dp = sum(nodes)
+    ok = batch % mini == 0 and (mini * n) % dp == 0 and (mini * n // dp) % micro == 0
+    if ok:
+        assert config_from_dict(None, overrides).dp_size("actor") == dp
+    else:
+        with pytest.raises(ConfigError):
+            config_from_dict(None, overrides)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def test_enabled_roles_and_placement() -> None:
+    cfg = load_config(None, ["algorithm.adv_estimator=grpo", "rollout.n=2"])
+    assert cfg.enabled_roles() == ("actor", "rollout")
+    cfg = load_config(
+        None,
+        [
+            "actor.use_kl_loss=true",
+            "reward.reward_model.enable=true",
+            "reward.reward_model.path=rm",
+        ],
+    )
+    assert cfg.enabled_roles() == ("actor", "critic", "ref", "rollout", "reward_model")
+    placement = cfg.placement()
+    assert placement.mode == "disaggregated"
+    assert placement.role_pool["rollout"] == "rollout_pool"
+    assert placement.pool_roles["train_pool"] == ("actor", "critic", "ref", "reward_model")
+    colocated = load_config(None, ["mapping.rollout=train_pool"]).placement()
+    assert colocated.mode == "colocated"
+    assert colocated.pool_roles == {"train_pool": ("actor", "critic", "rollout")}
+
+
+def test_world_and_dp_sizes() -> None:
+    cfg = load_config(None, ["resource_pools.train_pool=[8, 8]"])
+    assert cfg.trainer.device == "cpu"
+    assert cfg.world_size("actor") == 2  # on cpu: one process per node
+    gpu = load_config(
+        None,
+        [
+            *CUDA_POOLS,
+            "actor.backend=megatron",
+            "actor.megatron.tensor_model_parallel_size=2",
+            "actor.megatron.pipeline_model_parallel_size=2",
+            "rollout.tensor_parallel_size=2",
+        ],
+    )
+    assert gpu.world_size("actor") == 8
+    assert gpu.dp_size("actor") == 2
+    assert gpu.dp_size("critic") == 8
+    assert gpu.rollout_replicas() == 2
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize(
+    "path", [None, *EXAMPLE_FILES], ids=lambda p: getattr(p, "name", "defaults")
+)
+def test_save_resolved_round_trip(path: Path | None, tmp_path: Path) -> None:
+    cfg = load_config(path, ["actor.lr=3e-6"])
+    written = save_resolved(cfg, tmp_path / "run")
+    assert written == tmp_path / "run" / "config.yaml"
+    again = load_config(written)
+    assert again == cfg
+    assert again.model_dump() == cfg.model_dump()
+    saved = yaml.safe_load(written.read_text())
+    # every derived value is written out
+    assert saved["critic"]["model_path"] == cfg.actor.model_path
+    assert saved["rollout"]["response_length"] == cfg.data.max_response_length
+    assert saved["actor"]["clip_ratio_low"] == cfg.actor.clip_ratio
+    assert saved["trainer"]["default_local_dir"] == cfg.trainer.default_local_dir
+    assert not list(written.parent.glob("*.tmp"))
+
+
+# --------------------------------------------------------------------------- import hygiene
+
+
+def test_importable_without_torch() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from rlfleet.common.config import load_config\n"
+        "load_config(None)\n"
+        "assert sys.modules['torch'] is None\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
