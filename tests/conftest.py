@@ -1,0 +1,36 @@
+"""Session-wide test setup: offline Hugging Face, and the tiny model built once.
+
+Heavy imports happen inside fixtures, so torch-free tests still collect and run
+without torch installed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Set at import, before any test module can import transformers / huggingface_hub,
+# which read these once.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _offline_hub() -> Iterator[None]:
+    """Keep the session offline even if a test changed the environment."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setenv("TRANSFORMERS_OFFLINE", "1")
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama model + tokenizer folder (seed 0), built once per session (~0.2 s)."""
+    from rlfleet.common.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)
