@@ -15,6 +15,10 @@ from collections.abc import Callable, Sequence
 # name -> (module, help). The module defines `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("rlfleet.common.tiny_model", "build a tiny Llama model and tokenizer offline"),
+    "preprocess": (
+        "rlfleet.scheduler.data.preprocess",
+        "convert raw datasets (gsm8k, math, hellaswag, full_hh_rlhf, arithmetic) to verl parquet",
+    ),
 }
 
 
