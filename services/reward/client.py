@@ -1,0 +1,225 @@
+"""Clients of the reward service: one interface, in-process or over gRPC.
+
+    client = RewardClient("127.0.0.1:50053")          # remote, torch-free
+    client = InProcessRewardClient(RewardManager())    # same calls, no sockets
+    results = client.score([Sample("openai/gsm8k", "... #### 18", "18")])
+
+Both raise the same :mod:`rlfleet.common.errors` classes (``InvalidArgument`` with
+``field`` and ``sample_index``, ``DeadlineExceeded``, ...).
+
+Rows from files (``rlfleet reward score``) become samples with
+:func:`sample_from_row`: ``{data_source, response | solution_str | responses,
+ground_truth | reward_model.ground_truth, prompt?, extra_info?, id?}``; a verl
+parquet row's chat-list ``prompt`` becomes ``prompt_messages``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol, TypeAlias
+
+import grpc
+
+from rlfleet.common.errors import InvalidArgument
+from rlfleet.common.rpc import TLSConfig, call_options, create_channel, to_rlfleet_error
+from rlfleet.reward.convert import result_from_proto, sample_to_proto
+from rlfleet.reward.manager import RewardManager
+from rlfleet.reward.types import ChatMessage, RewardInfo, Sample, ScoreResult
+from rlfleet.v1 import reward_pb2, reward_pb2_grpc
+
+__all__ = [
+    "InProcessRewardClient",
+    "RewardClient",
+    "RewardClientProtocol",
+    "as_sample",
+    "sample_from_row",
+]
+
+SampleLike: TypeAlias = Sample | dict[str, Any]
+
+
+class RewardClientProtocol(Protocol):
+    def score(
+        self, samples: Sequence[SampleLike], *, timeout_s: float | None = ...
+    ) -> list[ScoreResult]: ...
+
+    def score_stream(
+        self, batches: Iterable[Sequence[SampleLike]], *, timeout_s: float | None = ...
+    ) -> Iterator[ScoreResult]: ...
+
+    def info(self) -> RewardInfo: ...
+
+    def close(self) -> None: ...
+
+
+def _row_value(row: dict[str, Any], *keys: str) -> Any:
+    for key in keys:
+        if key in row and row[key] is not None:
+            return row[key]
+    return None
+
+
+def sample_from_row(row: dict[str, Any], index: int = 0) -> Sample:
+    """A sample from a jsonl / parquet row (keys as in the module docstring)."""
+    response = _row_value(row, "response", "solution_str", "responses")
+    if isinstance(response, list) and len(response) == 1:
+        response = response[0]
+    if response is None:
+        raise InvalidArgument(
+            "row has no response (keys: response, solution_str or responses)",
+            field=f"samples[{index}].response",
+            sample_index=index,
+        )
+    ground_truth = row.get("ground_truth")
+    reward_model = row.get("reward_model")
+    if ground_truth is None and isinstance(reward_model, dict):
+        ground_truth = reward_model.get("ground_truth")
+    prompt = row.get("prompt") or ""
+    messages: list[ChatMessage] = []
+    if isinstance(prompt, list):  # verl parquet: a chat list
+        messages = [ChatMessage(str(m["role"]), str(m["content"])) for m in prompt]
+        prompt = "\n".join(m.content for m in messages)
+    extra = row.get("extra_info") or {}
+    return Sample(
+        data_source=str(row.get("data_source") or ""),
+        response=response,
+        ground_truth=_plain(ground_truth),
+        prompt=str(prompt),
+        prompt_messages=messages,
+        extra_info=_plain(extra) if isinstance(extra, dict) else {},
+        id=str(row.get("id", "") or ""),
+    )
+
+
+def _plain(value: Any) -> Any:
+    """numpy arrays / scalars (from parquet) -> lists / Python scalars."""
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        return tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def as_sample(value: SampleLike, index: int = 0) -> Sample:
+    return value if isinstance(value, Sample) else sample_from_row(value, index)
+
+
+class InProcessRewardClient:
+    """The client interface over a :class:`RewardManager` in this process."""
+
+    def __init__(self, manager: RewardManager) -> None:
+        self.manager = manager
+
+    def score(
+        self, samples: Sequence[SampleLike], *, timeout_s: float | None = None
+    ) -> list[ScoreResult]:
+        return self.manager.score(
+            [as_sample(s, i) for i, s in enumerate(samples)], timeout_s=timeout_s
+        )
+
+    def score_stream(
+        self, batches: Iterable[Sequence[SampleLike]], *, timeout_s: float | None = None
+    ) -> Iterator[ScoreResult]:
+        offset = 0
+        for batch in batches:
+            samples = [as_sample(s, offset + i) for i, s in enumerate(batch)]
+            yield from self.manager.score(samples, timeout_s=timeout_s, offset=offset)
+            offset += len(samples)
+
+    def info(self) -> RewardInfo:
+        return self.manager.info()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+class RewardClient:
+    """The client interface over gRPC (torch-free).
+
+    Args:
+        address: ``"host:port"``.
+        auth_token: bearer token, when the service requires one.
+        tls: TLS material; None: plaintext.
+        timeout_s: default per-call deadline.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        auth_token: str | None = None,
+        tls: TLSConfig | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = create_channel(address, tls=tls, auth_token=auth_token)
+        self._stub = reward_pb2_grpc.RewardServiceStub(self._channel)
+
+    def score(
+        self, samples: Sequence[SampleLike], *, timeout_s: float | None = None
+    ) -> list[ScoreResult]:
+        request = reward_pb2.ScoreRequest(
+            samples=[sample_to_proto(as_sample(s, i)) for i, s in enumerate(samples)]
+        )
+        try:
+            response = self._stub.Score(
+                request, **call_options(timeout_s or self.timeout_s, wait_for_ready=True)
+            )
+        except grpc.RpcError as exc:
+            raise to_rlfleet_error(exc) from exc
+        return [result_from_proto(r) for r in response.results]
+
+    def score_stream(
+        self, batches: Iterable[Sequence[SampleLike]], *, timeout_s: float | None = None
+    ) -> Iterator[ScoreResult]:
+        """Send batches as a stream; results come back as they finish (``index`` is global)."""
+
+        def requests() -> Iterator[reward_pb2.ScoreRequest]:
+            offset = 0
+            for batch in batches:
+                yield reward_pb2.ScoreRequest(
+                    samples=[sample_to_proto(as_sample(s, offset + i)) for i, s in enumerate(batch)]
+                )
+                offset += len(batch)
+
+        call = self._stub.ScoreStream(
+            requests(), **call_options(timeout_s or self.timeout_s, wait_for_ready=True)
+        )
+        try:
+            for result in call:
+                yield result_from_proto(result)
+        except grpc.RpcError as exc:
+            raise to_rlfleet_error(exc) from exc
+        finally:
+            with contextlib.suppress(Exception):
+                call.cancel()
+
+    def info(self) -> RewardInfo:
+        try:
+            msg = self._stub.GetInfo(
+                reward_pb2.GetRewardInfoRequest(), **call_options(self.timeout_s)
+            )
+        except grpc.RpcError as exc:
+            raise to_rlfleet_error(exc) from exc
+        return RewardInfo(
+            scorers=tuple(msg.scorers),
+            data_sources=dict(msg.data_sources),
+            default_scorer=msg.default_scorer,
+            reward_model=msg.reward_model,
+            max_batch_size=msg.max_batch_size,
+            sample_timeout_s=msg.sample_timeout_s,
+        )
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> RewardClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,349 @@
+"""RewardManager: the reward service's core (no sockets, no protobuf).
+
+Per sample it picks a scorer by ``data_source``, scores rule samples in the
+:class:`~rlfleet.reward.pool.ScoringPool` (per-sample time-out) and reward-model
+samples with the :class:`~rlfleet.reward.model.RewardModelScorer`, and returns
+per-sample :class:`ScoreResult` s; :meth:`RewardManager.score_batch` adds the
+token-level reward tensor (score on the last valid response token).
+
+Which scorer a data source gets, first match wins:
+
+1. the built-in table (:data:`rlfleet.reward.scorers.DATA_SOURCE_SCORERS`): gsm8k,
+   MATH / math500, hellaswag (multiple choice), hh-rlhf (the reward model);
+2. ``reward.default_scorer`` when set (a built-in name, ``custom`` or ``reward_model``);
+3. the custom function when ``reward.custom_function.path`` is set;
+4. otherwise the sample is rejected (``InvalidArgument`` naming it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlfleet.common.config import RewardConfig
+from rlfleet.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from rlfleet.reward.metrics import RewardMetrics
+from rlfleet.reward.pool import Job, PoolEvents, ScoringPool
+from rlfleet.reward.scorers import (
+    BUILTIN_SCORERS,
+    CUSTOM,
+    DATA_SOURCE_SCORERS,
+    REWARD_MODEL,
+    scorer_for_data_source,
+)
+from rlfleet.reward.tensor import token_level_scores
+from rlfleet.reward.types import RewardInfo, Sample, ScoreOutcome, ScoreResult
+
+__all__ = ["DEFAULT_MAX_BATCH_SIZE", "RewardBatch", "RewardManager"]
+
+DEFAULT_MAX_BATCH_SIZE = 8192
+
+_NUMBER = (int, float)
+_GROUND_TRUTH_TYPES: dict[str, tuple[type, ...]] = {
+    "gsm8k": (str, *_NUMBER),
+    "gsm8k_flexible": (str, *_NUMBER),
+    "math": (str, *_NUMBER, list),
+    "multiple_choice": (str, *_NUMBER),
+}
+
+
+@dataclass
+class RewardBatch:
+    """Scores of a batch: per sample, and placed on tokens when a mask was given.
+
+    Attributes:
+        results: one :class:`ScoreResult` per sample, in order.
+        scores: ``[B]`` the scalar scores.
+        token_level_scores: ``[B, T]`` (torch or numpy, like the mask) or None.
+    """
+
+    results: list[ScoreResult]
+    scores: list[float]
+    token_level_scores: Any = None
+
+
+class RewardManager:
+    """Scores samples; thread-safe (the gRPC servicer calls it from many threads).
+
+    Args:
+        config: the ``reward`` section of the run config.
+        max_batch_size: most samples per call.
+        metrics: where to count samples, scores, time-outs and errors.
+        reward_model: a ready scorer; None builds one from ``config.reward_model``
+            when it is enabled (that imports torch).
+        chunk_size: most samples per round trip to a worker.
+        num_workers: overrides ``config.num_workers``; 0 scores inline in the
+            caller's thread, with no time-out (tests, trusted scorers).
+    """
+
+    def __init__(
+        self,
+        config: RewardConfig | None = None,
+        *,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        metrics: RewardMetrics | None = None,
+        reward_model: Any = None,
+        chunk_size: int = 64,
+        num_workers: int | None = None,
+    ) -> None:
+        self.config = config or RewardConfig()
+        self.max_batch_size = max_batch_size
+        self.metrics = metrics or RewardMetrics(enabled=False)
+        cf = self.config.custom_function
+        self.custom: tuple[str, str] | None = (cf.path, cf.name) if cf.path else None
+        default = self.config.default_scorer
+        known = {*BUILTIN_SCORERS, CUSTOM, REWARD_MODEL}
+        if default is not None and default not in known:
+            raise InvalidArgument(
+                f"unknown scorer {default!r}; choose from {sorted(known)}",
+                field="reward.default_scorer",
+                value=default,
+            )
+        if default == CUSTOM and self.custom is None:
+            raise InvalidArgument(
+                "default_scorer is 'custom' but reward.custom_function.path is not set",
+                field="reward.default_scorer",
+                value=default,
+            )
+        if self.custom is not None:
+            # Fail at start-up, not on the first request, when the file is wrong.
+            from rlfleet.reward.scorers import load_custom_function
+
+            try:
+                load_custom_function(*self.custom)
+            except (OSError, ImportError, AttributeError, SyntaxError) as exc:
+                raise InvalidArgument(
+                    str(exc), field="reward.custom_function.path", value=cf.path
+                ) from exc
+        self.reward_model = reward_model
+        rm = self.config.reward_model
+        if self.reward_model is None and rm.enable:
+            if not rm.path:
+                raise InvalidArgument(
+                    "reward_model.enable is true but no path is set",
+                    field="reward.reward_model.path",
+                )
+            from rlfleet.reward.model import RewardModelScorer
+
+            self.reward_model = RewardModelScorer(
+                rm.path,
+                dtype=rm.dtype,
+                max_tokens_per_batch=rm.max_tokens_per_batch,
+                micro_batch_size=rm.micro_batch_size,
+            )
+        self._model_lock = threading.Lock()
+        self.pool = ScoringPool(
+            self.config.num_workers if num_workers is None else num_workers,
+            self.config.sample_timeout_s,
+            custom=self.custom,
+            chunk_size=chunk_size,
+            events=PoolEvents(on_restart=self.metrics.worker_restart),
+        )
+
+    # ---------------------------------------------------------------- routing
+
+    def scorer_for(self, data_source: str) -> str | None:
+        """The scorer a data source gets, or None when it would be rejected."""
+        scorer = scorer_for_data_source(data_source)
+        if scorer == REWARD_MODEL and self.reward_model is None:
+            scorer = None
+        if scorer is None:
+            scorer = self.config.default_scorer or (CUSTOM if self.custom else None)
+        if scorer == REWARD_MODEL and self.reward_model is None:
+            return None
+        return scorer
+
+    def validate(self, samples: Sequence[Sample], offset: int = 0) -> list[str]:
+        """The scorer of each sample; raises InvalidArgument naming the first bad field.
+
+        ``offset`` shifts the reported sample index (a stream's running count).
+        """
+        if len(samples) > self.max_batch_size:
+            raise InvalidArgument(
+                f"batch of {len(samples)} samples is over the limit of {self.max_batch_size}",
+                field="samples",
+                value=len(samples),
+            )
+        scorers: list[str] = []
+        for i, sample in enumerate(samples):
+            index = offset + i
+            where = f"samples[{index}]"
+            if not isinstance(sample.data_source, str) or not sample.data_source:
+                raise InvalidArgument(
+                    "data_source is missing", field=f"{where}.data_source", sample_index=index
+                )
+            if not isinstance(sample.response, str):
+                raise InvalidArgument(
+                    f"response must be a string, got {type(sample.response).__name__}",
+                    field=f"{where}.response",
+                    value=sample.response,
+                    sample_index=index,
+                )
+            scorer = self.scorer_for(sample.data_source)
+            if scorer is None:
+                raise InvalidArgument(
+                    f"unknown data source {sample.data_source!r} and no default scorer "
+                    f"(known: {sorted(DATA_SOURCE_SCORERS)})",
+                    field=f"{where}.data_source",
+                    value=sample.data_source,
+                    sample_index=index,
+                    code="UNKNOWN_DATA_SOURCE",
+                )
+            expected = _GROUND_TRUTH_TYPES.get(scorer)
+            if expected is not None:
+                gt = sample.ground_truth
+                if gt is None:
+                    raise InvalidArgument(
+                        f"ground_truth is missing (scorer {scorer!r} needs one)",
+                        field=f"{where}.ground_truth",
+                        sample_index=index,
+                    )
+                if isinstance(gt, bool) or not isinstance(gt, expected):
+                    names = "/".join(t.__name__ for t in expected)
+                    raise InvalidArgument(
+                        f"ground_truth for scorer {scorer!r} must be {names}, "
+                        f"got {type(gt).__name__}",
+                        field=f"{where}.ground_truth",
+                        value=gt,
+                        sample_index=index,
+                    )
+            scorers.append(scorer)
+        return scorers
+
+    # ---------------------------------------------------------------- scoring
+
+    def score(
+        self,
+        samples: Sequence[Sample],
+        *,
+        timeout_s: float | None = None,
+        on_result: Callable[[ScoreResult], None] | None = None,
+        offset: int = 0,
+        scorers: Sequence[str] | None = None,
+    ) -> list[ScoreResult]:
+        """Score a batch.
+
+        Args:
+            samples: what to score.
+            timeout_s: the whole call's deadline (None: none); past it the batch is
+                cancelled and DeadlineExceeded raised. Each sample is bounded by
+                ``reward.sample_timeout_s`` regardless.
+            on_result: called with each result as it finishes, in any order (from
+                a pool thread).
+            offset: added to each result's ``index`` (a stream's running count).
+            scorers: from :meth:`validate`, when already called.
+
+        Returns:
+            One result per sample, in order.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if scorers is None:
+            scorers = self.validate(samples, offset)
+        results: list[ScoreResult | None] = [None] * len(samples)
+        rule_idx = [i for i, s in enumerate(scorers) if s != REWARD_MODEL]
+        model_idx = [i for i, s in enumerate(scorers) if s == REWARD_MODEL]
+
+        def finish(i: int, outcome: ScoreOutcome) -> None:
+            sample = samples[i]
+            result = ScoreResult(
+                index=offset + i,
+                score=0.0 if outcome.error else outcome.score,
+                scorer=scorers[i],
+                details=outcome.details,
+                error=outcome.error,
+                timed_out=outcome.timed_out,
+                id=sample.id,
+            )
+            results[i] = result
+            if on_result is not None:
+                on_result(result)
+
+        jobs: list[Job] = [
+            (
+                scorers[i],
+                samples[i].data_source,
+                samples[i].response,
+                samples[i].ground_truth,
+                samples[i].extra_info,
+            )
+            for i in rule_idx
+        ]
+        batch = self.pool.submit(jobs, lambda k, outcome: finish(rule_idx[k], outcome))
+        if model_idx:
+            for i, outcome in zip(
+                model_idx, self._score_model([samples[i] for i in model_idx]), strict=True
+            ):
+                finish(i, outcome)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not batch.wait(remaining):
+            batch.cancel()
+            raise DeadlineExceeded(
+                f"scoring {len(samples)} samples did not finish within {timeout_s:g}s",
+                value=timeout_s,
+            )
+        done = [r for r in results if r is not None]
+        if len(done) != len(samples):  # pool contract: every job delivered once
+            raise FailedPrecondition(f"{len(samples) - len(done)} samples got no result")
+        self.metrics.samples([s.data_source for s in samples], done)
+        return done
+
+    def _score_model(self, samples: Sequence[Sample]) -> list[ScoreOutcome]:
+        try:
+            with self._model_lock:  # one forward at a time: the model is not re-entrant
+                return list(self.reward_model.score(samples))
+        except Exception as exc:  # a model failure fails these samples, not the service
+            error = f"reward model failed: {type(exc).__name__}: {exc}"
+            return [ScoreOutcome(0.0, {}, error=error) for _ in samples]
+
+    def score_batch(
+        self,
+        samples: Sequence[Sample],
+        response_mask: Any = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> RewardBatch:
+        """Score and, given ``response_mask`` ``[B, T]``, place scores on the last valid token."""
+        results = self.score(samples, timeout_s=timeout_s)
+        scores = [r.score for r in results]
+        tokens = None if response_mask is None else token_level_scores(scores, response_mask)
+        return RewardBatch(results, scores, tokens)
+
+    def info(self) -> RewardInfo:
+        sources = {k: v for k, v in DATA_SOURCE_SCORERS.items() if self.scorer_for(k) == v}
+        scorers = [*BUILTIN_SCORERS]
+        if self.custom:
+            scorers.append(CUSTOM)
+        if self.reward_model is not None:
+            scorers.append(REWARD_MODEL)
+        default = self.config.default_scorer or (CUSTOM if self.custom else "")
+        return RewardInfo(
+            scorers=tuple(scorers),
+            data_sources=sources,
+            default_scorer=default,
+            reward_model=getattr(self.reward_model, "path", "") if self.reward_model else "",
+            max_batch_size=self.max_batch_size,
+            sample_timeout_s=self.config.sample_timeout_s,
+        )
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def decode_responses(tokenizer: Any, response_ids: Any, response_mask: Any) -> list[str]:
+    """Decode ``[B, T]`` response ids, keeping only the masked-in tokens (verl's step)."""
+    texts: list[str] = []
+    for ids, mask in zip(response_ids, response_mask, strict=True):
+        ids_list = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        mask_list = mask.tolist() if hasattr(mask, "tolist") else list(mask)
+        kept = [t for t, m in zip(ids_list, mask_list, strict=True) if m]
+        texts.append(tokenizer.decode(kept, skip_special_tokens=True))
+    return texts

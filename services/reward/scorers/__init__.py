@@ -1,0 +1,180 @@
+"""Rule scorers and the table that picks one per ``data_source``.
+
+A scorer is a function ``(data_source, response, ground_truth, extra_info) ->
+ScoreOutcome``. The built-in ones are pure, torch-free and bounded on hostile
+input; a custom one is verl's ``compute_score(data_source, solution_str,
+ground_truth, extra_info) -> float | dict`` loaded from a file.
+
+Two names are not functions here: ``"reward_model"`` (scored by
+:mod:`rlfleet.reward.model` in the service process) and ``"custom"`` (the
+configured file).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math as _math
+import sys
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from rlfleet.reward.scorers import gsm8k, math, multiple_choice
+from rlfleet.reward.types import ScoreOutcome
+
+__all__ = [
+    "BUILTIN_SCORERS",
+    "CUSTOM",
+    "DATA_SOURCE_SCORERS",
+    "REWARD_MODEL",
+    "CustomFunction",
+    "ScorerFn",
+    "load_custom_function",
+    "outcome_from_custom",
+    "run_scorer",
+    "scorer_for_data_source",
+]
+
+ScorerFn = Callable[[str, str, Any, dict[str, Any]], ScoreOutcome]
+CUSTOM = "custom"
+REWARD_MODEL = "reward_model"
+
+
+def _gsm8k(
+    data_source: str, response: str, ground_truth: Any, extra: dict[str, Any]
+) -> ScoreOutcome:
+    return gsm8k.compute_score(response, ground_truth, method="strict")
+
+
+def _gsm8k_flexible(
+    data_source: str, response: str, ground_truth: Any, extra: dict[str, Any]
+) -> ScoreOutcome:
+    return gsm8k.compute_score(response, ground_truth, method="flexible")
+
+
+def _math_answer(
+    data_source: str, response: str, ground_truth: Any, extra: dict[str, Any]
+) -> ScoreOutcome:
+    return math.compute_score(response, ground_truth)
+
+
+def _multiple_choice(
+    data_source: str, response: str, ground_truth: Any, extra: dict[str, Any]
+) -> ScoreOutcome:
+    return multiple_choice.compute_score(response, ground_truth, extra)
+
+
+BUILTIN_SCORERS: dict[str, ScorerFn] = {
+    "gsm8k": _gsm8k,
+    "gsm8k_flexible": _gsm8k_flexible,
+    "math": _math_answer,
+    "multiple_choice": _multiple_choice,
+}
+
+# verl's data_source names (and short forms) -> scorer. Lookup is exact, then
+# case-insensitive.
+DATA_SOURCE_SCORERS: dict[str, str] = {
+    "openai/gsm8k": "gsm8k",
+    "gsm8k": "gsm8k",
+    "lighteval/MATH": "math",
+    "DigitalLearningGmbH/MATH-lighteval": "math",
+    "HuggingFaceH4/MATH-500": "math",
+    "math": "math",
+    "math500": "math",
+    "math-500": "math",
+    "hendrycks_math": "math",
+    "Rowan/hellaswag": "multiple_choice",
+    "hellaswag": "multiple_choice",
+    "multiple_choice": "multiple_choice",
+    # The demo's synthetic arithmetic set is written in GSM8K's `#### N` format.
+    "rlfleet/arithmetic": "gsm8k",
+    "Anthropic/hh-rlhf": REWARD_MODEL,
+    "Dahoas/full-hh-rlhf": REWARD_MODEL,
+    "hh-rlhf": REWARD_MODEL,
+    "hh_rlhf": REWARD_MODEL,
+}
+_LOWER = {k.lower(): v for k, v in DATA_SOURCE_SCORERS.items()}
+
+
+def scorer_for_data_source(data_source: str) -> str | None:
+    """The built-in scorer name for a data source, or None when it has none."""
+    found = DATA_SOURCE_SCORERS.get(data_source)
+    return found if found is not None else _LOWER.get(data_source.lower())
+
+
+CustomFunction = Callable[..., Any]
+
+
+@cache
+def load_custom_function(path: str, name: str) -> CustomFunction:
+    """Load ``name`` from the Python file at ``path`` (once per process)."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"custom reward file not found: {path!r}")
+    module_name = f"rlfleet_custom_reward_{abs(hash(str(file.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load custom reward file {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise AttributeError(f"custom reward file {path!r} has no function {name!r}")
+    return fn
+
+
+def _json_safe(value: Any, depth: int = 0) -> Any:
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int | float):
+        f = float(value)
+        return f if _math.isfinite(f) else str(value)
+    if depth < 4 and isinstance(value, dict):
+        return {str(k): _json_safe(v, depth + 1) for k, v in value.items()}
+    if depth < 4 and isinstance(value, list | tuple):
+        return [_json_safe(v, depth + 1) for v in value]
+    item = getattr(value, "item", None)  # numpy / torch scalars
+    if callable(item):
+        try:
+            return _json_safe(item(), depth + 1)
+        except (TypeError, ValueError):
+            pass
+    return str(value)
+
+
+def outcome_from_custom(value: Any) -> ScoreOutcome:
+    """verl's return convention: a number, or a dict with ``"score"`` plus extras."""
+    details: dict[str, Any] = {}
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(f"custom reward returned a dict without 'score': keys {sorted(value)}")
+        details = {k: _json_safe(v) for k, v in value.items() if k != "score"}
+        value = value["score"]
+    item = getattr(value, "item", None)
+    if callable(item) and not isinstance(value, int | float):
+        value = item()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"custom reward returned {type(value).__name__}, not a number: {value!r}")
+    score = float(value)
+    if not _math.isfinite(score):
+        raise ValueError(f"custom reward returned a non-finite score: {score}")
+    return ScoreOutcome(score, details)
+
+
+def run_scorer(
+    scorer: str,
+    data_source: str,
+    response: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any],
+    custom: tuple[str, str] | None = None,
+) -> ScoreOutcome:
+    """Score one sample with a rule scorer or the custom function (``custom=(path, name)``)."""
+    if scorer == CUSTOM:
+        if custom is None:
+            raise ValueError("scorer 'custom' requested but no custom function is configured")
+        fn = load_custom_function(*custom)
+        return outcome_from_custom(fn(data_source, response, ground_truth, extra_info))
+    return BUILTIN_SCORERS[scorer](data_source, response, ground_truth, extra_info)

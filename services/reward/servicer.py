@@ -1,0 +1,141 @@
+"""RewardService over gRPC: validate, convert, delegate to :class:`RewardManager`.
+
+Errors are raised as :mod:`rlfleet.common.errors` classes; the server's
+error-mapping interceptor turns them into status codes with an ``ErrorInfo``
+(field and sample index). Deadlines: each call gives the manager the time the
+client has left, so work stops (and queued chunks are dropped) when it runs out.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from rlfleet.common.errors import RlfleetError
+from rlfleet.reward.convert import info_to_proto, result_to_proto, samples_from_request
+from rlfleet.reward.manager import RewardManager
+from rlfleet.reward.metrics import RewardMetrics
+from rlfleet.reward.types import ScoreResult
+from rlfleet.v1 import reward_pb2, reward_pb2_grpc
+
+__all__ = ["STREAM_REQUESTS_IN_FLIGHT", "RewardServicer"]
+
+STREAM_REQUESTS_IN_FLIGHT = 4
+"""Requests of one ScoreStream scored concurrently; reading pauses beyond this."""
+
+_DONE = object()
+
+
+def _time_left(context: grpc.ServicerContext) -> float | None:
+    remaining: float | None = context.time_remaining()
+    return remaining
+
+
+class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
+    def __init__(self, manager: RewardManager, metrics: RewardMetrics | None = None) -> None:
+        self.manager = manager
+        self.metrics = metrics or manager.metrics
+
+    def _record(self, method: str, started: float, code: str) -> None:
+        self.metrics.request(method, code, time.perf_counter() - started)
+
+    def Score(
+        self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext
+    ) -> reward_pb2.ScoreResponse:
+        started = time.perf_counter()
+        code = "INTERNAL"
+        try:
+            samples = samples_from_request(request)
+            results = self.manager.score(samples, timeout_s=_time_left(context))
+            response = reward_pb2.ScoreResponse()
+            add = response.results.add
+            for result in results:
+                result_to_proto(result, add())
+            code = "OK"
+            return response
+        except RlfleetError as exc:
+            code = exc.status
+            raise
+        finally:
+            self._record("Score", started, code)
+
+    def ScoreStream(
+        self, request_iterator: Iterator[reward_pb2.ScoreRequest], context: grpc.ServicerContext
+    ) -> Iterator[reward_pb2.ScoreResult]:
+        started = time.perf_counter()
+        out: queue.Queue[Any] = queue.Queue()
+        slots = threading.Semaphore(STREAM_REQUESTS_IN_FLIGHT)
+        stop = threading.Event()
+        executor = ThreadPoolExecutor(STREAM_REQUESTS_IN_FLIGHT, thread_name_prefix="reward-stream")
+
+        def score_one(samples: Any, scorers: list[str], offset: int) -> None:
+            try:
+                self.manager.score(
+                    samples,
+                    timeout_s=_time_left(context),
+                    on_result=out.put,
+                    offset=offset,
+                    scorers=scorers,
+                )
+            except Exception as exc:
+                out.put(exc)
+            finally:
+                slots.release()
+
+        def read() -> None:
+            offset = 0
+            futures: list[Future[None]] = []
+            try:
+                for request in request_iterator:
+                    if stop.is_set():
+                        break
+                    samples = samples_from_request(request, offset)
+                    scorers = self.manager.validate(samples, offset)
+                    slots.acquire()
+                    futures.append(executor.submit(score_one, samples, scorers, offset))
+                    offset += len(samples)
+                for f in futures:
+                    f.result()
+            except Exception as exc:  # validation or a broken request stream
+                out.put(exc)
+            finally:
+                out.put(_DONE)
+
+        reader = threading.Thread(target=read, name="reward-stream-reader", daemon=True)
+        reader.start()
+        code = "INTERNAL"
+        try:
+            while True:
+                try:
+                    item = out.get(timeout=0.5)
+                except queue.Empty:
+                    if not context.is_active():
+                        code = "CANCELLED"
+                        return
+                    continue
+                if item is _DONE:
+                    code = "OK"
+                    return
+                if isinstance(item, Exception):
+                    code = item.status if isinstance(item, RlfleetError) else "INTERNAL"
+                    raise item
+                assert isinstance(item, ScoreResult)
+                yield result_to_proto(item)
+        finally:
+            stop.set()
+            executor.shutdown(wait=False, cancel_futures=True)
+            self._record("ScoreStream", started, code)
+
+    def GetInfo(
+        self, request: reward_pb2.GetRewardInfoRequest, context: grpc.ServicerContext
+    ) -> reward_pb2.RewardInfo:
+        started = time.perf_counter()
+        info = info_to_proto(self.manager.info())
+        self._record("GetInfo", started, "OK")
+        return info

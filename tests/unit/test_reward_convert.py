@@ -1,0 +1,63 @@
+"""Protobuf <-> reward types round trips, and file rows -> samples."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlfleet.common.errors import InvalidArgument
+from rlfleet.reward.client import sample_from_row
+from rlfleet.reward.convert import (
+    result_from_proto,
+    result_to_proto,
+    sample_from_proto,
+    sample_to_proto,
+)
+from rlfleet.reward.types import ChatMessage, Sample, ScoreResult
+from rlfleet.v1 import reward_pb2
+
+
+@pytest.mark.parametrize("truth", ["18", 18, 2.5, ["1", 2], {"a": [1, None, True]}, None, True])
+def test_sample_round_trip(truth: object) -> None:
+    sample = Sample(
+        "math",
+        "resp",
+        truth,
+        prompt="p",
+        prompt_messages=[ChatMessage("user", "hi")],
+        extra_info={"split": "test", "index": 3, "nested": {"x": [1.5]}},
+        id="a",
+    )
+    wire = reward_pb2.RewardSample.FromString(sample_to_proto(sample).SerializeToString())
+    assert sample_from_proto(wire, 0) == sample
+
+
+def test_result_round_trip() -> None:
+    result = ScoreResult(
+        index=7,
+        score=0.5,
+        scorer="gsm8k",
+        details={"extracted": "18", "format_ok": True, "n": 3, "none": None, "list": [1, "a"]},
+        error="boom",
+        timed_out=True,
+        id="x",
+    )
+    wire = reward_pb2.ScoreResult.FromString(result_to_proto(result).SerializeToString())
+    assert result_from_proto(wire) == result
+
+
+def test_rows_from_jsonl_and_verl_parquet() -> None:
+    s = sample_from_row({"data_source": "gsm8k", "solution_str": "#### 1", "ground_truth": "1"})
+    assert (s.response, s.ground_truth) == ("#### 1", "1")
+    verl = {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "2+2?"}],
+        "reward_model": {"style": "rule", "ground_truth": "4"},
+        "extra_info": {"split": "test", "index": 0},
+        "responses": ["#### 4"],
+    }
+    s = sample_from_row(verl)
+    assert s.ground_truth == "4" and s.response == "#### 4"
+    assert s.prompt_messages == [ChatMessage("user", "2+2?")]
+    with pytest.raises(InvalidArgument) as exc:
+        sample_from_row({"data_source": "gsm8k"}, 4)
+    assert exc.value.field == "samples[4].response"

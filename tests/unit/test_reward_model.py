@@ -1,0 +1,68 @@
+"""The reward-model scorer on a tiny sequence-classification model built locally."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlfleet.common.config import RewardConfig, RewardModelConfig
+from rlfleet.reward.model import pack_by_token_budget
+from rlfleet.reward.types import ChatMessage, Sample
+
+
+def test_pack_by_token_budget() -> None:
+    lengths = [5, 100, 7, 6, 300, 8]
+    batches = pack_by_token_budget(lengths, max_tokens=32)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    for b in batches:
+        assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 32
+    assert pack_by_token_budget(lengths, 10_000, max_batch=2)[0] == [0, 3]
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("torch")
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("rm") / "tiny-rm"
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    model.config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_reward_model_scores_are_batch_invariant(reward_model_dir: Path) -> None:
+    from rlfleet.reward.model import RewardModelScorer
+
+    samples = [
+        Sample("hh-rlhf", "Sure, here is how.", prompt="How do I bake bread?"),
+        Sample(
+            "hh-rlhf",
+            "No." * 20,
+            prompt_messages=[ChatMessage("user", "Tell me a joke about cats, please.")],
+        ),
+        Sample("hh-rlhf", "", prompt="Hi"),
+    ]
+    big = RewardModelScorer(str(reward_model_dir), max_tokens_per_batch=4096)
+    small = RewardModelScorer(str(reward_model_dir), max_tokens_per_batch=1)
+    a = [o.score for o in big.score(samples)]
+    b = [o.score for o in small.score(samples)]
+    assert a == pytest.approx(b, abs=1e-4)
+    assert len(set(a)) == 3  # distinct texts, distinct scores
+    assert "<|im_start|>assistant" in big.text_for(samples[0])  # its own chat template
+
+
+def test_manager_routes_alignment_data_to_the_reward_model(reward_model_dir: Path) -> None:
+    from rlfleet.reward.manager import RewardManager
+
+    config = RewardConfig(reward_model=RewardModelConfig(enable=True, path=str(reward_model_dir)))
+    with RewardManager(config, num_workers=0) as m:
+        results = m.score(
+            [Sample("Anthropic/hh-rlhf", "Sure.", prompt="Hi"), Sample("gsm8k", "#### 1", "1")]
+        )
+        assert [r.scorer for r in results] == ["reward_model", "gsm8k"]
+        assert results[0].error == "" and results[0].details["tokens"] > 0
+        assert m.info().reward_model == str(reward_model_dir)

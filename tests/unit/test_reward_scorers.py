@@ -1,0 +1,217 @@
+"""Rule scorers: GSM8K, MATH, multiple choice, against hand cases and the real data sets."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlfleet.reward.scorers import gsm8k, math, multiple_choice, outcome_from_custom, run_scorer
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = Path(os.environ.get("RLFLEET_DATA_DIR", REPO.parent / "shared" / "data"))
+
+
+def _rows(relative: str) -> list[dict[str, Any]]:
+    path = DATA / relative
+    if not path.is_file():
+        pytest.skip(f"{path} not found (set RLFLEET_DATA_DIR to the shared data folder)")
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+# ------------------------------------------------------------------------ GSM8K
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "score"),
+    [
+        ("so she makes 18 dollars.\n#### 18", "18", 1.0),
+        ("#### 1,234", "1234", 1.0),
+        ("#### 1234", "1,234", 1.0),
+        ("The answer:\n#### 18.", "18", 1.0),
+        ("#### -7", "-7", 1.0),
+        ("#### 3.50", "3.5", 1.0),
+        ("#### $18", "18", 1.0),
+        ("#### 19", "18", 0.0),
+        ("the answer is 18", "18", 0.0),  # strict: no marker
+        ("#### 18\n#### 20", "20", 1.0),  # the last marker wins
+        ("", "18", 0.0),
+        ("#### 18", 18, 1.0),
+        ("#### 0.5", 0.5, 1.0),
+        ("reasoning\n#### 18", "She sells 9 eggs.\n#### 18", 1.0),  # a whole answer as truth
+    ],
+)
+def test_gsm8k_strict(response: str, truth: Any, score: float) -> None:
+    assert gsm8k.compute_score(response, truth).score == score
+
+
+def test_gsm8k_format_score_and_flexible() -> None:
+    assert gsm8k.compute_score("#### 17", "18", format_score=0.1).score == 0.1
+    assert gsm8k.compute_score("no marker 18", "18", format_score=0.1).score == 0.0
+    out = gsm8k.compute_score("so the total is 1,800.", "1800", method="flexible")
+    assert out.score == 1.0 and out.details["format_ok"] is False
+    assert gsm8k.compute_score("3 apples and -2.5 more", "-2.5", method="flexible").score == 1.0
+
+
+def test_gsm8k_bad_ground_truth_is_an_error() -> None:
+    with pytest.raises(ValueError, match="not a number"):
+        gsm8k.compute_score("#### 1", "eighteen")
+
+
+def test_every_gsm8k_test_answer_scores_one_and_a_wrong_number_zero() -> None:
+    rows = _rows("gsm8k/test.jsonl")
+    assert len(rows) == 1319
+    rng = random.Random(0)
+    for row in rows:
+        # The file's own solution is written as a model would: reasoning, then "#### N".
+        solution = row["answer"]
+        truth = solution.rsplit("####", 1)[1].strip()
+        assert gsm8k.compute_score(solution, truth).score == 1.0, solution[-80:]
+        wrong = str(int(truth.replace(",", "")) + rng.randint(1, 9))
+        wrong_solution = solution.rsplit("####", 1)[0] + "#### " + wrong
+        assert gsm8k.compute_score(wrong_solution, truth).score == 0.0
+        assert gsm8k.compute_score(wrong_solution, truth, format_score=0.1).score == 0.1
+
+
+# ------------------------------------------------------------------------- MATH
+
+
+@pytest.mark.parametrize(
+    ("text", "boxed"),
+    [
+        (r"so $\boxed{\frac{1}{2}}$.", r"\frac{1}{2}"),
+        (r"\boxed{1} then \boxed{{2}+{3}}", "{2}+{3}"),
+        (r"\fbox{7}", "7"),
+        (r"\boxed 5$", "5"),
+        (r"\boxed{unbalanced {", "unbalanced {"),
+        ("no box here", None),
+    ],
+)
+def test_last_boxed(text: str, boxed: str | None) -> None:
+    assert math.last_boxed(text) == boxed
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold"),
+    [
+        (r"\frac{1}{2}", "0.5"),
+        (r"\frac12", r"\frac{1}{2}"),
+        (r"\dfrac{3}{4}", "3/4"),
+        (r"\left( 3, \frac{\pi}{2} \right)", r"\left( 3, \frac{\pi}{2} \right)"),
+        (r"(3,\frac{\pi}{2})", r"\left( 3, \frac{\pi}{2} \right)"),
+        (r"30^\circ", "30"),
+        (r"50\%", "50"),
+        (r"10 \text{ cm}", "10"),
+        (r"\left[1, 2\right)", "[1,2)"),
+        ("1,000", "1000"),
+        (".5", "0.5"),
+        (r"\$18", "18"),
+        ("x = 5", "5"),
+        (r"\text{(C)}", "(C)"),
+        (r"2\sqrt{2}", r"\sqrt{8}"),  # math-verify
+        (r"\frac{\pi}{2}", r"\pi/2"),  # math-verify
+    ],
+)
+def test_math_equivalences(pred: str, gold: str) -> None:
+    assert math.compute_score(f"The answer is $\\boxed{{{pred}}}$.", gold).score == 1.0
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold"),
+    [("(1,2)", "[1,2]"), ("3", "4"), (r"\frac{1}{3}", "0.33"), ("x+1", "x-1"), ("", "0")],
+)
+def test_math_non_equivalences(pred: str, gold: str) -> None:
+    assert math.compute_score(f"\\boxed{{{pred}}}", gold).score == 0.0
+
+
+def _perturbed(answer: str) -> str:
+    """The reference answer written the way models vary it."""
+    out = answer.replace(r"\frac", r"\dfrac").replace(",", ", ")
+    if r"\left" not in out:
+        out = out.replace("(", r"\left(").replace(")", r"\right)")
+    return out
+
+
+def test_math500_reference_solutions_score_one() -> None:
+    rows = _rows("math500/test.jsonl")
+    assert len(rows) == 500
+    exact = sum(math.compute_score(r["solution"], r["answer"]).score for r in rows)
+    perturbed = sum(
+        math.compute_score(f"So $\\boxed{{{_perturbed(r['answer'])}}}$.", r["answer"]).score
+        for r in rows
+    )
+    print(f"MATH-500 reference solutions: {exact / 500:.3f}, perturbed: {perturbed / 500:.3f}")
+    assert exact / 500 >= 0.99
+    assert perturbed / 500 >= 0.99
+    # Someone else's answer scores 0 (different answers only).
+    wrong = [
+        math.compute_score(f"\\boxed{{{rows[i - 1]['answer']}}}", r["answer"]).score
+        for i, r in enumerate(rows)
+        if math.normalize(rows[i - 1]["answer"]) != math.normalize(r["answer"])
+    ]
+    assert sum(wrong) <= 0.01 * len(wrong)
+
+
+ADVERSARIAL = [
+    "",
+    "x" * 1_000_000,
+    "#### " + "9" * 500_000,
+    "1," * 300_000,
+    "\\boxed{" * 50_000,
+    "\\boxed{" * 2_000 + "1" + "}" * 2_000,
+    "}}}}{{{{" * 10_000 + "\\boxed{",
+    "数学 答案是 \\boxed{四} 🙂 #### ٣",
+    "\x00\ud7ff\ue000" * 1000,
+    "(" * 100_000 + "answer is (B)",
+]
+
+
+@pytest.mark.parametrize("scorer", ["gsm8k", "gsm8k_flexible", "math", "multiple_choice"])
+def test_adversarial_responses_score_promptly(scorer: str) -> None:
+    truth: Any = "B" if scorer == "multiple_choice" else "4"
+    for response in ADVERSARIAL:
+        start = time.perf_counter()
+        out = run_scorer(scorer, scorer, response, truth, {})
+        elapsed = time.perf_counter() - start
+        assert 0.0 <= out.score <= 1.0
+        assert elapsed < 2.0, (scorer, response[:30], elapsed)
+
+
+# -------------------------------------------------------------- multiple choice
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "extra", "score"),
+    [
+        ("The answer is (B).", "B", {}, 1.0),
+        ("Answer: C", "B", {}, 0.0),
+        ("B", 1, {}, 1.0),
+        (r"so \boxed{D}", "D", {}, 1.0),
+        ("He walks the dog.", "1", {"endings": ["He sleeps.", "He walks the dog."]}, 1.0),
+        ("He sleeps.", "He walks the dog.", {"choices": ["He sleeps.", "He walks the dog."]}, 0.0),
+        ("nothing", "A", {}, 0.0),
+    ],
+)
+def test_multiple_choice(response: str, truth: Any, extra: dict[str, Any], score: float) -> None:
+    assert multiple_choice.compute_score(response, truth, extra).score == score
+
+
+# ------------------------------------------------------------------- custom
+
+
+def test_custom_return_conventions() -> None:
+    assert outcome_from_custom(1).score == 1.0
+    out = outcome_from_custom({"score": 0.5, "acc": True, "pred": "x"})
+    assert out.score == 0.5 and out.details == {"acc": True, "pred": "x"}
+    with pytest.raises(ValueError, match="without 'score'"):
+        outcome_from_custom({"acc": 1})
+    with pytest.raises(TypeError):
+        outcome_from_custom("1.0")
+    with pytest.raises(ValueError, match="non-finite"):
+        outcome_from_custom(float("nan"))
