@@ -155,6 +155,14 @@ class Unauthenticated(RlfleetError):
     status = "UNAUTHENTICATED"
 
 
+class DataLoss(RlfleetError):
+    """Bytes were lost or corrupted on the way (checksum, missing chunk). Recoverable:
+    resending may succeed, and the receiver keeps its previous state."""
+
+    status = "DATA_LOSS"
+    default_recoverable = True
+
+
 class Internal(RlfleetError):
     """A bug or an unexpected state inside the service. Fatal."""
 
@@ -171,6 +179,7 @@ _BY_STATUS: dict[str, type[RlfleetError]] = {
         ResourceExhausted,
         DeadlineExceeded,
         Unauthenticated,
+        DataLoss,
         Internal,
     )
 }

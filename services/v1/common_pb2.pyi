@@ -110,7 +110,7 @@ class TensorBatch(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., meta: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class TensorBatchChunk(_message.Message):
-    __slots__ = ("stream_id", "seq", "last", "pieces", "columns", "meta", "crc32", "total_bytes", "num_chunks", "sha256")
+    __slots__ = ("stream_id", "seq", "last", "pieces", "columns", "meta", "crc32c", "total_bytes", "num_chunks", "digest")
     class MetaEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -124,21 +124,21 @@ class TensorBatchChunk(_message.Message):
     PIECES_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     seq: int
     last: bool
     pieces: _containers.RepeatedCompositeFieldContainer[TensorPiece]
     columns: _containers.RepeatedCompositeFieldContainer[Column]
     meta: _containers.ScalarMap[str, str]
-    crc32: int
+    crc32c: int
     total_bytes: int
     num_chunks: int
-    sha256: str
-    def __init__(self, stream_id: _Optional[str] = ..., seq: _Optional[int] = ..., last: _Optional[bool] = ..., pieces: _Optional[_Iterable[_Union[TensorPiece, _Mapping]]] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., meta: _Optional[_Mapping[str, str]] = ..., crc32: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    digest: str
+    def __init__(self, stream_id: _Optional[str] = ..., seq: _Optional[int] = ..., last: _Optional[bool] = ..., pieces: _Optional[_Iterable[_Union[TensorPiece, _Mapping]]] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., meta: _Optional[_Mapping[str, str]] = ..., crc32c: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class ErrorInfo(_message.Message):
     __slots__ = ("code", "field", "value", "sample_index", "message", "recoverable")

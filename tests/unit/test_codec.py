@@ -1,0 +1,627 @@
+"""Tests of rlfleet.common.codec: bit-exact round trips, chunking limits, corruption."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from rlfleet.common import codec
+from rlfleet.common.codec import CodecError
+from rlfleet.v1 import common_pb2
+
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+TORCH_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+] + [
+    dt
+    for name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2")
+    if isinstance(dt := getattr(torch, name, None), torch.dtype)
+]
+NUMPY_DTYPES = [
+    np.dtype(d)
+    for d in ("<f4", "<f8", "<f2", "i1", "u1", "<i2", "<i4", "<i8", "?", "<u2", "<u4", "<u8")
+] + [np.dtype("<c8"), np.dtype("<c16"), np.dtype(">f4"), np.dtype(">i8")]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def raw(x: Any) -> bytes:
+    """C-order bytes of a tensor or array (so NaN payloads compare too)."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() == 0:
+            return b""
+        fresh = torch.empty(x.shape, dtype=x.dtype).copy_(x.detach())  # standard strides
+        return fresh.reshape(-1).view(torch.uint8).numpy().tobytes()
+    a = np.ascontiguousarray(x)
+    return a.astype(a.dtype.newbyteorder("<")).tobytes()
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert list(got) == [k for k in want if not isinstance(want[k], list)] + [
+        k for k in want if isinstance(want[k], list)
+    ]
+    for k, w in want.items():
+        g = got[k]
+        if isinstance(w, list):
+            assert g == w, k
+        elif isinstance(w, torch.Tensor):
+            assert isinstance(g, torch.Tensor), k
+            assert (g.dtype, tuple(g.shape), g.device.type) == (w.dtype, tuple(w.shape), "cpu"), k
+            assert raw(g) == raw(w), k
+        else:
+            assert isinstance(g, np.ndarray), k
+            assert g.dtype == w.dtype.newbyteorder("<") and g.shape == w.shape, k
+            assert raw(g) == raw(w), k
+
+
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
+
+
+@st.composite
+def torch_tensors(draw: st.DrawFn, dtypes: list[torch.dtype] = TORCH_DTYPES) -> torch.Tensor:
+    dtype = draw(st.sampled_from(dtypes))
+    shape = draw(shapes)
+    layout = draw(st.sampled_from(["plain", "transposed", "sliced"]))
+    full = (*shape[:-1], shape[-1] * 2) if layout == "sliced" and shape else shape
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = int(np.prod(full, dtype=np.int64)) * itemsize
+    seed = draw(st.integers(0, 2**32 - 1))
+    data = np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
+    if n == 0:
+        return torch.empty(full, dtype=dtype)
+    t = torch.from_numpy(data).view(dtype).reshape(full)
+    if layout == "sliced" and shape:
+        t = t[..., ::2]
+    elif layout == "transposed" and len(shape) >= 2:
+        t = t.transpose(0, -1)
+    return t
+
+
+@st.composite
+def numpy_arrays(draw: st.DrawFn) -> np.ndarray:
+    dtype = draw(st.sampled_from(NUMPY_DTYPES))
+    shape = draw(shapes)
+    seed = draw(st.integers(0, 2**32 - 1))
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    a = np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8).view(dtype)
+    a = a.reshape(shape)
+    return a.T if draw(st.booleans()) else a
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+names = st.text(min_size=1, max_size=12)
+
+
+@st.composite
+def batches(draw: st.DrawFn, numpy_only: bool = False) -> dict[str, Any]:
+    keys = draw(st.lists(names, unique=True, max_size=8))
+    out: dict[str, Any] = {}
+    for k in keys:
+        kind = draw(st.sampled_from(["torch", "numpy", "strings", "json"]))
+        if kind == "torch" and not numpy_only:
+            out[k] = draw(torch_tensors())
+        elif kind in ("torch", "numpy"):
+            out[k] = draw(numpy_arrays())
+        elif kind == "strings":
+            out[k] = draw(st.lists(st.text(max_size=20), max_size=6))
+        else:
+            out[k] = draw(st.lists(json_values, min_size=1, max_size=5))
+    return out
+
+
+metas = st.dictionaries(st.text(max_size=8), st.text(max_size=16), max_size=4)
+
+
+def expected(batch: dict[str, Any], to: str) -> dict[str, Any]:
+    """What decoding should give: tensors in the requested kind, then lists."""
+    out: dict[str, Any] = {}
+    for k, v in batch.items():
+        if isinstance(v, list):
+            continue
+        if to == "torch" and isinstance(v, np.ndarray):
+            v = torch.from_numpy(np.array(v, dtype=v.dtype.newbyteorder("<"), order="C"))
+        out[k] = v
+    out.update({k: json.loads(json.dumps(v)) for k, v in batch.items() if isinstance(v, list)})
+    return out
+
+
+# --------------------------------------------------------------------------- whole batches
+
+
+@FAST
+@given(batch=batches(), meta=metas)
+def test_encode_decode_batch_roundtrip(batch: dict[str, Any], meta: dict[str, str]) -> None:
+    msg = codec.encode_batch(batch, meta)
+    msg = common_pb2.TensorBatch.FromString(msg.SerializeToString())
+    values, got_meta = codec.decode_batch(msg, to="torch")
+    assert got_meta == meta
+    assert_same(values, expected(batch, "torch"))
+
+
+@FAST
+@given(batch=batches(numpy_only=True), meta=metas)
+def test_numpy_roundtrip(batch: dict[str, Any], meta: dict[str, str]) -> None:
+    values, got_meta = codec.decode_batch(codec.encode_batch(batch, meta), to="numpy")
+    assert got_meta == meta
+    assert_same(values, expected(batch, "numpy"))
+    for v in values.values():
+        if isinstance(v, np.ndarray):
+            assert v.flags.writeable and v.flags.c_contiguous
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+def test_every_torch_dtype_odd_layouts(dtype: torch.dtype) -> None:
+    base = torch.arange(24, dtype=torch.float64).reshape(2, 3, 4).to(dtype)
+    batch = {
+        "zero_d": base.reshape(-1)[5].clone(),
+        "empty": base[:, :0],
+        "transposed": base.transpose(0, 2),
+        "sliced": base[:, 1:, ::3],
+        "expanded": base[:1, :1, :1].expand(2, 3, 4),
+        "grad": torch.ones(3, dtype=torch.float32, requires_grad=True)
+        if dtype.is_floating_point
+        else base,
+    }
+    for chunks in (
+        codec.iter_chunks(batch, max_chunk_bytes=300),
+        codec.iter_chunk_bytes(batch, max_chunk_bytes=300),
+    ):
+        values, _ = codec.assemble_chunks(chunks)
+        assert_same(values, batch)
+    values, _ = codec.decode_batch(codec.encode_batch(batch))
+    assert_same(values, batch)
+
+
+def test_float_specials_bit_exact() -> None:
+    t = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-45])
+    bits = t.view(torch.int32).clone()
+    bits[0] = 0x7FC01234  # a NaN with a payload
+    t = bits.view(torch.float32)
+    values, _ = codec.assemble_chunks(codec.iter_chunk_bytes({"t": t, "h": t.to(torch.bfloat16)}))
+    assert raw(values["t"]) == raw(t)
+    assert raw(values["h"]) == raw(t.to(torch.bfloat16))
+
+
+def test_complex_conj_and_neg_views_resolved() -> None:
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    values, _ = codec.decode_batch(codec.encode_batch({"c": z.conj(), "n": z.conj().imag}))
+    assert torch.equal(values["c"], z.conj().resolve_conj())
+    assert torch.equal(values["n"], torch.tensor([-2.0, 4.0]))
+
+
+def test_decoded_tensors_own_writable_memory() -> None:
+    src = torch.arange(10, dtype=torch.int64)
+    for values in (
+        codec.decode_batch(codec.encode_batch({"x": src}))[0],
+        codec.assemble_chunks(codec.iter_chunk_bytes({"x": src}))[0],
+    ):
+        x = values["x"]
+        x += 1  # writable, and no warning about non-writable buffers
+        assert torch.equal(src, torch.arange(10))
+
+
+def test_decode_numpy_refuses_bfloat16() -> None:
+    msg = codec.encode_batch({"h": torch.ones(2, dtype=torch.bfloat16)})
+    with pytest.raises(CodecError, match=r"'h'.*BFLOAT16.*to='torch'"):
+        codec.decode_batch(msg, to="numpy")
+    values, _ = codec.decode_batch(msg, to="torch")
+    assert values["h"].dtype == torch.bfloat16
+
+
+def test_columns_strings_and_json() -> None:
+    batch = {
+        "prompt": ["a", "b\u00e9", ""],
+        "extra": [{"split": "train", "index": 3}, None, [1, 2.5, "x"]],
+        "scores": [np.float32(0.5), np.arange(2)],  # numpy inside rows -> tolist()
+        "none": [],
+    }
+    values, _ = codec.decode_batch(codec.encode_batch(batch), to="numpy")
+    assert values == {
+        "prompt": ["a", "b\u00e9", ""],
+        "extra": [{"split": "train", "index": 3}, None, [1, 2.5, "x"]],
+        "scores": [0.5, [0, 1]],
+        "none": [],
+    }
+    msg = codec.encode_batch(batch)
+    kinds = {c.name: c.WhichOneof("values") for c in msg.columns}
+    assert kinds == {"prompt": "strings", "extra": "json", "scores": "json", "none": "strings"}
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (3, "value 'v' is a int"),
+        ("text", "value 'v' is a str"),
+        ({"a": 1}, "value 'v' is a dict"),
+        (np.array(["a"]), "numpy dtype <U1"),
+        (np.array([object()]), "numpy dtype object"),
+        ([object()], "column 'v' row 0: not JSON-encodable"),
+        (torch.ones(2).to_sparse(), "layout"),
+    ],
+)
+def test_unsupported_values(value: Any, match: str) -> None:
+    with pytest.raises(CodecError, match=match):
+        codec.encode_batch({"v": value})
+    with pytest.raises(CodecError, match=match):
+        list(codec.iter_chunk_bytes({"v": value}))
+
+
+def test_bad_meta_and_bad_key() -> None:
+    with pytest.raises(CodecError, match="meta"):
+        codec.encode_batch({}, {"a": 1})  # type: ignore[dict-item]
+    with pytest.raises(CodecError, match="keys must be str"):
+        codec.encode_batch({1: torch.ones(1)})  # type: ignore[dict-item]
+
+
+def test_decode_batch_rejects_wrong_length_and_duplicates() -> None:
+    msg = codec.encode_batch({"x": torch.ones(3)})
+    msg.tensors[0].data = msg.tensors[0].data[:-1]
+    with pytest.raises(CodecError, match=r"'x': 11 data bytes.*FLOAT32 \[3\] needs 12"):
+        codec.decode_batch(msg)
+    msg = codec.encode_batch({"x": torch.ones(3)})
+    msg.tensors.append(msg.tensors[0])
+    with pytest.raises(CodecError, match="duplicate name 'x'"):
+        codec.decode_batch(msg)
+    msg.tensors[1].dtype = 99  # type: ignore[assignment]
+    with pytest.raises(CodecError):
+        codec.decode_batch(msg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_move_to_cpu() -> None:
+    t = torch.arange(6, device="cuda").reshape(2, 3).t()
+    values, _ = codec.assemble_chunks(codec.iter_chunk_bytes({"t": t}, max_chunk_bytes=256))
+    assert values["t"].device.type == "cpu" and torch.equal(values["t"], t.cpu())
+
+
+# --------------------------------------------------------------------------- chunks
+
+
+@FAST
+@given(
+    batch=batches(),
+    meta=metas,
+    limit=st.integers(256, 3000),
+    digest=st.sampled_from(["chunks", "data"]),
+)
+def test_chunk_roundtrip_and_limits(
+    batch: dict[str, Any], meta: dict[str, str], limit: int, digest: str
+) -> None:
+    try:
+        msgs = list(codec.iter_chunks(batch, meta, max_chunk_bytes=limit, digest=digest))  # type: ignore[arg-type]
+    except CodecError as exc:  # meta or a single row too big for a tiny chunk: said so
+        assert "holds" in str(exc) or "at least" in str(exc)
+        event("limit too small for this batch")
+        return
+    wires = list(
+        codec.iter_chunk_bytes(
+            batch, meta, max_chunk_bytes=limit, stream_id=msgs[0].stream_id, digest=digest
+        )  # type: ignore[arg-type]
+    )
+    assert len(msgs) == len(wires) == msgs[-1].num_chunks
+    assert [m.seq for m in msgs] == list(range(len(msgs)))
+    assert [m.last for m in msgs] == [False] * (len(msgs) - 1) + [True]
+    for m, w in zip(msgs, wires, strict=True):
+        assert m.ByteSize() <= limit and len(w) <= limit
+        assert w == m.SerializeToString(deterministic=True)  # the hand-built wire format
+        assert common_pb2.TensorBatchChunk.FromString(w) == m
+    assert msgs[-1].total_bytes == sum(len(p.data) for m in msgs for p in m.pieces)
+    assert msgs[-1].digest.startswith(f"{digest}:")
+    want = expected(batch, "torch")
+    for chunks in (msgs, wires, [codec.parse_chunk(w) for w in wires]):
+        values, got_meta = codec.assemble_chunks(chunks)
+        assert got_meta == meta
+        assert_same(values, want)
+
+
+def test_many_chunks_split_big_and_pack_small() -> None:
+    batch = {f"s{i}": torch.full((3,), i, dtype=torch.int16) for i in range(30)}
+    batch["big"] = torch.randn(1000)  # 4000 bytes: must split at 1 KB
+    batch.update({f"t{i}": torch.ones(2) for i in range(3)})
+    msgs = list(codec.iter_chunks(batch, {"k": "v"}, max_chunk_bytes=1024))
+    assert all(m.ByteSize() <= 1024 for m in msgs)
+    assert len(msgs) >= 5
+    big = [p for m in msgs for p in m.pieces if p.name == "big"]
+    assert len(big) >= 4 and [p.offset for p in big] == sorted(p.offset for p in big)
+    assert sum(len(p.data) for p in big) == 4000
+    for m in msgs:  # small tensors are never split
+        assert all(len(p.data) == p.nbytes for p in m.pieces if p.name != "big")
+    assert len(msgs[0].pieces) > 10  # packed together
+    assert dict(msgs[0].meta) == {"k": "v"} and all(not m.meta for m in msgs[1:])
+    values, _ = codec.assemble_chunks(msgs)
+    assert_same(values, batch)
+
+
+def test_big_columns_split_across_chunks() -> None:
+    rows = [f"row {i} " + "x" * (i * 7) for i in range(60)]
+    docs = [{"i": i, "text": "y" * 50} for i in range(40)]
+    batch = {"w": torch.randn(500), "text": rows, "docs": docs}
+    msgs = list(codec.iter_chunks(batch, max_chunk_bytes=1024))
+    assert all(m.ByteSize() <= 1024 for m in msgs)
+    assert sum(1 for m in msgs for c in m.columns if c.name == "text") > 3
+    first_piece = next(i for i, m in enumerate(msgs) if m.pieces)
+    assert all(not m.columns for m in msgs[first_piece + 1 :])  # columns lead the stream
+    values, _ = codec.assemble_chunks(msgs)
+    assert values["text"] == rows and values["docs"] == docs
+
+
+def test_limits_that_cannot_fit_say_why() -> None:
+    with pytest.raises(CodecError, match=r"column 'c' row 1 needs \d+ bytes"):
+        list(codec.iter_chunks({"c": ["a", "z" * 2000]}, max_chunk_bytes=1024))
+    with pytest.raises(CodecError, match="meta needs"):
+        list(codec.iter_chunks({}, {"k": "v" * 2000}, max_chunk_bytes=1024))
+    with pytest.raises(CodecError, match="max_chunk_bytes=100"):
+        list(codec.iter_chunks({}, max_chunk_bytes=100))
+    with pytest.raises(CodecError, match=r"tensor 'n+': a piece header of 611 bytes"):
+        list(codec.iter_chunks({"n" * 600: torch.ones(100)}, max_chunk_bytes=700))
+
+
+def test_meta_that_nearly_fills_the_first_chunk() -> None:
+    meta = {"k": "v" * 850}
+    batch = {
+        "small": torch.arange(100, dtype=torch.int32),
+        "rows": ["r" * 300],
+        "big": torch.randn(600),
+    }
+    msgs = list(codec.iter_chunks(batch, meta, max_chunk_bytes=1024))
+    assert all(m.ByteSize() <= 1024 for m in msgs)
+    values, got_meta = codec.assemble_chunks(msgs)
+    assert got_meta == meta
+    assert_same(values, batch)
+
+
+def test_empty_batch_is_one_last_chunk() -> None:
+    (msg,) = codec.iter_chunks({}, {"step": "3"}, stream_id="s")
+    assert msg.last and msg.num_chunks == 1 and msg.total_bytes == 0 and msg.stream_id == "s"
+    assert codec.assemble_chunks([msg]) == ({}, {"step": "3"})
+
+
+def test_default_limit_fits_grpc_default() -> None:
+    batch = {"w": torch.randn(3_000_000), "b": torch.randn(10)}
+    wires = list(codec.iter_chunk_bytes(batch))
+    assert len(wires) == 4 and all(len(w) <= codec.DEFAULT_MAX_CHUNK_BYTES for w in wires)
+    assert max(len(w) for w in wires) > codec.DEFAULT_MAX_CHUNK_BYTES - 200  # chunks are filled
+    values, _ = codec.assemble_chunks(wires)
+    assert torch.equal(values["w"], batch["w"])
+
+
+def test_parse_chunk_accepts_other_field_orders() -> None:
+    # Pieces after the tail and data before the header: still a valid encoding.
+    (msg,) = codec.iter_chunks({"x": torch.arange(4)}, {"m": "1"}, stream_id="s")
+    piece = msg.pieces[0]
+    data_first = (
+        common_pb2.TensorPiece(data=piece.data).SerializeToString()
+        + common_pb2.TensorPiece(
+            name=piece.name, dtype=piece.dtype, shape=piece.shape, nbytes=piece.nbytes
+        ).SerializeToString()
+    )
+    rest = common_pb2.TensorBatchChunk()
+    rest.CopyFrom(msg)
+    del rest.pieces[:]
+    wire = rest.SerializeToString() + b"\x22" + codec._varint(len(data_first)) + data_first
+    assert common_pb2.TensorBatchChunk.FromString(wire) == msg
+    view = codec.parse_chunk(wire)
+    assert view.to_proto() == msg
+    values, meta = codec.assemble_chunks([view])
+    assert torch.equal(values["x"], torch.arange(4)) and meta == {"m": "1"}
+
+
+# --------------------------------------------------------------------------- corruption
+
+
+def stream(digest: str = "chunks") -> list[common_pb2.TensorBatchChunk]:
+    batch = {
+        "a": torch.arange(300, dtype=torch.float32),
+        "b": torch.ones(7, dtype=torch.int8),
+        "c": ["x"],
+    }
+    msgs = list(codec.iter_chunks(batch, max_chunk_bytes=512, stream_id="s", digest=digest))  # type: ignore[arg-type]
+    assert len(msgs) >= 3
+    return msgs
+
+
+def test_flipped_data_byte_is_caught_by_crc() -> None:
+    msgs = stream()
+    data = bytearray(msgs[1].pieces[0].data)
+    data[5] ^= 0x01
+    msgs[1].pieces[0].data = bytes(data)
+    with pytest.raises(
+        CodecError, match=r"chunk seq 1: crc32c of piece data is 0x[0-9a-f]{8}, the chunk says"
+    ):
+        codec.assemble_chunks(msgs)
+
+
+@pytest.mark.parametrize("digest", ["chunks", "data"])
+def test_tampering_that_fixes_crc_is_caught_by_digest(digest: str) -> None:
+    import google_crc32c
+
+    msgs = stream(digest)
+    data = bytearray(msgs[1].pieces[0].data)
+    data[5] ^= 0x01
+    msgs[1].pieces[0].data = bytes(data)
+    crc = 0
+    for p in msgs[1].pieces:
+        crc = google_crc32c.extend(crc, p.data)
+    msgs[1].crc32c = crc
+    with pytest.raises(CodecError, match="digest"):
+        codec.assemble_chunks(msgs)
+
+
+def test_flipped_bytes_anywhere_in_wire_never_pass_silently() -> None:
+    wires = [m.SerializeToString(deterministic=True) for m in stream()]
+    target = wires[1]
+    for pos in range(0, len(target), 7):
+        bad = bytearray(target)
+        bad[pos] ^= 0x40
+        chunks = [*wires[:1], bytes(bad), *wires[2:]]
+        try:
+            values, _ = codec.assemble_chunks(chunks)
+        except CodecError:
+            continue
+        # The only flips that may pass are ones that change nothing we deliver.
+        good, _ = codec.assemble_chunks(wires)
+        assert values.keys() == good.keys(), pos
+        assert all(raw(values[k]) == raw(good[k]) for k in ("a", "b")), pos
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda m: m.pop(1), "chunk seq 2 arrived, expected seq 1"),
+        (lambda m: m.insert(1, m.pop(2)), "chunk seq 2 arrived, expected seq 1"),
+        (lambda m: m.pop(), "without its last chunk"),
+        (lambda m: m.append(m[-1]), "after the last chunk"),
+        (
+            lambda m: setattr(m[-1], "total_bytes", m[-1].total_bytes + 1),
+            "total_bytes=1208, received 1207",
+        ),
+        (lambda m: setattr(m[-1], "num_chunks", 99), "num_chunks=99"),
+        (lambda m: setattr(m[-1], "digest", "chunks:" + "0" * 64), "digest"),
+        (lambda m: setattr(m[-1], "digest", ""), "no digest"),
+        (lambda m: setattr(m[-1], "digest", "md5:abc"), "unknown digest scheme 'md5'"),
+        (lambda m: setattr(m[1], "stream_id", "other"), "stream_id 'other', expected 's'"),
+        (lambda m: setattr(m[1].pieces[0], "offset", m[1].pieces[0].offset + 4), "expected"),
+        (lambda m: setattr(m[1].pieces[0], "nbytes", 4), "nbytes"),
+        (lambda m: m[1].pieces[0].shape.append(2), "earlier pieces said"),
+    ],
+)
+def test_stream_violations(mutate: Any, match: str) -> None:
+    msgs = stream()
+    mutate(msgs)
+    with pytest.raises(CodecError, match=match):
+        codec.assemble_chunks(msgs)
+
+
+@pytest.mark.parametrize("digest", ["chunks", "data"])
+def test_header_and_meta_tampering_is_caught_by_digest(digest: str) -> None:
+    batch = {"a": torch.arange(300, dtype=torch.float32), "b": torch.ones(8, dtype=torch.int8)}
+    msgs = list(codec.iter_chunks(batch, {"m": "1"}, max_chunk_bytes=512, digest=digest))  # type: ignore[arg-type]
+    piece = next(p for m in msgs for p in m.pieces if p.name == "b")
+    piece.dtype = common_pb2.UINT8  # same size: only the digest can tell
+    with pytest.raises(CodecError, match="digest"):
+        codec.assemble_chunks(msgs)
+    piece.dtype = common_pb2.INT8
+    piece.shape[:] = [2, 4]  # same nbytes
+    with pytest.raises(CodecError, match="digest"):
+        codec.assemble_chunks(msgs)
+    piece.shape[:] = [8]
+    msgs[0].meta["m"] = "2"
+    with pytest.raises(CodecError, match="digest"):
+        codec.assemble_chunks(msgs)
+    msgs[0].meta["m"] = "1"
+    assert codec.assemble_chunks(msgs)[1] == {"m": "1"}
+
+
+def test_truncated_wire_chunk() -> None:
+    wire = next(codec.iter_chunk_bytes({"x": torch.ones(100)}))
+    for cut in (1, 10, len(wire) // 2, len(wire) - 1):
+        with pytest.raises(CodecError):
+            codec.assemble_chunks([wire[:cut]])
+
+
+def test_incomplete_tensor_and_overflow() -> None:
+    msgs = stream()
+    msgs[-1].pieces[-1].data = msgs[-1].pieces[-1].data + b"\0\0\0\0"
+    msgs[-1].crc32c = 0
+    with pytest.raises(CodecError):
+        codec.assemble_chunks(msgs)
+    asm = codec.ChunkAssembler()
+    asm.add(stream()[0])
+    with pytest.raises(CodecError, match="incomplete"):
+        asm.result()
+
+
+def test_assembler_reports_completion() -> None:
+    msgs = stream()
+    asm = codec.ChunkAssembler()
+    assert [asm.add(m) for m in msgs] == [False] * (len(msgs) - 1) + [True]
+    values, _ = asm.result(to="numpy")
+    assert values["c"] == ["x"] and values["a"].dtype == np.float32
+
+
+# --------------------------------------------------------------------------- raw layer
+
+
+def test_raw_pack_unpack() -> None:
+    batch = {
+        "a": torch.randn(3, 5).t(),
+        "b": np.arange(7, dtype=np.int16),
+        "c": torch.ones((), dtype=torch.bfloat16),
+    }
+    specs = codec.tensor_specs(batch)
+    assert all(s.offset % 64 == 0 for s in specs)
+    buf = bytearray(codec.packed_size(specs))
+    codec.pack_into(batch, buf, specs)
+    assert_same(codec.unpack(buf, specs), {k: torch.as_tensor(v) for k, v in batch.items()})
+    views = codec.unpack(buf, specs, copy=False)
+    views["b"][0] = 100  # zero-copy: writes land in the buffer
+    assert codec.unpack(buf, specs[:2], to="numpy")["b"][0] == 100
+    with pytest.raises(CodecError, match="tensors only"):
+        codec.tensor_specs({"x": ["a"]})
+    with pytest.raises(CodecError, match="smaller"):
+        codec.pack_into(batch, bytearray(10), specs)
+
+
+# --------------------------------------------------------------------------- torch-free
+
+
+def test_import_and_numpy_path_without_torch() -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.modules["torch"] = None  # any `import torch` now raises ImportError
+        import numpy as np
+        from rlfleet.common import codec
+        batch = {"x": np.arange(6, dtype=np.float32).reshape(2, 3).T, "s": ["a", "b"], "j": [{"k": 1}]}
+        values, meta = codec.decode_batch(codec.encode_batch(batch, {"m": "1"}), to="numpy")
+        assert np.array_equal(values["x"], batch["x"]) and values["s"] == ["a", "b"], values
+        assert values["j"] == [{"k": 1}] and meta == {"m": "1"}
+        values, _ = codec.assemble_chunks(codec.iter_chunk_bytes(batch, max_chunk_bytes=256), to="numpy")
+        assert np.array_equal(values["x"], batch["x"])
+        try:
+            codec.decode_batch(codec.encode_batch(batch))
+        except codec.CodecError as exc:
+            assert "needs torch" in str(exc)
+        else:
+            raise AssertionError("to='torch' without torch should fail")
+        assert sys.modules["torch"] is None
+        print("ok")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
