@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("rlfleet.common.tiny_model", "build a tiny Llama model and tokenizer offline"),
     "serve": ("rlfleet.serve", "run one service (reward, rollout, trainer) in the foreground"),
     "reward": ("rlfleet.reward.cli", "score files against a running reward service (score, info)"),
+    "rollout": ("rlfleet.rollout.cli", "talk to a rollout replica (generate)"),
     "preprocess": (
         "rlfleet.scheduler.data.preprocess",
         "convert raw datasets (gsm8k, math, hellaswag, full_hh_rlhf, arithmetic) to verl parquet",

@@ -14,6 +14,7 @@ from typing import Any
 # service -> (module, help)
 SERVICES: dict[str, tuple[str, str]] = {
     "reward": ("rlfleet.reward.server", "rule and model rewards (torch-free for rules)"),
+    "rollout": ("rlfleet.rollout.server", "generation replica (HF or vLLM engine)"),
 }
 
 

@@ -1,0 +1,292 @@
+"""Rollout clients: one interface, an in-process and a remote implementation.
+
+::
+
+    client = RemoteRolloutClient("127.0.0.1:50051")     # or InProcessRolloutClient(core)
+    for sample in client.generate([[3, 7, 9]], SamplingParams(n=4, temperature=1.0)):
+        ...
+    client.update_weights(model.state_dict(), version=7)   # shm > tcp > grpc chunks
+
+:func:`push_weights` is the sender side the trainer uses: it negotiates the bulk
+data plane (shared memory on the same host, else raw TCP) and falls back to the
+portable gRPC chunk stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import grpc
+
+from rlfleet.common.codec import DEFAULT_MAX_CHUNK_BYTES, iter_chunk_bytes, serialize_chunk
+from rlfleet.common.errors import RlfleetError
+from rlfleet.common.rpc import DEFAULT_TIMEOUT_S, create_channel, to_rlfleet_error
+from rlfleet.rollout import serde
+from rlfleet.rollout.core import RolloutCore, RolloutStatusInfo
+from rlfleet.rollout.engine import SampleOutput, SamplingParams
+from rlfleet.rollout.transport import TRANSPORTS, make_offer, send_shm, send_tcp
+from rlfleet.rollout.weights import UpdateResult
+from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc
+
+__all__ = [
+    "InProcessRolloutClient",
+    "RemoteRolloutClient",
+    "RolloutClient",
+    "push_weights",
+]
+
+_UPDATE_WEIGHTS = "/rlfleet.v1.RolloutService/UpdateWeights"
+
+
+class RolloutClient(Protocol):
+    """What the scheduler and trainer use to talk to a rollout replica."""
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        min_weight_version: int = 0,
+    ) -> Iterator[SampleOutput]:
+        """Samples as they finish, each tagged with prompt/sample index and weight version."""
+        ...
+
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, Any],
+        version: int,
+        *,
+        transports: Sequence[str] = TRANSPORTS,
+    ) -> UpdateResult: ...
+
+    def status(self) -> RolloutStatusInfo: ...
+
+    def sleep(self, level: int = 1) -> int: ...
+
+    def wake_up(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class InProcessRolloutClient:
+    """Calls a :class:`RolloutCore` in this process (weights handed over as tensors)."""
+
+    def __init__(self, core: RolloutCore) -> None:
+        self.core = core
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        min_weight_version: int = 0,
+    ) -> Iterator[SampleOutput]:
+        return self.core.generate(prompts, params, min_weight_version=min_weight_version)
+
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, Any],
+        version: int,
+        *,
+        transports: Sequence[str] = TRANSPORTS,
+    ) -> UpdateResult:
+        return self.core.update_weights(named_tensors, version)
+
+    def status(self) -> RolloutStatusInfo:
+        return self.core.status()
+
+    def sleep(self, level: int = 1) -> int:
+        return self.core.sleep(level)
+
+    def wake_up(self) -> None:
+        self.core.wake_up()
+
+    def close(self) -> None:
+        pass
+
+
+def _error(e: grpc.RpcError) -> RlfleetError:
+    return to_rlfleet_error(e)
+
+
+class RemoteRolloutClient:
+    """Talks to a rollout replica over gRPC; raises the errors the service raised.
+
+    Args:
+        address: ``host:port`` of the replica, or an existing channel.
+        generate_timeout_s: deadline of a whole ``Generate`` stream.
+    """
+
+    def __init__(
+        self,
+        address: str | grpc.Channel,
+        *,
+        auth_token: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        generate_timeout_s: float = 600.0,
+    ) -> None:
+        if isinstance(address, str):
+            self.channel = create_channel(address, auth_token=auth_token)
+            self._own = True
+        else:
+            self.channel = address
+            self._own = False
+        self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
+        self._timeout_s = timeout_s
+        self._generate_timeout_s = generate_timeout_s
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        min_weight_version: int = 0,
+        detokenize: bool = False,
+        prompt_ids: Sequence[str] | None = None,
+    ) -> Iterator[SampleOutput]:
+        ids = list(prompt_ids) if prompt_ids is not None else [""] * len(prompts)
+        request = rollout_pb2.GenerateRequest(
+            prompts=[
+                rollout_pb2.Prompt(id=i, token_ids=list(p))
+                for i, p in zip(ids, prompts, strict=True)
+            ],
+            sampling=serde.sampling_to_proto(params, detokenize=detokenize),
+            min_weight_version=min_weight_version,
+        )
+        stream = self.stub.Generate(request, timeout=self._generate_timeout_s)
+        try:
+            for msg in stream:
+                yield serde.result_from_proto(msg)
+        except grpc.RpcError as e:
+            raise _error(e) from e
+        finally:
+            stream.cancel()
+
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, Any],
+        version: int,
+        *,
+        transports: Sequence[str] = TRANSPORTS,
+    ) -> UpdateResult:
+        return push_weights(self.channel, named_tensors, version, transports=transports)
+
+    def status(self) -> RolloutStatusInfo:
+        try:
+            msg = self.stub.GetStatus(
+                rollout_pb2.GetRolloutStatusRequest(), timeout=self._timeout_s
+            )
+        except grpc.RpcError as e:
+            raise _error(e) from e
+        return serde.status_from_proto(msg)
+
+    def sleep(self, level: int = 1) -> int:
+        try:
+            msg = self.stub.Sleep(rollout_pb2.SleepRequest(level=level), timeout=self._timeout_s)
+        except grpc.RpcError as e:
+            raise _error(e) from e
+        return int(msg.freed_bytes)
+
+    def wake_up(self) -> None:
+        try:
+            self.stub.WakeUp(rollout_pb2.WakeUpRequest(), timeout=self._timeout_s)
+        except grpc.RpcError as e:
+            raise _error(e) from e
+
+    def close(self) -> None:
+        if self._own:
+            self.channel.close()
+
+    def __enter__(self) -> RemoteRolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _weight_chunk_bytes(version: int, chunk: bytes) -> bytes:
+    # WeightChunk{version = 1 (varint), chunk = 2 (bytes)}, framed by hand so the
+    # serialized TensorBatchChunk is not parsed and copied again.
+    head = (b"\x08" + _varint(version)) if version else b""
+    return head + b"\x12" + _varint(len(chunk)) + chunk
+
+
+def push_weights(
+    target: str | grpc.Channel,
+    named_tensors: Mapping[str, Any],
+    version: int,
+    *,
+    transports: Sequence[str] = TRANSPORTS,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    timeout_s: float = 600.0,
+    auth_token: str | None = None,
+) -> UpdateResult:
+    """Send ``named_tensors`` as weight ``version`` to a rollout replica.
+
+    Tries the bulk data plane when ``transports`` name ``shm`` or ``tcp`` (the
+    replica picks the first it can serve; ``shm`` only on the same host), and the
+    gRPC chunk stream when the list is only ``grpc`` or the replica chose it.
+
+    Returns:
+        The replica's report (version now serving, bytes, tensors, seconds); its
+        ``transport`` says which path moved the bytes.
+
+    Raises:
+        InvalidArgument: a name / dtype / shape the model does not have (nothing sent).
+        DataLoss: the bytes arrived corrupted; the old weights keep serving.
+        FailedPrecondition: ``version`` is older than the one serving.
+    """
+    unknown = [t for t in transports if t not in ("shm", "tcp", "grpc")]
+    if unknown or not transports:
+        raise ValueError(
+            f"transports must be a non-empty subset of shm, tcp, grpc; got {transports}"
+        )
+    channel = (
+        target if not isinstance(target, str) else create_channel(target, auth_token=auth_token)
+    )
+    try:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        bulk = [t for t in transports if t != "grpc"]
+        try:
+            if bulk:
+                offer = make_offer(named_tensors, version, transports)
+                plan = serde.plan_from_proto(
+                    stub.OpenWeightTransfer(serde.offer_to_proto(offer), timeout=timeout_s)
+                )
+                if plan.transport in ("tcp", "shm"):
+                    if plan.transport == "tcp":
+                        send_tcp(plan, named_tensors, offer.tensors, timeout_s=timeout_s)
+                    else:
+                        send_shm(plan, named_tensors, offer.tensors)
+                    msg = stub.CommitWeightTransfer(
+                        rollout_pb2.WeightTransferCommit(transfer_id=plan.transfer_id),
+                        timeout=timeout_s,
+                    )
+                    return serde.update_from_proto(msg, plan.transport)
+            update = channel.stream_unary(
+                _UPDATE_WEIGHTS,
+                request_serializer=serialize_chunk,
+                response_deserializer=rollout_pb2.UpdateWeightsResponse.FromString,
+            )
+            chunks = (
+                _weight_chunk_bytes(version, c)
+                for c in iter_chunk_bytes(dict(named_tensors), max_chunk_bytes=max_chunk_bytes)
+            )
+            return serde.update_from_proto(update(chunks, timeout=timeout_s), "grpc")
+        except grpc.RpcError as e:
+            raise _error(e) from e
+    finally:
+        if isinstance(target, str):
+            with contextlib.suppress(Exception):
+                channel.close()

@@ -1,0 +1,343 @@
+"""RolloutCore: one engine, many callers. No sockets, no protobuf.
+
+* **Request batching**: callers submit requests; one batching thread takes every
+  request waiting (up to ``max_batch_samples`` rows) and runs them as one engine
+  batch, so concurrent callers share the forward passes. Samples are handed to
+  their caller as soon as they finish.
+* **Weights**: the gRPC chunk stream, the bulk data plane and in-process tensors
+  all go through one :class:`~rlfleet.rollout.weights.WeightReceiver`; the swap
+  waits for the running batch (the engine's lock), so every sample is generated
+  with exactly one weight version, which it carries.
+* **Status**: weight version, queue depth (samples waiting or running), recent
+  tokens/s, totals; the same values feed the Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlfleet.common.codec import ChunkLike
+from rlfleet.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlfleet.rollout.engine import (
+    Engine,
+    EngineInfo,
+    GenerationRequest,
+    SampleOutput,
+    SamplingParams,
+)
+from rlfleet.rollout.metrics import RolloutMetrics
+from rlfleet.rollout.transport import BulkReceiver, TransferOffer, TransferPlan
+from rlfleet.rollout.weights import UpdateResult, WeightReceiver
+
+__all__ = ["GenerationHandle", "RolloutCore", "RolloutStatusInfo"]
+
+logger = logging.getLogger(__name__)
+
+_RATE_WINDOW_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutStatusInfo:
+    """A replica's state (``RolloutStatus``)."""
+
+    replica_id: str
+    model: str
+    engine: str
+    dtype: str
+    device: str
+    weight_version: int
+    queue_depth: int
+    tokens_per_second: float
+    sleeping: bool
+    generated_tokens_total: int
+
+
+class _Done:
+    pass
+
+
+_DONE = _Done()
+
+
+class GenerationHandle:
+    """A submitted request: iterate it for its samples as they finish.
+
+    Iteration raises the error the batch failed with, if any. Stopping early (or
+    :meth:`cancel`) drops the request if it has not started yet.
+    """
+
+    def __init__(self, request: GenerationRequest, min_weight_version: int) -> None:
+        self.request = request
+        self.min_weight_version = min_weight_version
+        self.samples = len(request.prompts) * request.params.n
+        self.submitted = time.perf_counter()
+        self.first_sample: float | None = None
+        self._out: queue.SimpleQueue[SampleOutput | BaseException | _Done] = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def _put(self, item: SampleOutput | BaseException | _Done) -> None:
+        self._out.put(item)
+
+    def __iter__(self) -> Iterator[SampleOutput]:
+        try:
+            while True:
+                item = self._out.get()
+                if isinstance(item, _Done):
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.cancel()
+
+    def result(self) -> list[SampleOutput]:
+        """All samples, ordered by (prompt_index, sample_index)."""
+        return sorted(self, key=lambda s: (s.prompt_index, s.sample_index))
+
+
+class RolloutCore:
+    """Batches generation requests onto one engine and manages its weights.
+
+    Args:
+        engine: the backend.
+        replica_id: tags every sample and the status.
+        max_batch_samples: rows (prompts x n) per engine batch at most; a larger
+            request runs alone.
+        bulk_host: interface the bulk TCP transport listens on.
+        transfer_timeout_s: an open bulk transfer not committed within this expires.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        replica_id: str = "rollout-0",
+        max_batch_samples: int = 256,
+        bulk_host: str = "127.0.0.1",
+        transfer_timeout_s: float = 300.0,
+        metrics: RolloutMetrics | None = None,
+    ) -> None:
+        if max_batch_samples < 1:
+            raise ValueError(f"max_batch_samples must be >= 1, got {max_batch_samples}")
+        self.engine = engine
+        self.replica_id = replica_id
+        self.metrics = metrics or RolloutMetrics(replica_id)
+        self._max_rows = max_batch_samples
+        self._weights = WeightReceiver(engine)
+        self._bulk = BulkReceiver(
+            self._weights, engine, host=bulk_host, timeout_s=transfer_timeout_s
+        )
+        self._cond = threading.Condition()
+        self._pending: collections.deque[GenerationHandle] = collections.deque()
+        self._queued = 0  # samples waiting or running
+        self._closed = False
+        self._sleeping = False
+        self._tokens_total = 0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._started = time.monotonic()
+        self.metrics.weight_version.set(engine.info().weight_version)
+        self._thread = threading.Thread(target=self._loop, name="rlfleet-batcher", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ generation
+
+    def submit(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        min_weight_version: int = 0,
+    ) -> GenerationHandle:
+        """Queue a request; validated now, so a bad one fails alone."""
+        request = GenerationRequest([list(p) for p in prompts], params)
+        if not request.prompts:
+            raise InvalidArgument("no prompts", field="prompts")
+        self.engine.validate([request])
+        handle = GenerationHandle(request, min_weight_version)
+        with self._cond:
+            if self._closed:
+                raise Unavailable("the rollout core is shut down")
+            self._pending.append(handle)
+            self._queued += handle.samples
+            self.metrics.queue_depth.set(self._queued)
+            self._cond.notify()
+        return handle
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        min_weight_version: int = 0,
+    ) -> Iterator[SampleOutput]:
+        """Samples as they finish (any order; each carries its indices)."""
+        return iter(self.submit(prompts, params, min_weight_version=min_weight_version))
+
+    def _take_batch(self) -> list[GenerationHandle] | None:
+        with self._cond:
+            while not self._pending and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            batch: list[GenerationHandle] = []
+            rows = 0
+            while self._pending:
+                h = self._pending[0]
+                if batch and rows + h.samples > self._max_rows:
+                    break
+                self._pending.popleft()
+                if h.cancelled:
+                    self._queued -= h.samples
+                    continue
+                batch.append(h)
+                rows += h.samples
+            self.metrics.queue_depth.set(self._queued)
+            return batch
+
+    def _loop(self) -> None:
+        while (batch := self._take_batch()) is not None:
+            if batch:
+                self._run(batch)
+
+    def _run(self, batch: list[GenerationHandle]) -> None:
+        version = self.engine.info().weight_version
+        runnable: list[GenerationHandle] = []
+        for h in batch:
+            if version < h.min_weight_version:
+                self._fail(
+                    h,
+                    FailedPrecondition(
+                        f"serving weight version {version}, the request needs at least "
+                        f"{h.min_weight_version}",
+                        field="min_weight_version",
+                        value=h.min_weight_version,
+                        code="STALE_WEIGHTS",
+                        recoverable=True,
+                    ),
+                )
+            else:
+                runnable.append(h)
+        if not runnable:
+            return
+        emitted = [0] * len(runnable)
+
+        def on_sample(r: int, sample: SampleOutput) -> None:
+            h = runnable[r]
+            now = time.perf_counter()
+            if h.first_sample is None:
+                h.first_sample = now
+                self.metrics.time_to_first_sample.observe(now - h.submitted)
+            emitted[r] += 1
+            n = len(sample.token_ids)
+            with self._cond:
+                self._queued -= 1
+                self._tokens_total += n
+                self._recent.append((time.monotonic(), n))
+            self.metrics.generated_tokens.inc(n)
+            self.metrics.samples.labels(sample.finish_reason.name.lower()).inc()
+            self.metrics.queue_depth.set(self._queued)
+            h._put(sample)
+
+        try:
+            self.engine.generate([h.request for h in runnable], on_sample=on_sample)
+        except Exception as e:  # handed to every caller of the batch
+            if not isinstance(e, FailedPrecondition | InvalidArgument):
+                logger.exception("generation batch of %d requests failed", len(runnable))
+            for r, h in enumerate(runnable):
+                self._fail(h, e, already=emitted[r])
+            return
+        for h in runnable:
+            self.metrics.request_latency.observe(time.perf_counter() - h.submitted)
+            self.metrics.requests.labels("ok").inc()
+            h._put(_DONE)
+
+    def _fail(self, h: GenerationHandle, error: BaseException, already: int = 0) -> None:
+        with self._cond:
+            self._queued -= h.samples - already
+        self.metrics.queue_depth.set(self._queued)
+        self.metrics.requests.labels("error").inc()
+        h._put(error)
+
+    # ------------------------------------------------------------------ weights
+
+    def _record(self, result: UpdateResult) -> UpdateResult:
+        self.metrics.weight_version.set(result.version)
+        self.metrics.weight_update_seconds.labels(result.transport).observe(result.seconds)
+        self.metrics.weight_update_bytes.labels(result.transport).inc(result.bytes)
+        return result
+
+    def update_weights_from_chunks(self, stream: Iterable[tuple[int, ChunkLike]]) -> UpdateResult:
+        """Apply a ``(version, TensorBatchChunk)`` stream (see ``WeightReceiver``)."""
+        return self._record(self._weights.receive_chunks(stream))
+
+    def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> UpdateResult:
+        """Apply tensors handed over in-process (colocated trainer, tests)."""
+        return self._record(self._weights.apply(named_tensors, version, transport="inprocess"))
+
+    def open_transfer(self, offer: TransferOffer) -> TransferPlan:
+        return self._bulk.open(offer)
+
+    def commit_transfer(self, transfer_id: str) -> UpdateResult:
+        return self._record(self._bulk.commit(transfer_id))
+
+    # ------------------------------------------------------------------ sleep / status
+
+    def sleep(self, level: int = 1) -> int:
+        freed = self.engine.sleep(level)
+        self._sleeping = True
+        return freed
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+        self._sleeping = False
+
+    def info(self) -> EngineInfo:
+        return self.engine.info()
+
+    def status(self) -> RolloutStatusInfo:
+        info = self.engine.info()
+        now = time.monotonic()
+        with self._cond:
+            while self._recent and now - self._recent[0][0] > _RATE_WINDOW_S:
+                self._recent.popleft()
+            window = max(1e-3, min(_RATE_WINDOW_S, now - self._started))
+            rate = sum(n for _, n in self._recent) / window
+            queued = self._queued
+            total = self._tokens_total
+        return RolloutStatusInfo(
+            replica_id=self.replica_id,
+            model=info.model,
+            engine=info.engine,
+            dtype=info.dtype,
+            device=info.device,
+            weight_version=info.weight_version,
+            queue_depth=queued,
+            tokens_per_second=rate,
+            sleeping=self._sleeping,
+            generated_tokens_total=total,
+        )
+
+    def close(self) -> None:
+        """Stop the batching thread; waiting requests fail with ``Unavailable``."""
+        with self._cond:
+            self._closed = True
+            pending, self._pending = list(self._pending), collections.deque()
+            self._cond.notify_all()
+        for h in pending:
+            self._fail(h, Unavailable("the rollout core shut down before the request ran"))
+        self._thread.join(timeout=60)
+        self._bulk.close()

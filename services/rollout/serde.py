@@ -1,0 +1,217 @@
+"""Protobuf <-> rollout dataclasses, in one place (servicer and remote client)."""
+
+from __future__ import annotations
+
+import math
+
+from rlfleet.common.codec import TensorSpec
+from rlfleet.common.errors import InvalidArgument
+from rlfleet.rollout.core import RolloutStatusInfo
+from rlfleet.rollout.engine import DEFAULT_MAX_TOKENS, FinishReason, SampleOutput, SamplingParams
+from rlfleet.rollout.transport import TransferOffer, TransferPlan
+from rlfleet.rollout.weights import UpdateResult
+from rlfleet.v1 import rollout_pb2
+
+__all__ = [
+    "TRANSPORT_NAMES",
+    "offer_from_proto",
+    "offer_to_proto",
+    "plan_from_proto",
+    "plan_to_proto",
+    "result_from_proto",
+    "result_to_proto",
+    "sampling_from_proto",
+    "sampling_to_proto",
+    "status_from_proto",
+    "status_to_proto",
+    "update_from_proto",
+    "update_to_proto",
+]
+
+_T = rollout_pb2
+TRANSPORT_NAMES: dict[int, str] = {
+    _T.WEIGHT_TRANSPORT_GRPC: "grpc",
+    _T.WEIGHT_TRANSPORT_TCP: "tcp",
+    _T.WEIGHT_TRANSPORT_SHM: "shm",
+    _T.WEIGHT_TRANSPORT_NCCL: "nccl",
+    _T.WEIGHT_TRANSPORT_CUDA_IPC: "cuda_ipc",
+}
+_TRANSPORT_CODES = {v: k for k, v in TRANSPORT_NAMES.items()}
+
+
+def sampling_from_proto(msg: rollout_pb2.SamplingParams) -> SamplingParams:
+    """Proto defaults become engine defaults: ``n`` 0 -> 1, ``top_p`` 0 -> 1,
+    ``top_k`` <= 0 -> off, ``max_tokens`` 0 -> ``DEFAULT_MAX_TOKENS``. Raises
+    ``InvalidArgument`` naming the field for a value no engine can take."""
+    temperature = float(msg.temperature)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidArgument(
+            f"temperature must be a finite number >= 0, got {temperature}",
+            field="sampling.temperature",
+            value=temperature,
+        )
+    top_p = float(msg.top_p) or 1.0
+    if not 0 < top_p <= 1:
+        raise InvalidArgument(
+            f"top_p must be in (0, 1] (0 means 1), got {top_p}", field="sampling.top_p", value=top_p
+        )
+    return SamplingParams(
+        n=max(1, msg.n),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=msg.top_k if msg.top_k > 0 else -1,
+        max_tokens=msg.max_tokens or DEFAULT_MAX_TOKENS,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        seed=msg.seed if msg.HasField("seed") else None,
+        logprobs=msg.logprobs,
+    )
+
+
+def sampling_to_proto(p: SamplingParams, *, detokenize: bool = False) -> rollout_pb2.SamplingParams:
+    msg = rollout_pb2.SamplingParams(
+        n=p.n,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=max(0, p.top_k),
+        max_tokens=p.max_tokens,
+        stop_token_ids=list(p.stop_token_ids),
+        logprobs=p.logprobs,
+        detokenize=detokenize,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def result_to_proto(
+    s: SampleOutput, *, prompt_id: str = "", replica_id: str = ""
+) -> rollout_pb2.GenerateResult:
+    return rollout_pb2.GenerateResult(
+        prompt_id=prompt_id,
+        prompt_index=s.prompt_index,
+        sample_index=s.sample_index,
+        token_ids=s.token_ids,
+        logprobs=s.logprobs,
+        text=s.text,
+        finish_reason=int(s.finish_reason),
+        weight_version=s.weight_version,
+        replica_id=replica_id,
+    )
+
+
+def result_from_proto(msg: rollout_pb2.GenerateResult) -> SampleOutput:
+    return SampleOutput(
+        prompt_index=msg.prompt_index,
+        sample_index=msg.sample_index,
+        token_ids=list(msg.token_ids),
+        logprobs=list(msg.logprobs),
+        finish_reason=FinishReason(msg.finish_reason or FinishReason.ABORT),
+        weight_version=msg.weight_version,
+        text=msg.text,
+    )
+
+
+def update_to_proto(r: UpdateResult) -> rollout_pb2.UpdateWeightsResponse:
+    return rollout_pb2.UpdateWeightsResponse(
+        version=r.version, bytes=r.bytes, tensors=r.tensors, seconds=r.seconds
+    )
+
+
+def update_from_proto(
+    msg: rollout_pb2.UpdateWeightsResponse, transport: str = "grpc"
+) -> UpdateResult:
+    return UpdateResult(
+        version=msg.version,
+        bytes=msg.bytes,
+        tensors=msg.tensors,
+        seconds=msg.seconds,
+        transport=transport,
+    )
+
+
+def offer_to_proto(o: TransferOffer) -> rollout_pb2.WeightTransferOffer:
+    return rollout_pb2.WeightTransferOffer(
+        version=o.version,
+        tensors=[
+            rollout_pb2.TensorSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in o.tensors
+        ],
+        total_bytes=o.total_bytes,
+        sha256=o.sha256,
+        transports=[_TRANSPORT_CODES[t] for t in o.transports],
+        sender_host=o.sender_host,
+    )
+
+
+def offer_from_proto(msg: rollout_pb2.WeightTransferOffer) -> TransferOffer:
+    """Offsets are recomputed (packed in order, no padding); dtypes and shapes are
+    checked later against the model."""
+    from rlfleet.rollout.transport import spec_nbytes
+
+    specs: list[TensorSpec] = []
+    offset = 0
+    for i, t in enumerate(msg.tensors):
+        shape = tuple(int(d) for d in t.shape)
+        nbytes = spec_nbytes(t.name, t.dtype, shape, field=f"tensors[{i}]")
+        specs.append(TensorSpec(t.name, t.dtype, shape, nbytes, offset))
+        offset += nbytes
+    unknown = [c for c in msg.transports if c not in TRANSPORT_NAMES]
+    if unknown:
+        raise InvalidArgument(
+            f"unknown transports {unknown}", field="transports", value=list(msg.transports)
+        )
+    return TransferOffer(
+        version=msg.version,
+        tensors=specs,
+        total_bytes=msg.total_bytes,
+        sha256=msg.sha256,
+        transports=[TRANSPORT_NAMES[c] for c in msg.transports],
+        sender_host=msg.sender_host,
+    )
+
+
+def plan_to_proto(p: TransferPlan) -> rollout_pb2.WeightTransferPlan:
+    return rollout_pb2.WeightTransferPlan(
+        transfer_id=p.transfer_id,
+        transport=_TRANSPORT_CODES[p.transport],
+        endpoint=p.endpoint,
+        token=p.token,
+    )
+
+
+def plan_from_proto(msg: rollout_pb2.WeightTransferPlan) -> TransferPlan:
+    return TransferPlan(
+        transfer_id=msg.transfer_id,
+        transport=TRANSPORT_NAMES.get(msg.transport, "grpc"),
+        endpoint=msg.endpoint,
+        token=msg.token,
+    )
+
+
+def status_to_proto(s: RolloutStatusInfo) -> rollout_pb2.RolloutStatus:
+    return rollout_pb2.RolloutStatus(
+        replica_id=s.replica_id,
+        model=s.model,
+        engine=s.engine,
+        dtype=s.dtype,
+        device=s.device,
+        weight_version=s.weight_version,
+        queue_depth=max(0, s.queue_depth),
+        tokens_per_second=s.tokens_per_second,
+        sleeping=s.sleeping,
+        generated_tokens_total=s.generated_tokens_total,
+    )
+
+
+def status_from_proto(msg: rollout_pb2.RolloutStatus) -> RolloutStatusInfo:
+    return RolloutStatusInfo(
+        replica_id=msg.replica_id,
+        model=msg.model,
+        engine=msg.engine,
+        dtype=msg.dtype,
+        device=msg.device,
+        weight_version=msg.weight_version,
+        queue_depth=msg.queue_depth,
+        tokens_per_second=msg.tokens_per_second,
+        sleeping=msg.sleeping,
+        generated_tokens_total=msg.generated_tokens_total,
+    )

@@ -1,0 +1,355 @@
+"""Entry point of a rollout replica: ``rlfleet serve rollout`` / ``python -m rlfleet.rollout.server``.
+
+Start-up: load the engine, start the batching core, serve gRPC (RolloutService,
+health, reflection) on ``--host:--port`` (0: a free port) and ``/metrics``, print
+one JSON line ``{"event": "serving", "address": ..., ...}`` to stdout, then, with
+``--scheduler``, register (role ROLLOUT, advertised address, devices, engine,
+capacity) and heartbeat on a thread.
+
+SIGTERM / SIGINT: deregister first (the scheduler stops routing here), then stop
+gRPC gracefully (health NOT_SERVING, in-flight calls drain within
+``--grace-s``), then stop the core. A second signal skips the drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import grpc
+
+from rlfleet.common.errors import Unavailable
+from rlfleet.common.rpc import Server, create_channel, create_server
+from rlfleet.rollout.core import RolloutCore, RolloutStatusInfo
+from rlfleet.rollout.engine import Engine
+from rlfleet.rollout.metrics import start_metrics_server
+from rlfleet.rollout.servicer import Detokenizer, RolloutServicer
+from rlfleet.v1 import rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+__all__ = [
+    "SchedulerRegistration",
+    "add_serve_arguments",
+    "build_engine",
+    "load_detokenizer",
+    "serve_main",
+    "start_rollout_server",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_S = 5.0
+
+
+def build_engine(
+    engine: str, model: str, *, dtype: str = "float32", device: str = "cpu", **kwargs: Any
+) -> Engine:
+    """The engine named ``engine`` ("hf" | "vllm") on ``model``."""
+    if engine == "hf":
+        from rlfleet.rollout.hf_engine import HFEngine
+
+        return HFEngine(model, dtype=dtype, device=device)
+    if engine == "vllm":
+        from rlfleet.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model, dtype=dtype, **kwargs)
+    raise ValueError(f"engine must be 'hf' or 'vllm', got {engine!r}")
+
+
+def load_detokenizer(model: str) -> Detokenizer | None:
+    """``tokenizer.decode`` of the model folder, or None if it has no tokenizer."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError) as e:
+        logger.warning("no tokenizer in %s (%s): detokenize requests will be refused", model, e)
+        return None
+
+    def decode(ids: Any) -> str:
+        return str(tok.decode(list(ids), skip_special_tokens=True))
+
+    return decode
+
+
+def start_rollout_server(
+    core: RolloutCore,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    detokenize: Detokenizer | None = None,
+    auth_token: str | None = None,
+    max_workers: int = 32,
+) -> Server:
+    """Serve ``core`` over gRPC (with health and reflection); returns the started server."""
+    servicer = RolloutServicer(core, detokenize)
+    return create_server(
+        [(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer)],
+        host=host,
+        port=port,
+        auth_token=auth_token,
+        max_workers=max_workers,
+    )
+
+
+def _devices(device: str) -> list[scheduler_pb2.Device]:
+    if device.startswith("cuda"):
+        import torch
+
+        out = []
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            out.append(
+                scheduler_pb2.Device(
+                    kind="cuda", index=i, name=props.name, memory_bytes=props.total_memory
+                )
+            )
+        return out
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return [scheduler_pb2.Device(kind="cpu", index=c, name="cpu") for c in cores]
+
+
+class SchedulerRegistration:
+    """Register with the scheduler, heartbeat on a thread, deregister on stop.
+
+    Args:
+        address: the scheduler's ``host:port``.
+        info: what this replica advertises (``service_id`` is assigned by Register).
+        load: current load for heartbeats.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        info: scheduler_pb2.ServiceInfo,
+        load: Callable[[], RolloutStatusInfo],
+        *,
+        auth_token: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self._channel = create_channel(address, auth_token=auth_token)
+        self._stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
+        self._info = info
+        self._load = load
+        self._timeout_s = timeout_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.address = address
+        self.service_id = ""
+        self.interval_s = DEFAULT_HEARTBEAT_S
+        self.required_weight_version = 0
+
+    def register(self) -> scheduler_pb2.RegisterResponse:
+        try:
+            resp = self._stub.Register(
+                scheduler_pb2.RegisterRequest(info=self._info),
+                timeout=self._timeout_s,
+                wait_for_ready=True,
+            )
+        except grpc.RpcError as e:
+            raise Unavailable(
+                f"cannot register with the scheduler at {self.address}: {e.code().name} "
+                f"{e.details()}",
+                field="scheduler",
+                value=self.address,
+            ) from e
+        self.service_id = resp.service_id
+        self._info.service_id = resp.service_id
+        if resp.heartbeat_interval_s > 0:
+            self.interval_s = resp.heartbeat_interval_s
+        self.required_weight_version = resp.weight_version
+        logger.info(
+            "registered with %s as %s (heartbeat %.1fs, weight version %d expected)",
+            self.address,
+            self.service_id,
+            self.interval_s,
+            resp.weight_version,
+        )
+        return resp
+
+    def start(self) -> None:
+        self.register()
+        self._thread = threading.Thread(target=self._beat, name="rlfleet-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            s = self._load()
+            load = scheduler_pb2.ServiceLoad(
+                queue_depth=max(0, s.queue_depth),
+                tokens_per_second=s.tokens_per_second,
+                weight_version=s.weight_version,
+            )
+            try:
+                resp = self._stub.Heartbeat(
+                    scheduler_pb2.HeartbeatRequest(service_id=self.service_id, load=load),
+                    timeout=self._timeout_s,
+                )
+                if not resp.known:
+                    logger.warning("the scheduler forgot %s: registering again", self.service_id)
+                    self._info.service_id = ""
+                    self.register()
+            except (grpc.RpcError, Unavailable) as e:  # keep beating: the scheduler may come back
+                logger.warning("heartbeat to %s failed: %s", self.address, e)
+
+    def stop(self) -> None:
+        """Stop heartbeating and deregister (best effort, bounded by the timeout)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._timeout_s)
+        if self.service_id:
+            try:
+                self._stub.Deregister(
+                    scheduler_pb2.DeregisterRequest(service_id=self.service_id),
+                    timeout=self._timeout_s,
+                )
+                logger.info("deregistered %s from %s", self.service_id, self.address)
+            except grpc.RpcError as e:
+                logger.warning("deregister from %s failed: %s", self.address, e)
+        self._channel.close()
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one")
+    parser.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host other services dial (default: --host, or the host name when binding 0.0.0.0)",
+    )
+    parser.add_argument("--scheduler", default=None, help="scheduler host:port to register with")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--device", default="cpu", help="hf engine: cpu, cuda, cuda:1 ...")
+    parser.add_argument("--replica-id", default=None, help="default: <host>:<port>")
+    parser.add_argument(
+        "--max-batch-samples", type=int, default=256, help="rows (prompts x n) per engine batch"
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="/metrics port; 0 picks a free one, -1: off"
+    )
+    parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.5, help="vllm engine only"
+    )
+    parser.add_argument("--log-level", default="INFO")
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    auth_token = os.environ.get("RLFLEET_AUTH_TOKEN") or None
+    extra: dict[str, Any] = {}
+    if args.engine == "vllm":
+        extra["gpu_memory_utilization"] = args.gpu_memory_utilization
+    engine = build_engine(args.engine, args.model, dtype=args.dtype, device=args.device, **extra)
+    advertise = args.advertise_host or (
+        socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
+    )
+    core = RolloutCore(
+        engine,
+        replica_id=args.replica_id or "",
+        max_batch_samples=args.max_batch_samples,
+        bulk_host=args.host if args.host not in ("0.0.0.0", "::") else advertise,
+    )
+    server = start_rollout_server(
+        core,
+        host=args.host,
+        port=args.port,
+        detokenize=load_detokenizer(args.model),
+        auth_token=auth_token,
+    )
+    address = f"{advertise}:{server.port}"
+    core.replica_id = args.replica_id or address
+    metrics_address = None
+    if args.metrics_port >= 0:
+        metrics_address = start_metrics_server(core.metrics, args.host, args.metrics_port)
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if stop.is_set():  # second signal: no drain
+            threading.Thread(target=server.stop, args=(0.0,), daemon=True).start()
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+
+    registration = None
+    if args.scheduler:
+        info = engine.info()
+        service = scheduler_pb2.ServiceInfo(
+            role=scheduler_pb2.ROLE_ROLLOUT,
+            address=address,
+            node=socket.gethostname(),
+            devices=_devices(info.device),
+            capabilities={
+                "engine": info.engine,
+                "model": info.model,
+                "dtype": info.dtype,
+                "transports": "shm,tcp,grpc",
+                "replica_id": core.replica_id,
+            },
+            capacity=args.max_batch_samples,
+            metrics_address=metrics_address or "",
+            pid=os.getpid(),
+        )
+        registration = SchedulerRegistration(
+            args.scheduler, service, core.status, auth_token=auth_token
+        )
+        try:
+            registration.start()
+        except Unavailable as e:
+            print(f"rlfleet serve rollout: {e}", file=sys.stderr)
+            server.stop(0.0)
+            core.close()
+            return 1
+
+    print(
+        json.dumps(
+            {
+                "event": "serving",
+                "service": "rollout",
+                "address": address,
+                "port": server.port,
+                "metrics": metrics_address,
+                "replica_id": core.replica_id,
+                "service_id": registration.service_id if registration else None,
+                "pid": os.getpid(),
+            }
+        ),
+        flush=True,
+    )
+    while not stop.wait(1.0):
+        pass
+    logger.info("stopping rollout replica %s", core.replica_id)
+    if registration is not None:
+        registration.stop()
+    server.stop(args.grace_s)
+    core.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlfleet.rollout.server", description=__doc__)
+    add_serve_arguments(parser)
+    return serve_main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""HF engine: log-probs equal a teacher-forced forward pass, sampling semantics, weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rlfleet.common.errors import FailedPrecondition, InvalidArgument  # noqa: E402
+from rlfleet.rollout.engine import (  # noqa: E402
+    Engine,
+    FinishReason,
+    GenerationRequest,
+    SampleOutput,
+    SamplingParams,
+)
+from rlfleet.rollout.hf_engine import HFEngine  # noqa: E402
+from rlfleet.trainer.ppo.core_algos import logprobs_from_logits  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 12, 13, 14, 15, 16, 17, 18]]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> HFEngine:
+    return HFEngine(tiny_model_dir)
+
+
+def teacher_forced(engine: HFEngine, prompt: list[int], s: SampleOutput, temperature: float):
+    seq = torch.tensor([prompt + s.token_ids])
+    with torch.no_grad():
+        logits = engine.model(seq).logits[0, len(prompt) - 1 : -1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return logprobs_from_logits(logits, torch.tensor(s.token_ids))
+
+
+def test_is_an_engine(engine: HFEngine) -> None:
+    assert isinstance(engine, Engine)
+    info = engine.info()
+    assert (info.engine, info.dtype, info.device) == ("hf", "float32", "cpu")
+    assert info.eos_token_ids == (2, 4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
+def test_logprobs_match_teacher_forced_forward(engine: HFEngine, temperature: float) -> None:
+    params = SamplingParams(n=2, temperature=temperature, max_tokens=10, seed=3, top_k=50)
+    [samples] = engine.generate([GenerationRequest(PROMPTS, params)])
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [
+        (p, k) for p in range(3) for k in range(2)
+    ]
+    worst = 0.0
+    for s in samples:
+        assert len(s.logprobs) == len(s.token_ids) == 10
+        ref = teacher_forced(engine, PROMPTS[s.prompt_index], s, temperature)
+        worst = max(worst, (ref - torch.tensor(s.logprobs)).abs().max().item())
+    assert worst < 1e-4, worst
+
+
+def test_greedy_matches_hf_generate(engine: HFEngine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    [samples] = engine.generate([GenerationRequest(PROMPTS, params)])
+    for s, prompt in zip(samples, PROMPTS, strict=True):
+        ref = engine.model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert s.token_ids == ref
+        assert s.finish_reason == FinishReason.LENGTH
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batchmates(engine: HFEngine) -> None:
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=11)
+    [a] = engine.generate([GenerationRequest(PROMPTS[:2], params)])
+    other = GenerationRequest([[7, 7, 7]], SamplingParams(n=2, temperature=1.0, max_tokens=9))
+    [b, _] = engine.generate([GenerationRequest(PROMPTS[:2], params), other])
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]
+    # Different samples of one prompt differ (with overwhelming probability).
+    assert len({tuple(s.token_ids) for s in a[:3]}) > 1
+    [c] = engine.generate(
+        [
+            GenerationRequest(
+                PROMPTS[:2], SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=12)
+            )
+        ]
+    )
+    assert [s.token_ids for s in a] != [s.token_ids for s in c]
+
+
+def test_top_k_1_is_greedy(engine: HFEngine) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    topk1 = SamplingParams(temperature=0.9, top_k=1, max_tokens=6, seed=0)
+    tiny_p = SamplingParams(temperature=0.9, top_p=1e-6, max_tokens=6, seed=0)
+    [g, k, p] = engine.generate(
+        [
+            GenerationRequest(PROMPTS, greedy),
+            GenerationRequest(PROMPTS, topk1),
+            GenerationRequest(PROMPTS, tiny_p),
+        ]
+    )
+    assert [s.token_ids for s in g] == [s.token_ids for s in k] == [s.token_ids for s in p]
+
+
+def test_stop_ids_end_a_sample_and_are_returned(engine: HFEngine) -> None:
+    [free] = engine.generate(
+        [GenerationRequest(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8))]
+    )
+    stop_at = free[0].token_ids[2]
+    first = free[0].token_ids.index(stop_at)
+    [stopped] = engine.generate(
+        [
+            GenerationRequest(
+                PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(stop_at,))
+            )
+        ]
+    )
+    s = stopped[0]
+    assert s.token_ids == free[0].token_ids[: first + 1]
+    assert s.finish_reason == FinishReason.STOP
+    assert len(s.logprobs) == len(s.token_ids)
+
+
+def test_mixed_max_tokens_and_no_logprobs(engine: HFEngine) -> None:
+    seen: list[tuple[int, int]] = []
+    out = engine.generate(
+        [
+            GenerationRequest(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2)),
+            GenerationRequest(
+                PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=5, logprobs=False)
+            ),
+        ],
+        on_sample=lambda r, s: seen.append((r, len(s.token_ids))),
+    )
+    assert [len(s.token_ids) for s in out[0]] == [2]
+    assert out[1][0].logprobs == [] and len(out[1][0].token_ids) == 5
+    assert seen == [(0, 2), (1, 5)]  # streamed in the order they finished
+
+
+def test_validation_names_the_field(engine: HFEngine) -> None:
+    with pytest.raises(InvalidArgument, match=r"prompts\[1\].token_ids"):
+        engine.validate([GenerationRequest([[1], []], SamplingParams())])
+    with pytest.raises(InvalidArgument, match=r"sampling\.max_tokens") as e:
+        engine.validate([GenerationRequest([[1, 2]], SamplingParams(max_tokens=5000))])
+    assert "2048" in str(e.value)
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        engine.validate([GenerationRequest([[1, 99999]], SamplingParams())])
+    with pytest.raises(ValueError, match="n must be"):
+        SamplingParams(n=0)
+
+
+def test_sleep_level2_drops_weights_until_an_update(tiny_model_dir: Path) -> None:
+    eng = HFEngine(tiny_model_dir)
+    req = [GenerationRequest(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4))]
+    before = eng.generate(req)[0][0].token_ids
+    weights = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    nbytes = sum(p.numel() * 4 for p in eng.model.parameters())
+    freed = eng.sleep(level=2)
+    assert freed == nbytes
+    assert eng.model.model.embed_tokens.weight.numel() == 0
+    with pytest.raises(FailedPrecondition):
+        eng.generate(req)
+    eng.wake_up()
+    with pytest.raises(FailedPrecondition, match="update"):
+        eng.generate(req)
+    eng.update_weights(weights, version=1)
+    assert eng.model.lm_head.weight is eng.model.model.embed_tokens.weight  # still tied
+    assert eng.generate(req)[0][0].token_ids == before
+    assert eng.info().weight_version == 1
+
+
+def test_update_weights_checks_names_shapes_dtypes(tiny_model_dir: Path) -> None:
+    eng = HFEngine(tiny_model_dir)
+    sd = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    bad_shape = dict(sd, **{"model.norm.weight": torch.zeros(3)})
+    with pytest.raises(InvalidArgument, match=r"'model.norm.weight' has shape \[3\]"):
+        eng.update_weights(bad_shape, 1)
+    with pytest.raises(InvalidArgument, match="dtype bfloat16"):
+        eng.update_weights(dict(sd, **{"model.norm.weight": sd["model.norm.weight"].bfloat16()}), 1)
+    with pytest.raises(InvalidArgument, match="'nope' is not a parameter"):
+        eng.update_weights(dict(sd, nope=torch.zeros(1)), 1)
+    partial = dict(sd)
+    del partial["model.layers.0.mlp.up_proj.weight"]
+    with pytest.raises(InvalidArgument, match="missing 1 of"):
+        eng.update_weights(partial, 1)
+    assert eng.info().weight_version == 0
+    # The tied alias alone covers the embedding.
+    alias_only = dict(sd)
+    del alias_only["model.embed_tokens.weight"]
+    eng.update_weights(alias_only, 2)
+    assert eng.info().weight_version == 2

@@ -1,0 +1,164 @@
+"""Weight updates: staged, verified, checked, swapped; rejected updates change nothing."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rlfleet.common.codec import iter_chunks  # noqa: E402
+from rlfleet.common.errors import (  # noqa: E402
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+)
+from rlfleet.rollout.hf_engine import HFEngine  # noqa: E402
+from rlfleet.rollout.transport import (  # noqa: E402
+    BulkReceiver,
+    make_offer,
+    send_shm,
+    send_tcp,
+)
+from rlfleet.rollout.weights import WeightReceiver  # noqa: E402
+
+
+@pytest.fixture()
+def engine(tiny_model_dir: Path) -> HFEngine:
+    return HFEngine(tiny_model_dir)
+
+
+def new_weights(engine: HFEngine, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        n: p.detach() + 0.05 * torch.randn(p.shape, generator=g)
+        for n, p in engine.model.named_parameters()
+    }
+
+
+def snapshot(engine: HFEngine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+
+def assert_weights(engine: HFEngine, expected: dict[str, torch.Tensor]) -> None:
+    for n, p in engine.model.named_parameters():
+        assert torch.equal(p, expected[n]), n
+
+
+def chunks(weights: dict[str, torch.Tensor], version: int, **kw: object):
+    return [(version, c) for c in iter_chunks(weights, max_chunk_bytes=64_000, **kw)]
+
+
+def test_chunk_stream_update_applies_exactly(engine: HFEngine) -> None:
+    w = new_weights(engine)
+    result = WeightReceiver(engine).receive_chunks(chunks(w, 3))
+    assert (result.version, result.tensors) == (3, len(w))
+    assert result.bytes == sum(t.numel() * 4 for t in w.values())
+    assert_weights(engine, w)
+    assert engine.info().weight_version == 3
+
+
+def test_corrupt_chunk_is_rejected_and_old_weights_serve(engine: HFEngine) -> None:
+    old = snapshot(engine)
+    stream = chunks(new_weights(engine), 1)
+    version, bad = stream[5]
+    piece = bad.pieces[0]
+    data = bytearray(piece.data)
+    data[0] ^= 0xFF
+    piece.data = bytes(data)
+    stream[5] = (version, bad)
+    with pytest.raises(DataLoss, match=f"{piece.name}|crc32") as e:
+        WeightReceiver(engine).receive_chunks(stream)
+    assert e.value.status == "DATA_LOSS"
+    assert_weights(engine, old)
+    assert engine.info().weight_version == 0
+
+
+def test_truncated_stream_is_rejected(engine: HFEngine) -> None:
+    old = snapshot(engine)
+    with pytest.raises(DataLoss, match="without its last chunk"):
+        WeightReceiver(engine).receive_chunks(chunks(new_weights(engine), 1)[:-1])
+    assert_weights(engine, old)
+
+
+def test_mismatched_tensor_is_named(engine: HFEngine) -> None:
+    old = snapshot(engine)
+    w = new_weights(engine)
+    w["model.layers.1.self_attn.q_proj.weight"] = torch.zeros(4, 4)
+    with pytest.raises(InvalidArgument, match=r"model\.layers\.1\.self_attn\.q_proj\.weight"):
+        WeightReceiver(engine).receive_chunks(chunks(w, 1))
+    assert_weights(engine, old)
+
+
+def test_versions_never_go_back(engine: HFEngine) -> None:
+    rx = WeightReceiver(engine)
+    rx.receive_chunks(chunks(new_weights(engine), 5))
+    with pytest.raises(FailedPrecondition, match="older"):
+        rx.receive_chunks(chunks(new_weights(engine, 2), 4))
+    mixed = chunks(new_weights(engine), 6)
+    mixed[1] = (7, mixed[1][1])
+    with pytest.raises(InvalidArgument, match="version 7"):
+        rx.receive_chunks(mixed)
+    assert engine.info().weight_version == 5
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_bulk_transfer_is_bit_exact(engine: HFEngine, transport: str) -> None:
+    bulk = BulkReceiver(WeightReceiver(engine), engine)
+    w = {k: v.to(torch.float32) for k, v in new_weights(engine).items()}
+    offer = make_offer(w, 2, [transport])
+    plan = bulk.open(offer)
+    assert plan.transport == transport
+    (send_tcp if transport == "tcp" else send_shm)(plan, w, offer.tensors)
+    result = bulk.commit(plan.transfer_id)
+    assert (result.version, result.transport) == (2, transport)
+    assert_weights(engine, w)
+    bulk.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_corrupted_bulk_transfer_is_rejected(engine: HFEngine, transport: str) -> None:
+    old = snapshot(engine)
+    bulk = BulkReceiver(WeightReceiver(engine), engine)
+    w = new_weights(engine)
+    offer = make_offer(w, 2, [transport])
+    plan = bulk.open(offer)
+    tampered = dict(w)
+    name = "model.layers.2.mlp.down_proj.weight"
+    tampered[name] = w[name].clone()
+    tampered[name][0, 0] += 1.0
+    (send_tcp if transport == "tcp" else send_shm)(plan, tampered, offer.tensors)
+    with pytest.raises(DataLoss, match="sha256"):
+        bulk.commit(plan.transfer_id)
+    assert_weights(engine, old)
+    bulk.close()
+
+
+def test_bulk_tcp_rejects_short_streams_and_wrong_tokens(engine: HFEngine) -> None:
+    bulk = BulkReceiver(WeightReceiver(engine), engine, timeout_s=20)
+    w = new_weights(engine)
+    offer = make_offer(w, 1, ["tcp"])
+    plan = bulk.open(offer)
+    host, port = plan.endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:  # wrong token: dropped
+        s.sendall(b"x" * len(plan.token))
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(plan.token.encode() + b"\0" * 1000)
+    with pytest.raises(DataLoss, match="sender closed after 1000 of"):
+        bulk.commit(plan.transfer_id)
+    assert engine.info().weight_version == 0
+    bulk.close()
+
+
+def test_bulk_offer_checked_before_bytes_move(engine: HFEngine) -> None:
+    bulk = BulkReceiver(WeightReceiver(engine), engine)
+    w = new_weights(engine)
+    w["model.norm.weight"] = torch.zeros(7)
+    with pytest.raises(InvalidArgument, match=r"model\.norm\.weight"):
+        bulk.open(make_offer(w, 1, ["tcp"]))
+    other_host = make_offer(new_weights(engine), 1, ["shm", "tcp"])
+    object.__setattr__(other_host, "sender_host", "elsewhere")
+    assert bulk.open(other_host).transport == "tcp"
+    bulk.close()
