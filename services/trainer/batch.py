@@ -1,0 +1,287 @@
+"""Batches as the trainer sees them: a dict of named tensors (verl's keys) plus columns.
+
+A batch is ``dict[str, Any]``: ``torch.Tensor`` values indexed by sample on dim 0, and
+lists (``uid``, ``data_source``, ...) with one entry per sample. Keys follow verl:
+
+=====================  ==================  ==========================================
+key                    shape / type        meaning
+=====================  ==================  ==========================================
+``input_ids``          (bs, L) int         prompt (left-padded) + response tokens
+``attention_mask``     (bs, L)             1 on real tokens
+``position_ids``       (bs, L) int         optional; derived from attention_mask
+``responses``          (bs, R) int         the last R columns of ``input_ids``
+``response_mask``      (bs, R)             optional; attention_mask[:, -R:]
+``token_level_scores`` (bs, R) float       reward per token, or:
+``scores``             (bs,) float         one score, placed on the last valid token
+``old_log_probs``      (bs, R) float       log-probs under the behaviour policy
+``ref_log_prob``       (bs, R) float       log-probs under the reference policy
+``values``             (bs, R) float       critic values at rollout time
+``advantages``         (bs, R) float
+``returns``            (bs, R) float
+``uid`` / ``index``    list or (bs,)       prompt id for the group estimators
+``reward_baselines``   (bs,) float         ReMax: reward of the greedy response
+=====================  ==================  ==========================================
+
+Validation raises :class:`~rlfleet.common.errors.InvalidArgument` naming the key and the
+shapes, and happens before any model is touched, so a bad batch never half-updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from rlfleet.common.errors import InvalidArgument
+
+Batch = dict[str, Any]
+
+__all__ = [
+    "Batch",
+    "batch_size",
+    "concat",
+    "ensure_defaults",
+    "index_select",
+    "interleave_for_minibatches",
+    "require",
+    "split",
+    "validate_ppo_batch",
+]
+
+_INT_KEYS = ("input_ids", "responses", "position_ids")
+_SEQ_KEYS = ("input_ids", "attention_mask", "position_ids")
+_RESP_KEYS = (
+    "responses",
+    "response_mask",
+    "token_level_scores",
+    "token_level_rewards",
+    "old_log_probs",
+    "ref_log_prob",
+    "values",
+    "advantages",
+    "returns",
+)
+_FLOAT_FINITE = (
+    "token_level_scores",
+    "token_level_rewards",
+    "scores",
+    "old_log_probs",
+    "ref_log_prob",
+    "values",
+    "advantages",
+    "returns",
+    "reward_baselines",
+)
+
+
+def _shape(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{tuple(v.shape)} {v.dtype}".replace("torch.", "")
+    if isinstance(v, list | tuple):
+        return f"list of {len(v)}"
+    return type(v).__name__
+
+
+def batch_size(batch: Batch) -> int:
+    """Rows of the batch (dim 0 of ``input_ids``, else of the first tensor)."""
+    if "input_ids" in batch:
+        return int(batch["input_ids"].shape[0])
+    for v in batch.values():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return int(v.shape[0])
+        if isinstance(v, list | tuple):
+            return len(v)
+    return 0
+
+
+def require(batch: Batch, keys: Iterable[str], op: str) -> None:
+    """Raise InvalidArgument naming every missing key and the keys present."""
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        present = {k: _shape(v) for k, v in batch.items()}
+        raise InvalidArgument(
+            f"{op} needs {missing}; the batch has {present}",
+            field=missing[0],
+            value=sorted(batch),
+            code="MISSING_KEY",
+        )
+
+
+def _check_tensor(batch: Batch, key: str) -> torch.Tensor:
+    v = batch[key]
+    if not isinstance(v, torch.Tensor):
+        raise InvalidArgument(f"expected a tensor, got {_shape(v)}", field=key, value=_shape(v))
+    return v
+
+
+def validate_ppo_batch(batch: Batch, op: str, required: Sequence[str]) -> None:
+    """Check presence, dtypes, shapes and finiteness of every trainer key in ``batch``.
+
+    Every known key present is checked, not only ``required``: ``input_ids`` and masks
+    are ``(bs, L)``, per-token keys ``(bs, R)`` with R = ``responses.shape[1]`` < L,
+    ``responses`` equal the last R columns of ``input_ids``, float keys are finite on
+    valid tokens, lists have ``bs`` entries.
+    """
+    require(batch, required, op)
+    if "input_ids" not in batch:
+        return
+    ids = _check_tensor(batch, "input_ids")
+    if ids.dim() != 2:
+        raise InvalidArgument(
+            f"must be 2-D (bs, seq_len), got {_shape(ids)}", field="input_ids", value=_shape(ids)
+        )
+    bs, seq_len = ids.shape
+    if bs == 0:
+        raise InvalidArgument("the batch is empty", field="input_ids", value=_shape(ids))
+    for key in _SEQ_KEYS:
+        if key in batch:
+            t = _check_tensor(batch, key)
+            if tuple(t.shape) != (bs, seq_len):
+                raise InvalidArgument(
+                    f"shape {tuple(t.shape)} does not match input_ids {(bs, seq_len)}",
+                    field=key,
+                    value=_shape(t),
+                    code="SHAPE_MISMATCH",
+                )
+    for key in _INT_KEYS:
+        if key in batch and batch[key].is_floating_point():
+            raise InvalidArgument("must hold integer ids", field=key, value=_shape(batch[key]))
+    resp_len: int | None = None
+    if "responses" in batch:
+        resp = _check_tensor(batch, "responses")
+        if resp.dim() != 2 or resp.shape[0] != bs or not 0 < resp.shape[1] < seq_len:
+            raise InvalidArgument(
+                f"must be (bs={bs}, R) with 0 < R < {seq_len}, got {tuple(resp.shape)}",
+                field="responses",
+                value=_shape(resp),
+                code="SHAPE_MISMATCH",
+            )
+        resp_len = int(resp.shape[1])
+        if not torch.equal(ids[:, -resp_len:], resp.to(ids.dtype)):
+            raise InvalidArgument(
+                f"must equal the last {resp_len} columns of input_ids {tuple(ids.shape)}",
+                field="responses",
+                value=_shape(resp),
+            )
+    for key in _RESP_KEYS[1:]:
+        if key in batch:
+            t = _check_tensor(batch, key)
+            if resp_len is None:
+                raise InvalidArgument(
+                    f"{key} {tuple(t.shape)} given without responses", field="responses"
+                )
+            if tuple(t.shape) != (bs, resp_len):
+                raise InvalidArgument(
+                    f"shape {tuple(t.shape)} does not match responses {(bs, resp_len)}",
+                    field=key,
+                    value=_shape(t),
+                    code="SHAPE_MISMATCH",
+                )
+    for key in ("scores", "reward_baselines"):
+        if key in batch:
+            t = _check_tensor(batch, key)
+            if tuple(t.shape) != (bs,):
+                raise InvalidArgument(
+                    f"shape {tuple(t.shape)} must be ({bs},), one per sample",
+                    field=key,
+                    value=_shape(t),
+                    code="SHAPE_MISMATCH",
+                )
+    for key in ("uid", "index"):
+        if key in batch:
+            v = batch[key]
+            n = len(v) if isinstance(v, list | tuple) else int(v.shape[0]) if v.dim() else -1
+            if n != bs:
+                raise InvalidArgument(
+                    f"has {n} entries, the batch has {bs} rows", field=key, value=_shape(v)
+                )
+    mask = _response_mask(batch, resp_len)
+    for key in _FLOAT_FINITE:
+        if key not in batch:
+            continue
+        t = batch[key]
+        if not t.is_floating_point():
+            raise InvalidArgument("must be a float tensor", field=key, value=_shape(t))
+        bad = ~torch.isfinite(t)
+        if t.dim() == 2 and mask is not None:
+            bad = bad & (mask != 0)
+        if bool(bad.any()):
+            rows = torch.nonzero(bad.reshape(bs, -1).any(dim=-1)).flatten().tolist()
+            raise InvalidArgument(
+                f"has NaN or inf in rows {rows[:8]} (shape {tuple(t.shape)})",
+                field=key,
+                value=_shape(t),
+                sample_index=int(rows[0]),
+                code="NOT_FINITE",
+            )
+
+
+def _response_mask(batch: Batch, resp_len: int | None) -> torch.Tensor | None:
+    if "response_mask" in batch:
+        m: torch.Tensor = batch["response_mask"]
+        return m
+    if resp_len is not None and "attention_mask" in batch:
+        am: torch.Tensor = batch["attention_mask"][:, -resp_len:]
+        return am
+    return None
+
+
+def ensure_defaults(batch: Batch) -> Batch:
+    """Fill the derivable keys: ``position_ids`` from the attention mask (left padding
+    gives position 0 to the first real token) and ``response_mask``. Returns a new dict."""
+    out = dict(batch)
+    if "position_ids" not in out and "attention_mask" in out:
+        am = out["attention_mask"].to(torch.int64)
+        out["position_ids"] = (am.cumsum(dim=-1) - 1).clamp(min=0)
+    if "response_mask" not in out and "responses" in out and "attention_mask" in out:
+        r = out["responses"].shape[1]
+        out["response_mask"] = out["attention_mask"][:, -r:].to(torch.float32)
+    return out
+
+
+def index_select(batch: Batch, idx: torch.Tensor) -> Batch:
+    """Rows ``idx`` of every per-sample value (tensors with dim 0 == bs, lists)."""
+    bs = batch_size(batch)
+    out: Batch = {}
+    pos = idx.tolist()
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == bs:
+            out[k] = v.index_select(0, idx.to(v.device))
+        elif isinstance(v, list | tuple) and len(v) == bs:
+            out[k] = [v[i] for i in pos]
+        else:
+            out[k] = v
+    return out
+
+
+def split(batch: Batch, size: int) -> Iterator[Batch]:
+    """Consecutive slices of ``size`` rows (the last may be shorter)."""
+    bs = batch_size(batch)
+    for start in range(0, bs, size):
+        yield index_select(batch, torch.arange(start, min(start + size, bs)))
+
+
+def concat(parts: Sequence[Batch]) -> Batch:
+    """Row-wise concatenation of batches with the same keys."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    out: Batch = {}
+    for k, v in parts[0].items():
+        if isinstance(v, torch.Tensor):
+            out[k] = torch.cat([p[k] for p in parts], dim=0)
+        elif isinstance(v, list | tuple):
+            out[k] = [x for p in parts for x in p[k]]
+        else:
+            out[k] = v
+    return out
+
+
+def interleave_for_minibatches(bs: int, mini: int, world: int) -> list[torch.Tensor]:
+    """Row indices for each data-parallel rank so that, when every rank cuts its share
+    into consecutive mini-batches of ``mini // world`` rows, mini-batch ``j`` of all ranks
+    together is exactly rows ``[j * mini, (j + 1) * mini)`` of the batch: a 1-rank and an
+    N-rank update see the same mini-batches."""
+    per = mini // world
+    idx = torch.arange(bs).reshape(bs // mini, world, per)
+    return [idx[:, r, :].reshape(-1) for r in range(world)]

@@ -1,0 +1,277 @@
+"""Clients of the trainer: one interface, in-process or over gRPC.
+
+::
+
+    client = InProcessTrainerClient(core)          # same process, no sockets
+    client = RemoteTrainerClient("127.0.0.1:50051") # a `rlfleet serve trainer`
+    out, metrics = client.compute_log_prob(batch)  # {"old_log_probs", "entropys"}
+    result = client.train_step(batch)              # UpdateResult(metrics, step, version)
+    client.push_weights([("r0", "127.0.0.1:50061")])
+
+Both raise the same :mod:`rlfleet.common.errors` classes (the remote one maps gRPC
+statuses back with :func:`rlfleet.common.rpc.to_rlfleet_error`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+
+from rlfleet.common.codec import ChunkAssembler, iter_chunks
+from rlfleet.common.rpc import create_channel, to_rlfleet_error
+from rlfleet.trainer.servicer import METRICS_META_KEY
+from rlfleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+
+__all__ = [
+    "CheckpointInfo",
+    "InProcessTrainerClient",
+    "PushOutcome",
+    "RemoteTrainerClient",
+    "TrainerClient",
+    "UpdateResult",
+]
+
+Batch = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    metrics: dict[str, float]
+    global_step: int
+    weight_version: int
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: str
+    step: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    extra_state_json: str = ""
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    version: int
+    bytes: int
+    ok: dict[str, bool] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class TrainerClient(Protocol):
+    """What the driver calls; see the module docstring."""
+
+    def compute_log_prob(self, batch: Batch) -> tuple[Batch, dict[str, float]]: ...
+    def compute_ref_log_prob(self, batch: Batch) -> tuple[Batch, dict[str, float]]: ...
+    def compute_values(self, batch: Batch) -> tuple[Batch, dict[str, float]]: ...
+    def compute_advantage(self, batch: Batch) -> tuple[Batch, dict[str, float]]: ...
+    def update_critic(self, batch: Batch) -> UpdateResult: ...
+    def update_actor(self, batch: Batch) -> UpdateResult: ...
+    def train_step(self, batch: Batch) -> UpdateResult: ...
+    def sft_step(self, batch: Batch) -> UpdateResult: ...
+    def save_checkpoint(
+        self, path: str = "", *, step: int = 0, extra_state_json: str = "", export_hf: bool = False
+    ) -> CheckpointInfo: ...
+    def load_checkpoint(self, path: str = "") -> CheckpointInfo: ...
+    def push_weights(
+        self, targets: Sequence[tuple[str, str]], *, version: int = 0, bucket_bytes: int = 0
+    ) -> PushOutcome: ...
+    def status(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+def _outcome(resp: trainer_pb2.PushWeightsResponse) -> PushOutcome:
+    return PushOutcome(
+        version=resp.version,
+        bytes=resp.bytes,
+        ok={r.replica_id: r.ok for r in resp.results},
+        errors={r.replica_id: r.error for r in resp.results if r.error},
+    )
+
+
+class InProcessTrainerClient:
+    """Calls a :class:`~rlfleet.trainer.core.TrainerCore` in this process."""
+
+    def __init__(self, core: Any) -> None:
+        from rlfleet.trainer.core import TrainerCore
+
+        assert isinstance(core, TrainerCore)
+        self.core = core
+
+    def compute_log_prob(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        out: tuple[Batch, dict[str, float]] = self.core.compute_log_prob(batch)
+        return out
+
+    def compute_ref_log_prob(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        out: tuple[Batch, dict[str, float]] = self.core.compute_ref_log_prob(batch)
+        return out
+
+    def compute_values(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        out: tuple[Batch, dict[str, float]] = self.core.compute_values(batch)
+        return out
+
+    def compute_advantage(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        out: tuple[Batch, dict[str, float]] = self.core.compute_advantage(batch)
+        return out
+
+    def _result(self, metrics: dict[str, float]) -> UpdateResult:
+        return UpdateResult(metrics, self.core.global_step, self.core.weight_version)
+
+    def update_critic(self, batch: Batch) -> UpdateResult:
+        return self._result(self.core.update_critic(batch))
+
+    def update_actor(self, batch: Batch) -> UpdateResult:
+        return self._result(self.core.update_actor(batch))
+
+    def train_step(self, batch: Batch) -> UpdateResult:
+        return self._result(self.core.train_step(batch))
+
+    def sft_step(self, batch: Batch) -> UpdateResult:
+        return self._result(self.core.sft_step(batch))
+
+    def save_checkpoint(
+        self, path: str = "", *, step: int = 0, extra_state_json: str = "", export_hf: bool = False
+    ) -> CheckpointInfo:
+        from rlfleet.trainer import checkpoint
+
+        folder, nbytes, seconds = checkpoint.save(
+            self.core,
+            path or None,
+            step=step or None,
+            extra_state_json=extra_state_json,
+            export_hf=export_hf,
+        )
+        return CheckpointInfo(str(folder), step or self.core.global_step, nbytes, seconds)
+
+    def load_checkpoint(self, path: str = "") -> CheckpointInfo:
+        from rlfleet.trainer import checkpoint
+
+        folder, step, extra = checkpoint.load(self.core, path or None)
+        return CheckpointInfo(str(folder), step, extra_state_json=extra)
+
+    def push_weights(
+        self, targets: Sequence[tuple[str, str]], *, version: int = 0, bucket_bytes: int = 0
+    ) -> PushOutcome:
+        from rlfleet.trainer.servicer import push_to_targets
+        from rlfleet.trainer.weights import DEFAULT_BUCKET_BYTES
+
+        return _outcome(
+            push_to_targets(
+                self.core,
+                list(targets),
+                version=version,
+                bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+            )
+        )
+
+    def status(self) -> dict[str, Any]:
+        status: dict[str, Any] = self.core.status()
+        return status
+
+    def close(self) -> None:
+        pass
+
+
+class RemoteTrainerClient:
+    """Calls a TrainerService at ``address``; errors come back as rlfleet errors."""
+
+    def __init__(
+        self, address: str, *, timeout_s: float = 600.0, auth_token: str | None = None
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = create_channel(address, auth_token=auth_token)
+        self._stub = trainer_pb2_grpc.TrainerServiceStub(self._channel)
+
+    def _call(self, method: Callable[..., Any], request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise to_rlfleet_error(e) from e
+
+    def _stream(self, method: Callable[..., Any], batch: Batch) -> tuple[Batch, dict[str, float]]:
+        try:
+            responses: Iterator[common_pb2.TensorBatchChunk] = method(
+                iter_chunks(batch), timeout=self.timeout_s
+            )
+            asm = ChunkAssembler()
+            for chunk in responses:
+                if asm.add(chunk):
+                    break
+            values, meta = asm.result(to="torch")
+        except grpc.RpcError as e:
+            raise to_rlfleet_error(e) from e
+        metrics = json.loads(meta.get(METRICS_META_KEY, "{}"))
+        return values, metrics
+
+    def _update(self, method: Callable[..., Any], batch: Batch) -> UpdateResult:
+        resp: trainer_pb2.UpdateResponse = self._call(method, iter_chunks(batch))
+        return UpdateResult(dict(resp.metrics), resp.global_step, resp.weight_version)
+
+    def compute_log_prob(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        return self._stream(self._stub.ComputeLogProb, batch)
+
+    def compute_ref_log_prob(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        return self._stream(self._stub.ComputeRefLogProb, batch)
+
+    def compute_values(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        return self._stream(self._stub.ComputeValues, batch)
+
+    def compute_advantage(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        return self._stream(self._stub.ComputeAdvantage, batch)
+
+    def update_critic(self, batch: Batch) -> UpdateResult:
+        return self._update(self._stub.UpdateCritic, batch)
+
+    def update_actor(self, batch: Batch) -> UpdateResult:
+        return self._update(self._stub.UpdateActor, batch)
+
+    def train_step(self, batch: Batch) -> UpdateResult:
+        return self._update(self._stub.TrainStep, batch)
+
+    def sft_step(self, batch: Batch) -> UpdateResult:
+        return self._update(self._stub.SFTStep, batch)
+
+    def save_checkpoint(
+        self, path: str = "", *, step: int = 0, extra_state_json: str = "", export_hf: bool = False
+    ) -> CheckpointInfo:
+        req = trainer_pb2.SaveCheckpointRequest(
+            path=path, step=step, extra_state_json=extra_state_json, export_hf=export_hf
+        )
+        resp: trainer_pb2.SaveCheckpointResponse = self._call(self._stub.SaveCheckpoint, req)
+        return CheckpointInfo(resp.path, step, resp.bytes, resp.seconds)
+
+    def load_checkpoint(self, path: str = "") -> CheckpointInfo:
+        req = trainer_pb2.LoadCheckpointRequest(path=path)
+        resp: trainer_pb2.LoadCheckpointResponse = self._call(self._stub.LoadCheckpoint, req)
+        return CheckpointInfo(resp.path, resp.step, extra_state_json=resp.extra_state_json)
+
+    def push_weights(
+        self, targets: Sequence[tuple[str, str]], *, version: int = 0, bucket_bytes: int = 0
+    ) -> PushOutcome:
+        req = trainer_pb2.PushWeightsRequest(
+            targets=[trainer_pb2.RolloutTarget(replica_id=r, address=a) for r, a in targets],
+            version=version,
+            bucket_bytes=bucket_bytes,
+        )
+        return _outcome(self._call(self._stub.PushWeights, req))
+
+    def status(self) -> dict[str, Any]:
+        s: trainer_pb2.TrainerStatus = self._call(
+            self._stub.GetStatus, trainer_pb2.GetTrainerStatusRequest()
+        )
+        return {
+            "global_step": s.global_step,
+            "weight_version": s.weight_version,
+            "backend": s.backend,
+            "world_size": s.world_size,
+            "roles": list(s.roles),
+            "model": s.model,
+        }
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,466 @@
+"""TrainerCore: the trainer's operations on whole batches, with no I/O of its own.
+
+The servicer (:mod:`rlfleet.trainer.servicer`) and the in-process client call these
+methods; each validates the batch first (:func:`rlfleet.trainer.batch.validate_ppo_batch`,
+raising ``InvalidArgument`` before any model is touched), then hands every
+data-parallel rank its rows through the :class:`~rlfleet.trainer.dispatch.Dispatcher`
+and merges what comes back.
+
+Operations return only what they add (``compute_log_prob`` -> ``old_log_probs`` and
+``entropys``; ``compute_advantage`` -> ``token_level_rewards``, ``advantages``,
+``returns``; ...) plus metrics; updates return metrics named as in verl
+(``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/entropy``,
+``actor/grad_norm``, ``actor/lr``, ``critic/vf_loss``, ``critic/vf_clipfrac``,
+``critic/grad_norm``, ``critic/lr``, ...).
+
+:meth:`TrainerCore.train_step` runs one PPO step in verl's order: old log-probs,
+reference log-probs, values, KL penalty in the reward, advantages, critic update, then
+(after ``trainer.critic_warmup`` steps) the actor update.
+
+Counters: ``global_step`` counts training steps (``train_step``, ``update_actor``,
+``sft_step``); ``weight_version`` counts actor updates, i.e. the version of the weights a
+push sends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlfleet.common.config import GROUP_ESTIMATORS, Config
+from rlfleet.common.errors import FailedPrecondition, InvalidArgument
+from rlfleet.trainer import batch as B
+from rlfleet.trainer.backend import Backend
+from rlfleet.trainer.batch import Batch
+from rlfleet.trainer.dispatch import Dispatcher, RankOps
+from rlfleet.trainer.ppo import core_algos
+from rlfleet.trainer.worker import Worker, _mean_metrics
+
+__all__ = ["TrainerCore", "TrainerState", "build_backend"]
+
+logger = logging.getLogger(__name__)
+
+_MODEL_KEYS = ("input_ids", "attention_mask", "responses")
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint restores besides the models."""
+
+    global_step: int = 0
+    weight_version: int = 0
+    kl_coef: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def build_backend(config: Config, *, total_training_steps: int | None = None) -> Backend:
+    """The backend named by ``actor.backend`` for this process (and its process group)."""
+    if config.actor.backend == "megatron":
+        raise FailedPrecondition(
+            "actor.backend megatron is not implemented yet; use fsdp",
+            field="actor.backend",
+            value="megatron",
+        )
+    from rlfleet.trainer.fsdp import FSDPBackend
+
+    return FSDPBackend(config, total_training_steps=total_training_steps)
+
+
+def _data_metrics(batch: Batch) -> dict[str, float]:
+    mask = batch["response_mask"]
+    m = {
+        "response_length/mean": float(mask.sum(-1).float().mean()),
+        "critic/score/mean": float(batch["token_level_scores"].sum(-1).mean()),
+        "critic/rewards/mean": float(batch["token_level_rewards"].sum(-1).mean()),
+        "critic/advantages/mean": float(core_algos.masked_mean(batch["advantages"], mask)),
+        "critic/returns/mean": float(core_algos.masked_mean(batch["returns"], mask)),
+    }
+    if "values" in batch:
+        m["critic/values/mean"] = float(core_algos.masked_mean(batch["values"], mask))
+    return m
+
+
+class TrainerCore:
+    """Actor, critic and reference of one trainer (see the module docstring).
+
+    Args:
+        config: the run config (actor / critic / ref / algorithm / trainer sections).
+        backend: this rank's backend; built from the config when None.
+        total_training_steps: for the lr schedule; None: ``trainer.total_training_steps``.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        backend: Backend | None = None,
+        *,
+        total_training_steps: int | None = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend or build_backend(config, total_training_steps=total_training_steps)
+        self.worker = Worker(config, self.backend)
+        self.ops = RankOps(self.worker)
+        self.dispatcher = Dispatcher(self.ops)
+        self.world_size = self.dispatcher.world_size
+        kl = config.algorithm.kl_ctrl
+        self.kl_ctrl = core_algos.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.state = TrainerState(kl_coef=self.kl_ctrl.value)
+        # One operation at a time: gRPC serves calls on a thread pool, and the
+        # followers must see the operations in one order.
+        self.lock = threading.RLock()
+
+    # ---------------------------------------------------------------- info
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(r for r in ("actor", "critic", "ref") if self.backend.has(r))
+
+    @property
+    def global_step(self) -> int:
+        return self.state.global_step
+
+    @property
+    def weight_version(self) -> int:
+        return self.state.weight_version
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "global_step": self.global_step,
+            "weight_version": self.weight_version,
+            "backend": self.backend.name,
+            "world_size": self.world_size,
+            "roles": list(self.roles),
+            "model": self.config.actor.model_path,
+        }
+
+    def _need(self, role: str, op: str) -> None:
+        if not self.backend.has(role):
+            enabled = {
+                "critic": "algorithm.adv_estimator=gae or critic.enable=true",
+                "ref": "actor.use_kl_loss or algorithm.use_kl_in_reward",
+            }.get(role, "")
+            raise FailedPrecondition(
+                f"{op} needs the {role} model, which this trainer does not hold "
+                f"(roles: {list(self.roles)}; it is on with {enabled})",
+                field=role,
+            )
+
+    # ---------------------------------------------------------------- dispatch helpers
+
+    def _forward_on_ranks(self, op: str, batch: Batch) -> Batch:
+        """Split rows contiguously over the ranks (padding with copies of the last row so
+        that every rank runs the same number of micro-batches), run, concatenate."""
+        bs = B.batch_size(batch)
+        world = self.world_size
+        padded = -(-bs // world) * world
+        if padded != bs:
+            idx = torch.cat([torch.arange(bs), torch.full((padded - bs,), bs - 1)])
+            batch = B.index_select(batch, idx)
+        per = padded // world
+        shards = [B.index_select(batch, torch.arange(r * per, (r + 1) * per)) for r in range(world)]
+        results = self._check(self.dispatcher.run(op, shards))
+        out = B.concat(results)
+        if padded != bs:
+            out = B.index_select(out, torch.arange(bs))
+        return out
+
+    def _check(self, results: list[Any]) -> list[Any]:
+        for r, res in enumerate(results):
+            if isinstance(res, Exception):
+                raise RuntimeError(f"rank {r} failed: {type(res).__name__}: {res}") from res
+        return results
+
+    def _mini_size(self, bs: int, prompts: int, op: str) -> int:
+        mini = min(prompts * self.config.rollout.n, bs)
+        if bs % mini:
+            raise InvalidArgument(
+                f"{op}: batch size {bs} is not a multiple of the mini-batch size {mini} "
+                f"(ppo_mini_batch_size {prompts} x rollout.n {self.config.rollout.n})",
+                field="input_ids",
+                value=bs,
+            )
+        if mini % self.world_size:
+            raise InvalidArgument(
+                f"{op}: mini-batch size {mini} does not split over {self.world_size} ranks",
+                field="input_ids",
+                value=bs,
+            )
+        return mini
+
+    def _update_on_ranks(self, op: str, batch: Batch, mini: int) -> dict[str, float]:
+        bs = B.batch_size(batch)
+        order = B.interleave_for_minibatches(bs, mini, self.world_size)
+        shards = [B.index_select(batch, idx) for idx in order]
+        seed = self.config.trainer.seed + self.global_step
+        results = self._check(
+            self.dispatcher.run(op, shards, mini_per_rank=mini // self.world_size, seed=seed)
+        )
+        metrics = _mean_metrics(results)
+        for key in ("actor/skipped_steps", "critic/skipped_steps", "actor/lr", "critic/lr"):
+            if key in results[0]:
+                metrics[key] = results[0][key]
+        return metrics
+
+    # ---------------------------------------------------------------- operations
+
+    def compute_log_prob(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """``old_log_probs`` and ``entropys`` ``(bs, R)`` under the current actor."""
+        B.validate_ppo_batch(batch, "compute_log_prob", _MODEL_KEYS)
+        batch = B.ensure_defaults(batch)
+        with self.lock:
+            out = self._forward_on_ranks("compute_log_prob", self._model_view(batch))
+        ent = core_algos.masked_mean(out["entropys"], batch["response_mask"])
+        return out, {"actor/entropy": float(ent)}
+
+    def compute_ref_log_prob(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """``ref_log_prob`` ``(bs, R)`` under the reference policy."""
+        self._need("ref", "compute_ref_log_prob")
+        B.validate_ppo_batch(batch, "compute_ref_log_prob", _MODEL_KEYS)
+        batch = B.ensure_defaults(batch)
+        with self.lock:
+            return self._forward_on_ranks("compute_ref_log_prob", self._model_view(batch)), {}
+
+    def compute_values(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """``values`` ``(bs, R)`` from the critic."""
+        self._need("critic", "compute_values")
+        B.validate_ppo_batch(batch, "compute_values", _MODEL_KEYS)
+        batch = B.ensure_defaults(batch)
+        with self.lock:
+            return self._forward_on_ranks("compute_values", self._model_view(batch)), {}
+
+    @staticmethod
+    def _model_view(batch: Batch) -> Batch:
+        keys = ("input_ids", "attention_mask", "position_ids", "responses")
+        return {k: batch[k] for k in keys}
+
+    def _advantage_keys(self, batch: Batch) -> list[str]:
+        alg = self.config.algorithm
+        need = ["responses"]
+        if "token_level_scores" not in batch and "scores" not in batch:
+            need.append("token_level_scores")
+        if alg.adv_estimator == "gae":
+            need.append("values")
+        if alg.adv_estimator in GROUP_ESTIMATORS and "uid" not in batch and "index" not in batch:
+            need.append("uid")
+        if alg.adv_estimator == "remax":
+            need.append("reward_baselines")
+        if alg.use_kl_in_reward:
+            need += ["old_log_probs", "ref_log_prob"]
+        return need
+
+    def compute_advantage(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """KL penalty in the reward (if on) and the advantages of ``adv_estimator``.
+
+        Scores come as ``token_level_scores`` ``(bs, R)`` or ``scores`` ``(bs,)`` (placed on
+        the last valid response token). Returns ``token_level_scores``,
+        ``token_level_rewards``, ``advantages`` and ``returns``.
+        """
+        B.validate_ppo_batch(batch, "compute_advantage", self._advantage_keys(batch))
+        batch = B.ensure_defaults(batch)
+        with self.lock:
+            return self._advantage(batch)
+
+    def _advantage(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        alg = self.config.algorithm
+        mask = batch["response_mask"].to(torch.float32)
+        if "token_level_scores" in batch:
+            scores = batch["token_level_scores"].to(torch.float32)
+        else:
+            scores = torch.zeros_like(mask)
+            last = (mask.cumsum(-1) * mask).argmax(-1)  # last valid token of each row
+            scores.scatter_(1, last.unsqueeze(1), batch["scores"].to(torch.float32).unsqueeze(1))
+        metrics: dict[str, float] = {}
+        rewards = scores
+        if alg.use_kl_in_reward:
+            kld = core_algos.kl_penalty(
+                batch["old_log_probs"], batch["ref_log_prob"], alg.kl_penalty
+            )
+            kld = kld * mask
+            beta = self.kl_ctrl.value
+            rewards = scores - beta * kld
+            current_kl = float(core_algos.masked_mean(kld, mask, axis=-1).mean())
+            self.kl_ctrl.update(current_kl, n_steps=B.batch_size(batch))
+            self.state.kl_coef = self.kl_ctrl.value
+            metrics["actor/reward_kl_penalty"] = current_kl
+            metrics["actor/reward_kl_penalty_coeff"] = beta
+        index = batch.get("uid", batch.get("index"))
+        est = alg.adv_estimator
+        if est == "gae":
+            adv, ret = core_algos.compute_gae_advantage_return(
+                rewards, batch["values"].to(torch.float32), mask, alg.gamma, alg.lam
+            )
+        elif est == "grpo":
+            adv, ret = core_algos.compute_grpo_outcome_advantage(
+                rewards, mask, index, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo
+            )
+        elif est == "rloo":
+            adv, ret = core_algos.compute_rloo_outcome_advantage(rewards, mask, index)
+        elif est == "reinforce_plus_plus":
+            adv, ret = core_algos.compute_reinforce_plus_plus_outcome_advantage(
+                rewards, mask, alg.gamma
+            )
+        elif est == "reinforce_plus_plus_baseline":
+            adv, ret = core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage(
+                rewards, mask, index
+            )
+        elif est == "remax":
+            adv, ret = core_algos.compute_remax_outcome_advantage(
+                rewards, batch["reward_baselines"].to(torch.float32), mask
+            )
+        else:  # pragma: no cover - the config's Literal rules this out
+            raise InvalidArgument(f"unknown adv_estimator {est!r}", field="algorithm.adv_estimator")
+        out = {
+            "token_level_scores": scores,
+            "token_level_rewards": rewards,
+            "advantages": adv,
+            "returns": ret,
+        }
+        return out, metrics
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """PPO value updates on ``values`` and ``returns``."""
+        self._need("critic", "update_critic")
+        B.validate_ppo_batch(batch, "update_critic", (*_MODEL_KEYS, "values", "returns"))
+        batch = B.ensure_defaults(batch)
+        c = self.config.critic
+        mini = self._mini_size(B.batch_size(batch), c.ppo_mini_batch_size or 1, "update_critic")
+        with self.lock:
+            return self._update_on_ranks("update_critic", self._critic_view(batch), mini)
+
+    @staticmethod
+    def _critic_view(batch: Batch) -> Batch:
+        keys = (*_MODEL_KEYS, "position_ids", "response_mask", "values", "returns")
+        return {k: batch[k] for k in keys}
+
+    def _actor_keys(self) -> tuple[str, ...]:
+        keys = (*_MODEL_KEYS, "old_log_probs", "advantages")
+        return (*keys, "ref_log_prob") if self.config.actor.use_kl_loss else keys
+
+    def _actor_view(self, batch: Batch) -> Batch:
+        keys = (*self._actor_keys(), "position_ids", "response_mask")
+        return {k: batch[k] for k in keys}
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """PPO policy updates: ``ppo_epochs`` x mini-batches x micro-batches."""
+        B.validate_ppo_batch(batch, "update_actor", self._actor_keys())
+        batch = B.ensure_defaults(batch)
+        a = self.config.actor
+        mini = self._mini_size(B.batch_size(batch), a.ppo_mini_batch_size, "update_actor")
+        with self.lock:
+            metrics = self._update_on_ranks("update_actor", self._actor_view(batch), mini)
+            self.state.global_step += 1
+            self.state.weight_version += 1
+        return metrics
+
+    def sft_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of cross-entropy on the response tokens."""
+        B.validate_ppo_batch(batch, "sft_step", _MODEL_KEYS)
+        batch = B.ensure_defaults(batch)
+        view = {k: batch[k] for k in (*_MODEL_KEYS, "position_ids", "response_mask")}
+        bs = B.batch_size(batch)
+        if bs % self.world_size:
+            raise InvalidArgument(
+                f"sft_step: batch size {bs} does not split over {self.world_size} ranks",
+                field="input_ids",
+                value=bs,
+            )
+        with self.lock:
+            per = bs // self.world_size
+            shards = [
+                B.index_select(view, torch.arange(r * per, (r + 1) * per))
+                for r in range(self.world_size)
+            ]
+            results = self._check(self.dispatcher.run("sft_step", shards))
+            metrics = _mean_metrics(results)
+            self.state.global_step += 1
+            self.state.weight_version += 1
+        return metrics
+
+    def _train_step_keys(self, batch: Batch) -> list[str]:
+        need = [*_MODEL_KEYS]
+        alg = self.config.algorithm
+        if "token_level_scores" not in batch and "scores" not in batch:
+            need.append("token_level_scores")
+        if alg.adv_estimator in GROUP_ESTIMATORS and "uid" not in batch and "index" not in batch:
+            need.append("uid")
+        if alg.adv_estimator == "remax":
+            need.append("reward_baselines")
+        return need
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One PPO step on a scored batch, in verl's order (see the module docstring)."""
+        B.validate_ppo_batch(batch, "train_step", self._train_step_keys(batch))
+        batch = B.ensure_defaults(batch)
+        bs = B.batch_size(batch)
+        a = self.config.actor
+        actor_mini = self._mini_size(bs, a.ppo_mini_batch_size, "train_step")
+        critic_on = self.backend.has("critic")
+        if critic_on:
+            critic_mini = self._mini_size(
+                bs, self.config.critic.ppo_mini_batch_size or 1, "train_step"
+            )
+        metrics: dict[str, float] = {}
+        with self.lock:
+            view = self._model_view(batch)
+            if "old_log_probs" not in batch:
+                out = self._forward_on_ranks("compute_log_prob", view)
+                batch["old_log_probs"] = out["old_log_probs"]
+                metrics["actor/entropy_old"] = float(
+                    core_algos.masked_mean(out["entropys"], batch["response_mask"])
+                )
+            if self.backend.has("ref") and "ref_log_prob" not in batch:
+                batch.update(self._forward_on_ranks("compute_ref_log_prob", view))
+            if critic_on and "values" not in batch:
+                batch.update(self._forward_on_ranks("compute_values", view))
+            adv, adv_metrics = self._advantage(batch)
+            batch.update(adv)
+            metrics.update(adv_metrics)
+            metrics.update(_data_metrics(batch))
+            if critic_on:
+                metrics.update(
+                    self._update_on_ranks("update_critic", self._critic_view(batch), critic_mini)
+                )
+            if self.global_step >= self.config.trainer.critic_warmup:
+                metrics.update(
+                    self._update_on_ranks("update_actor", self._actor_view(batch), actor_mini)
+                )
+                self.state.weight_version += 1
+            self.state.global_step += 1
+        return metrics
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def shutdown(self) -> None:
+        """Release the follower ranks (they leave their loop)."""
+        with self.lock:
+            self.dispatcher.stop()
+
+    def gather_states(self, roles: Sequence[str]) -> list[dict[str, Any]]:
+        """Full states of ``roles`` (on rank 0) and each rank's RNG state."""
+        with self.lock:
+            return self._check(self.dispatcher.run("state_dicts", None, roles=list(roles)))
+
+    def iter_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The actor's parameters, gathered whole one at a time, in HF names (for a
+        weight push). Holds the trainer's lock until exhausted; every rank takes part."""
+        with self.lock:
+            self.dispatcher.send("drain_full_params", None, {"role": "actor"})
+            try:
+                yield from self.backend.iter_full_params("actor", dtype)
+            finally:
+                self._check(self.dispatcher.gather(None))
+
+    def export_hf(self, path: str) -> None:
+        """Write the actor as a Hugging Face folder that AutoModelForCausalLM loads."""
+        with self.lock:
+            self._check(self.dispatcher.run("export_hf", None, role="actor", path=path))
+        tokenizer = self.config.actor.tokenizer_path
+        if tokenizer:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).save_pretrained(path)

@@ -1,0 +1,336 @@
+"""FSDP2 backend: Hugging Face models sharded with ``torch.distributed.fsdp.fully_shard``.
+
+Layout: each decoder layer (the model's ``_no_split_modules`` classes) is one FSDP unit,
+the root (embeddings, final norm, head, tied weights) another. On one CPU process the
+models stay plain ``nn.Module`` (there is nothing to shard and no process group needed);
+with a process group of N ranks (gloo on CPU, NCCL on GPU) or on a GPU, they are
+``fully_shard``-ed over the whole group.
+
+Options (per role, verl's names): ``gradient_checkpointing``; ``param_offload`` and
+``optimizer_offload`` (FSDP2's ``CPUOffloadPolicy``: parameters, gradients and the
+optimizer step live on the CPU; either flag turns it on, GPU only); ``dtype: bfloat16``
+is mixed precision on GPU (bf16 compute, fp32 parameters and gradient reduction) and
+falls back to fp32 on CPU. ``fsdp.reshard_after_forward`` as in FSDP2.
+
+Gradient reduction averages over ranks; :mod:`rlfleet.trainer.worker` scales each
+micro-batch loss by its share of the global token count times the world size, so the
+result is the same update as one rank computing the whole mini-batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlfleet.common.config import ActorConfig, Config, CriticConfig
+from rlfleet.trainer.backend import LossFn, ModelRole, Outputs
+from rlfleet.trainer.models import (
+    forward_log_prob,
+    forward_values,
+    load_actor,
+    load_critic,
+    load_ref,
+    torch_dtype,
+)
+
+__all__ = ["FSDPBackend", "WarmupSchedule", "build_scheduler"]
+
+logger = logging.getLogger(__name__)
+
+
+class WarmupSchedule:
+    """lr multiplier: linear warm-up over ``warmup`` steps, then constant or cosine decay
+    to ``min_lr_ratio`` at ``total`` steps. A class (not a lambda) so that LambdaLR's
+    state_dict captures it."""
+
+    def __init__(self, warmup: int, total: int | None, kind: str, min_lr_ratio: float) -> None:
+        self.warmup = warmup
+        self.total = total
+        self.kind = kind
+        self.min_lr_ratio = min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / (self.warmup + 1)
+        if self.kind == "constant" or not self.total:
+            return 1.0
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, section: ActorConfig | CriticConfig, total: int | None
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """verl's schedule: ``lr_warmup_steps`` (or ``lr_warmup_steps_ratio * total``) of
+    linear warm-up, then constant or cosine (``lr_scheduler``) down to ``min_lr_ratio``."""
+    if section.lr_warmup_steps >= 0:
+        warmup = section.lr_warmup_steps
+    else:
+        warmup = int(section.lr_warmup_steps_ratio * (total or 0))
+    schedule = WarmupSchedule(warmup, total, section.lr_scheduler, section.min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def _decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return {type(m) for m in model.modules() if type(m).__name__ in names}
+
+
+class FSDPBackend:
+    """Models of one rank under FSDP2 (see the module docstring)."""
+
+    name = "fsdp"
+
+    def __init__(self, config: Config, *, total_training_steps: int | None = None) -> None:
+        self.config = config
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        if config.trainer.device == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+        else:
+            self.device = torch.device("cpu")
+        self.sharded = self.distributed and (self.world_size > 1 or self.device.type == "cuda")
+        total = total_training_steps or config.trainer.total_training_steps
+        torch.manual_seed(config.trainer.seed)
+        self.models: dict[ModelRole, nn.Module] = {}
+        self.optimizers: dict[ModelRole, torch.optim.Optimizer] = {}
+        self.schedulers: dict[ModelRole, torch.optim.lr_scheduler.LambdaLR] = {}
+        self.sections: dict[ModelRole, ActorConfig | CriticConfig] = {}
+
+        actor = config.actor
+        self._add_trained("actor", actor, load_actor(actor.model_path), total)
+        if config.critic_enabled():
+            critic = config.critic
+            path = critic.model_path or actor.model_path
+            self._add_trained("critic", critic, load_critic(path), total)
+        if config.ref_enabled():
+            ref_path = config.ref.model_path or actor.model_path
+            ref = self._wrap(load_ref(ref_path), actor, offload=config.ref.param_offload)
+            self.models["ref"] = ref
+
+    # ---------------------------------------------------------------- building
+
+    def _compute_dtype(self, section: ActorConfig | CriticConfig) -> torch.dtype | None:
+        if section.dtype == "float32" or self.device.type != "cuda":
+            return None
+        return torch_dtype(section.dtype)
+
+    def _wrap(
+        self, model: nn.Module, section: ActorConfig | CriticConfig, *, offload: bool
+    ) -> nn.Module:
+        if section.gradient_checkpointing and any(p.requires_grad for p in model.parameters()):
+            model.gradient_checkpointing_enable(  # type: ignore[operator]
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        if not self.sharded:
+            return model.to(self.device)
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
+        kwargs: dict[str, Any] = {"reshard_after_forward": section.fsdp.reshard_after_forward}
+        compute = self._compute_dtype(section)
+        if compute is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=compute, reduce_dtype=torch.float32
+            )
+        if offload and self.device.type == "cuda":
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        else:
+            kwargs["offload_policy"] = OffloadPolicy()
+            model.to(self.device)
+        layer_classes = _decoder_layer_classes(model)
+        for module in model.modules():
+            if type(module) in layer_classes:
+                fully_shard(module, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def _add_trained(
+        self,
+        role: ModelRole,
+        section: ActorConfig | CriticConfig,
+        model: nn.Module,
+        total: int | None,
+    ) -> None:
+        offload = section.param_offload or section.optimizer_offload
+        model = self._wrap(model, section, offload=offload)
+        model.train()
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=section.lr,
+            betas=section.betas,
+            weight_decay=section.weight_decay,
+        )
+        self.models[role] = model
+        self.optimizers[role] = optimizer
+        self.schedulers[role] = build_scheduler(optimizer, section, total)
+        self.sections[role] = section
+
+    # ---------------------------------------------------------------- Backend
+
+    def has(self, role: ModelRole) -> bool:
+        return role in self.models
+
+    def _model(self, role: ModelRole) -> nn.Module:
+        model = self.models.get(role)
+        if model is None:
+            raise KeyError(f"this trainer has no {role} model (roles: {sorted(self.models)})")
+        return model
+
+    def _to_device(self, mb: dict[str, Any]) -> dict[str, Any]:
+        if self.device.type == "cpu":
+            return mb
+        return {
+            k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in mb.items()
+        }
+
+    def _outputs(
+        self, role: ModelRole, model: nn.Module, mb: dict[str, Any], temp: float, ent: bool
+    ) -> Outputs:
+        if role == "critic":
+            return {"values": forward_values(model, mb)}
+        log_prob, entropy = forward_log_prob(model, mb, temperature=temp, with_entropy=ent)
+        out = {"log_prob": log_prob}
+        if entropy is not None:
+            out["entropy"] = entropy
+        return out
+
+    def forward(
+        self,
+        role: ModelRole,
+        micro_batches: Sequence[dict[str, Any]],
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> list[Outputs]:
+        model = self._model(role)
+        was_training = model.training
+        model.eval()
+        results: list[Outputs] = []
+        try:
+            with torch.no_grad():
+                for mb in micro_batches:
+                    out = self._outputs(role, model, self._to_device(mb), temperature, with_entropy)
+                    results.append({k: v.float().cpu() for k, v in out.items()})
+        finally:
+            model.train(was_training)
+        return results
+
+    def forward_backward(
+        self,
+        role: ModelRole,
+        micro_batches: Sequence[dict[str, Any]],
+        loss_fn: LossFn,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> list[dict[str, float]]:
+        model = self._model(role)
+        model.train()
+        metrics: list[dict[str, float]] = []
+        for mb in micro_batches:
+            mb_dev = self._to_device(mb)
+            out = self._outputs(role, model, mb_dev, temperature, with_entropy)
+            loss, m = loss_fn(out, mb_dev)
+            loss.backward()
+            metrics.append(m)
+        return metrics
+
+    def optimizer_step(self, role: ModelRole) -> tuple[float, bool]:
+        model = self._model(role)
+        optimizer = self.optimizers[role]
+        params = [p for p in model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.sections[role].grad_clip)
+        full = getattr(norm, "full_tensor", None)
+        grad_norm = float(full() if callable(full) else norm)
+        stepped = math.isfinite(grad_norm)
+        if stepped:
+            optimizer.step()
+        else:
+            logger.warning("%s: grad norm is %s, skipping the optimizer step", role, grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm, stepped
+
+    def scheduler_step(self, role: ModelRole) -> None:
+        self.schedulers[role].step()
+
+    def lr(self, role: ModelRole) -> float:
+        return float(self.optimizers[role].param_groups[0]["lr"])
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if not self.distributed or self.world_size == 1:
+            return value
+        out = value.to(self.device).clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out.cpu()
+
+    def iter_full_params(
+        self, role: ModelRole = "actor", dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        model = self._model(role)
+        for name, param in model.named_parameters():
+            full = getattr(param, "full_tensor", None)
+            t = (full() if callable(full) else param).detach()
+            if dtype is not None:
+                t = t.to(dtype)
+            yield name, t.cpu()
+
+    def _options(self, *, full: bool = True) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=full, cpu_offload=True)
+
+    def state_dict(self, role: ModelRole) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        model = self._model(role)
+        state: dict[str, Any] = {"model": get_model_state_dict(model, options=self._options())}
+        if role in self.optimizers:
+            state["optimizer"] = get_optimizer_state_dict(
+                model, self.optimizers[role], options=self._options()
+            )
+            state["scheduler"] = self.schedulers[role].state_dict()
+        return state
+
+    def load_state_dict(self, role: ModelRole, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        model = self._model(role)
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, state["model"], options=options)
+        if role in self.optimizers and "optimizer" in state:
+            set_optimizer_state_dict(
+                model, self.optimizers[role], state["optimizer"], options=options
+            )
+            self.schedulers[role].load_state_dict(state["scheduler"])
+
+    def export_hf(self, role: ModelRole, path: str) -> None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        model = self._model(role)
+        state = get_model_state_dict(model, options=self._options())
+        if self.rank == 0:
+            model.save_pretrained(path, state_dict=state)  # type: ignore[operator]

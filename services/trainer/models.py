@@ -1,0 +1,166 @@
+"""The three models of the trainer and their forward passes on a micro-batch.
+
+* **actor**: ``AutoModelForCausalLM``, trained.
+* **critic**: the LM backbone with a scalar value head. Built, as verl does, with
+  ``AutoModelForTokenClassification(num_labels=1)``: loading a causal-LM checkpoint into
+  it keeps the backbone and starts a fresh head (zero-initialised here, so the first
+  values are 0 and the first value loss is the returns' scale). Initialised from the
+  actor's weights or from its own ``critic.model_path``.
+* **ref**: ``AutoModelForCausalLM``, frozen (``requires_grad=False``, eval mode).
+
+Sequences are ``prompt + response`` of length L, the response being the last R tokens.
+The logit at position ``t`` predicts token ``t + 1``, so the response tokens are scored
+by the logits at ``[L - R - 1, L - 1)``; values are read at the same positions (the value
+of the state before each response token), as in verl.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlfleet.trainer.ppo.core_algos import entropy_from_logits, logprobs_from_logits
+
+__all__ = [
+    "forward_log_prob",
+    "forward_values",
+    "load_actor",
+    "load_critic",
+    "load_ref",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def _common_kwargs(dtype: torch.dtype, trust_remote_code: bool) -> dict[str, Any]:
+    return {
+        "dtype": dtype,
+        "trust_remote_code": trust_remote_code,
+        "local_files_only": True,
+        "attn_implementation": "eager" if not torch.cuda.is_available() else "sdpa",
+    }
+
+
+def load_actor(
+    path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+) -> nn.Module:
+    """The policy, trainable, in train mode (dropout is configured off by the model)."""
+    from transformers import AutoModelForCausalLM
+
+    model: nn.Module = AutoModelForCausalLM.from_pretrained(
+        path, **_common_kwargs(dtype, trust_remote_code)
+    )
+    model.config.use_cache = False  # type: ignore[union-attr]
+    return model
+
+
+def load_ref(
+    path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+) -> nn.Module:
+    """The frozen reference policy."""
+    model = load_actor(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def load_critic(
+    path: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+) -> nn.Module:
+    """Backbone of ``path`` plus a scalar value head (zero-initialised when new)."""
+    import logging
+
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(
+        path, trust_remote_code=trust_remote_code, local_files_only=True
+    )
+    config.num_labels = 1
+    # The token-classification head applies dropout (0.1 by default) before the score:
+    # values must be deterministic functions of the state.
+    config.classifier_dropout = 0.0
+    config.use_cache = False
+    # Loading a causal-LM checkpoint leaves the head uninitialised; transformers logs a
+    # warning saying so, which is expected here.
+    tf_logger = logging.getLogger("transformers.modeling_utils")
+    level = tf_logger.level
+    tf_logger.setLevel(logging.ERROR)
+    try:
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            path,
+            config=config,
+            output_loading_info=True,
+            **_common_kwargs(dtype, trust_remote_code),
+        )
+    finally:
+        tf_logger.setLevel(level)
+    head = _value_head(model)
+    if any(k.startswith(_head_name(model)) for k in info.get("missing_keys", [])):
+        with torch.no_grad():
+            head.weight.zero_()
+            if head.bias is not None:
+                head.bias.zero_()
+    result: nn.Module = model
+    return result
+
+
+def _head_name(model: nn.Module) -> str:
+    for name in ("score", "classifier"):
+        if isinstance(getattr(model, name, None), nn.Linear):
+            return name
+    raise TypeError(f"{type(model).__name__} has no linear 'score' or 'classifier' head")
+
+
+def _value_head(model: nn.Module) -> nn.Linear:
+    head = getattr(model, _head_name(model))
+    assert isinstance(head, nn.Linear)
+    return head
+
+
+def _model_inputs(mb: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {
+        "input_ids": mb["input_ids"],
+        "attention_mask": mb["attention_mask"],
+        "position_ids": mb["position_ids"],
+    }
+
+
+def forward_log_prob(
+    model: nn.Module, mb: dict[str, Any], *, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of the response tokens of one micro-batch.
+
+    Args:
+        model: a causal LM (plain or FSDP-wrapped).
+        mb: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, L)``, ``responses``
+            ``(bs, R)``.
+        temperature: logits are divided by it, as at sampling time.
+        with_entropy: also return the per-token entropy of the tempered distribution.
+
+    Returns:
+        ``log_prob`` ``(bs, R)`` fp32 and ``entropy`` ``(bs, R)`` or None. Gradients flow
+        if grad mode is on.
+    """
+    responses = mb["responses"]
+    r = responses.shape[1]
+    out = model(**_model_inputs(mb), use_cache=False)
+    logits = out.logits[:, -r - 1 : -1, :]
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_prob = logprobs_from_logits(logits, responses)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return log_prob, entropy
+
+
+def forward_values(model: nn.Module, mb: dict[str, Any]) -> torch.Tensor:
+    """Critic values ``(bs, R)`` fp32 at the positions that predict the response tokens."""
+    r = mb["responses"].shape[1]
+    out = model(**_model_inputs(mb))
+    values: torch.Tensor = out.logits[:, -r - 1 : -1, 0].float()
+    return values

@@ -1,0 +1,111 @@
+"""`rlfleet serve trainer`: the TrainerService on one process or N ranks under torchrun.
+
+::
+
+    rlfleet serve trainer --config run.yaml --port 50051
+    torchrun --nproc-per-node 2 -m rlfleet.trainer.server --config run.yaml --port 50051
+
+Under torchrun (``WORLD_SIZE`` > 1) the process group is gloo on CPU, NCCL on GPU; rank 0
+serves gRPC and drives, the other ranks follow its commands
+(:mod:`rlfleet.trainer.dispatch`) until it stops. SIGTERM / SIGINT stop gracefully:
+health goes NOT_SERVING, in-flight calls drain, then the followers are released.
+
+``--address-file`` writes ``host:port`` once the server is up (atomically), which is how
+a parent process that asked for port 0 learns the port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["add_serve_arguments", "main", "serve_main"]
+
+logger = logging.getLogger(__name__)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=False, default=None, help="run config (YAML)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="port to serve on; default: the port of services.trainer, else 0 (any free port)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
+    parser.add_argument("--address-file", default=None, help="write host:port here when ready")
+    parser.add_argument("--auth-token", default=os.environ.get("RLFLEET_AUTH_TOKEN"))
+    parser.add_argument(
+        "--total-training-steps", type=int, default=None, help="for the lr schedule"
+    )
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides key.path=value")
+
+
+def _port(args: argparse.Namespace, configured: str | None) -> int:
+    if args.port is not None:
+        return int(args.port)
+    if configured and not configured.startswith("unix:"):
+        return int(configured.rpartition(":")[2])
+    return 0
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Run the trainer service until stopped; returns the exit code."""
+    import torch.distributed as dist
+
+    from rlfleet.common.config import load_config
+    from rlfleet.common.rpc import create_server
+    from rlfleet.trainer.core import TrainerCore
+    from rlfleet.trainer.dispatch import follow
+    from rlfleet.trainer.servicer import TrainerServicer
+    from rlfleet.v1 import trainer_pb2_grpc
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = load_config(args.config, args.overrides)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if config.trainer.device == "cuda" else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        core = TrainerCore(config, total_training_steps=args.total_training_steps)
+        if rank != 0:
+            # Followers leave when rank 0 says so (after draining its calls); a signal
+            # sent to the whole group must not kill them under rank 0's feet.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            follow(core.ops)
+            return 0
+        server = create_server(
+            [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(core))],
+            host=args.host,
+            port=_port(args, config.services.trainer),
+            auth_token=args.auth_token,
+        )
+        server.install_signal_handlers()
+        if args.address_file:
+            target = Path(args.address_file)
+            tmp = target.with_suffix(target.suffix + ".tmp")
+            tmp.write_text(server.address)
+            tmp.replace(target)
+        print(f"trainer serving on {server.address} (world size {world})", flush=True)
+        server.wait()
+        core.shutdown()
+        return 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlfleet-trainer", description=__doc__)
+    add_serve_arguments(parser)
+    return serve_main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""TrainerService over gRPC: reassemble, call :class:`TrainerCore`, encode the answer.
+
+Batches arrive as chunk streams (:mod:`rlfleet.common.codec`); a malformed stream is
+``INVALID_ARGUMENT``. Streaming operations answer with the keys they add, and their
+metrics as JSON in the ``metrics`` meta entry. Errors raised by the core
+(``InvalidArgument`` naming the key and shapes, ``FailedPrecondition`` for a role this
+trainer does not hold) map to status codes through :mod:`rlfleet.common.rpc`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import grpc
+
+from rlfleet.common.codec import ChunkAssembler, CodecError, iter_chunks
+from rlfleet.common.errors import InvalidArgument
+from rlfleet.trainer import checkpoint
+from rlfleet.trainer.core import TrainerCore
+from rlfleet.trainer.models import torch_dtype
+from rlfleet.trainer.weights import DEFAULT_BUCKET_BYTES, push_weights
+from rlfleet.v1 import common_pb2, rollout_pb2, trainer_pb2, trainer_pb2_grpc
+
+__all__ = ["METRICS_META_KEY", "TrainerServicer", "decode_stream", "encode_result"]
+
+METRICS_META_KEY = "metrics"
+
+
+def decode_stream(chunks: Iterable[common_pb2.TensorBatchChunk]) -> dict[str, Any]:
+    """Reassemble a request stream into a batch; CodecError -> InvalidArgument."""
+    asm = ChunkAssembler()
+    try:
+        for chunk in chunks:
+            if asm.add(chunk):
+                break
+        values, _meta = asm.result(to="torch")
+    except CodecError as e:
+        raise InvalidArgument(f"malformed batch stream: {e}", field="chunks") from e
+    return values
+
+
+def encode_result(
+    batch: dict[str, Any], metrics: dict[str, float]
+) -> Iterator[common_pb2.TensorBatchChunk]:
+    return iter_chunks(batch, {METRICS_META_KEY: json.dumps(metrics)})
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    """Thin adapter from TrainerService to :class:`TrainerCore`."""
+
+    def __init__(
+        self, core: TrainerCore, *, default_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> None:
+        self.core = core
+        self.default_bucket_bytes = default_bucket_bytes
+
+    # -------------------------------------------------------------- batch in, batch out
+
+    def ComputeLogProb(
+        self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
+    ) -> Iterator[common_pb2.TensorBatchChunk]:
+        return encode_result(*self.core.compute_log_prob(decode_stream(request_iterator)))
+
+    def ComputeRefLogProb(
+        self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
+    ) -> Iterator[common_pb2.TensorBatchChunk]:
+        return encode_result(*self.core.compute_ref_log_prob(decode_stream(request_iterator)))
+
+    def ComputeValues(
+        self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
+    ) -> Iterator[common_pb2.TensorBatchChunk]:
+        return encode_result(*self.core.compute_values(decode_stream(request_iterator)))
+
+    def ComputeAdvantage(
+        self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
+    ) -> Iterator[common_pb2.TensorBatchChunk]:
+        return encode_result(*self.core.compute_advantage(decode_stream(request_iterator)))
+
+    # -------------------------------------------------------------- updates
+
+    def _update(self, metrics: dict[str, float]) -> trainer_pb2.UpdateResponse:
+        return trainer_pb2.UpdateResponse(
+            metrics=metrics,
+            global_step=self.core.global_step,
+            weight_version=self.core.weight_version,
+        )
+
+    def UpdateCritic(
+        self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
+    ) -> trainer_pb2.UpdateResponse:
+        return self._update(self.core.update_critic(decode_stream(request_iterator)))
+
+    def UpdateActor(
+        self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
+    ) -> trainer_pb2.UpdateResponse:
+        return self._update(self.core.update_actor(decode_stream(request_iterator)))
+
+    def TrainStep(
+        self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
+    ) -> trainer_pb2.UpdateResponse:
+        return self._update(self.core.train_step(decode_stream(request_iterator)))
+
+    def SFTStep(
+        self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
+    ) -> trainer_pb2.UpdateResponse:
+        return self._update(self.core.sft_step(decode_stream(request_iterator)))
+
+    # -------------------------------------------------------------- lifecycle
+
+    def SaveCheckpoint(
+        self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.SaveCheckpointResponse:
+        path, nbytes, seconds = checkpoint.save(
+            self.core,
+            request.path or None,
+            step=request.step or None,
+            extra_state_json=request.extra_state_json,
+            export_hf=request.export_hf,
+        )
+        return trainer_pb2.SaveCheckpointResponse(path=str(path), bytes=nbytes, seconds=seconds)
+
+    def LoadCheckpoint(
+        self, request: trainer_pb2.LoadCheckpointRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.LoadCheckpointResponse:
+        path, step, extra = checkpoint.load(self.core, request.path or None)
+        return trainer_pb2.LoadCheckpointResponse(path=str(path), step=step, extra_state_json=extra)
+
+    def PushWeights(
+        self, request: trainer_pb2.PushWeightsRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.PushWeightsResponse:
+        return push_to_targets(
+            self.core,
+            [(t.replica_id or t.address, t.address) for t in request.targets],
+            version=request.version,
+            bucket_bytes=request.bucket_bytes or self.default_bucket_bytes,
+            transports=list(request.transports),
+        )
+
+    def GetStatus(
+        self, request: trainer_pb2.GetTrainerStatusRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.TrainerStatus:
+        return trainer_pb2.TrainerStatus(**self.core.status())
+
+
+def push_to_targets(
+    core: TrainerCore,
+    targets: list[tuple[str, str]],
+    *,
+    version: int = 0,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    transports: list[int] | None = None,
+) -> trainer_pb2.PushWeightsResponse:
+    """Push the actor's weights (in the rollout's dtype) to ``targets`` over the gRPC
+    chunk stream, the portable transport, whatever ``transports`` prefers."""
+    if not targets:
+        raise InvalidArgument("no rollout targets to push to", field="targets")
+    for rid, address in targets:
+        if not address:
+            raise InvalidArgument(f"target {rid!r} has no address", field="targets")
+    del transports  # only the portable gRPC stream is implemented on the sender side
+    version = version or core.weight_version
+    dtype = torch_dtype(core.config.rollout.dtype)
+    summary = push_weights(core.iter_weights(dtype), targets, version, bucket_bytes=bucket_bytes)
+    grpc_transport = rollout_pb2.WEIGHT_TRANSPORT_GRPC
+    return trainer_pb2.PushWeightsResponse(
+        version=version,
+        bytes=summary.bytes,
+        results=[
+            trainer_pb2.PushResult(
+                replica_id=r.replica_id,
+                ok=r.ok,
+                error=r.error,
+                transport=grpc_transport,
+                seconds=r.seconds,
+            )
+            for r in summary.results
+        ],
+    )

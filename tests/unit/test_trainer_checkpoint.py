@@ -1,0 +1,105 @@
+"""Checkpoints: save -> load -> the next step is bit-exact; a crash mid-save keeps the last
+good checkpoint; keep-last-K; the actor exported as a Hugging Face folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rlfleet.common.errors import NotFound
+from rlfleet.trainer import checkpoint
+from rlfleet.trainer.core import TrainerCore
+from rlfleet.trainer.testing import make_batch, make_config
+
+
+def _config(model_dir: Path, run_dir: Path) -> Any:
+    return make_config(
+        str(model_dir),
+        algorithm={"adv_estimator": "gae"},
+        actor={"shuffle": True, "ppo_micro_batch_size": 2, "lr_warmup_steps": 2},
+        trainer={"default_local_dir": str(run_dir), "max_actor_ckpt_to_keep": 2},
+    )
+
+
+def _batch(seed: int) -> dict[str, Any]:
+    return {**make_batch(seed=seed), "scores": torch.tensor([1.0, 0.0, 0.5, 0.25])}
+
+
+def test_save_load_next_step_bit_exact(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = _config(tiny_model_dir, tmp_path / "run")
+    a = TrainerCore(cfg)
+    a.train_step(_batch(0))
+    folder, nbytes, _ = checkpoint.save(a, step=1, extra_state_json='{"epoch": 0, "pos": 4}')
+    assert nbytes > 0 and folder.name == "global_step_1"
+    expected = a.train_step(_batch(1))
+    expected_params = dict(a.backend.iter_full_params("actor"))
+
+    b = TrainerCore(cfg)
+    path, step, extra = checkpoint.load(b)
+    assert (path, step, json.loads(extra)) == (folder, 1, {"epoch": 0, "pos": 4})
+    assert b.weight_version == 1
+    got = b.train_step(_batch(1))
+    for key in ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "actor/lr"):
+        assert got[key] == expected[key], key  # bit-exact on CPU
+    for name, t in b.backend.iter_full_params("actor"):
+        assert torch.equal(t, expected_params[name]), name
+
+
+def test_crash_mid_save_keeps_last_good(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core = TrainerCore(_config(tiny_model_dir, tmp_path / "run"))
+    good, _, _ = checkpoint.save(core, step=1)
+    core.train_step(_batch(2))
+
+    calls = {"n": 0}
+    real = checkpoint._write_torch
+
+    def failing(obj: Any, path: Path) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full (injected)")
+        real(obj, path)
+
+    monkeypatch.setattr(checkpoint, "_write_torch", failing)
+    with pytest.raises(OSError, match="injected"):
+        checkpoint.save(core, step=2)
+    monkeypatch.undo()
+    root = tmp_path / "run" / "checkpoints"
+    assert checkpoint.find_latest(root) == good
+    assert not (root / "global_step_2").exists()
+    assert not list(root.glob(".tmp-*"))
+    # A leftover temporary folder (a real crash) is ignored by load.
+    (root / ".tmp-global_step_3-dead").mkdir()
+    assert checkpoint.load(core)[1] == 1
+
+
+def test_keep_last_k_and_hf_export(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    core = TrainerCore(_config(tiny_model_dir, tmp_path / "run"))
+    for step in (1, 2, 3):
+        folder, _, _ = checkpoint.save(core, step=step, export_hf=(step == 3))
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [
+        "global_step_2",
+        "global_step_3",
+    ]
+    assert (root / checkpoint.LATEST_FILE).read_text() == "3"
+    hf = AutoModelForCausalLM.from_pretrained(folder / "huggingface", local_files_only=True)
+    ours = dict(core.backend.iter_full_params("actor"))
+    for name, t in hf.named_parameters():
+        assert torch.equal(t.detach(), ours[name]), name
+    assert (folder / "huggingface" / "tokenizer.json").is_file()
+
+
+def test_load_without_checkpoint_is_not_found(tiny_model_dir: Path, tmp_path: Path) -> None:
+    core = TrainerCore(
+        make_config(str(tiny_model_dir), trainer={"default_local_dir": str(tmp_path)})
+    )
+    with pytest.raises(NotFound):
+        checkpoint.load(core)
