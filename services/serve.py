@@ -15,7 +15,10 @@ from typing import Any
 SERVICES: dict[str, tuple[str, str]] = {
     "reward": ("rlfleet.reward.server", "rule and model rewards (torch-free for rules)"),
     "rollout": ("rlfleet.rollout.server", "generation replica (HF or vLLM engine)"),
-    "trainer": ("rlfleet.trainer.server", "actor / critic / reference (FSDP2; torchrun for N ranks)"),
+    "trainer": (
+        "rlfleet.trainer.server",
+        "actor / critic / reference (FSDP2; torchrun for N ranks)",
+    ),
 }
 
 

@@ -1,7 +1,7 @@
 """Generate the Python stubs of protos/rlfleet/v1 into services/v1 (rlfleet.v1).
 
-    python tools/gen_protos.py           # regenerate in place
-    python tools/gen_protos.py --check   # regenerate into a temp dir, fail on any diff
+python tools/gen_protos.py           # regenerate in place
+python tools/gen_protos.py --check   # regenerate into a temp dir, fail on any diff
 """
 
 from __future__ import annotations
