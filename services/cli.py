@@ -15,7 +15,13 @@ from collections.abc import Callable, Sequence
 # name -> (module, help). The module defines `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("rlfleet.common.tiny_model", "build a tiny Llama model and tokenizer offline"),
-    "serve": ("rlfleet.serve", "run one service (reward, rollout, trainer) in the foreground"),
+    "serve": ("rlfleet.serve", "run one service (scheduler, reward, rollout, trainer) in the foreground"),
+    "status": ("rlfleet.scheduler.cli", "show the cluster's services and training status"),
+    "up": (
+        "rlfleet.scheduler.cli",
+        "start a local cluster that keeps running (see `rlfleet down`)",
+    ),
+    "down": ("rlfleet.scheduler.cli", "stop the cluster `rlfleet up` started"),
     "reward": ("rlfleet.reward.cli", "score files against a running reward service (score, info)"),
     "rollout": ("rlfleet.rollout.cli", "talk to a rollout replica (generate)"),
     "preprocess": (

@@ -13,6 +13,10 @@ from typing import Any
 
 # service -> (module, help)
 SERVICES: dict[str, tuple[str, str]] = {
+    "scheduler": (
+        "rlfleet.scheduler.server",
+        "registry, placement, Prometheus /sd (SchedulerService)",
+    ),
     "reward": ("rlfleet.reward.server", "rule and model rewards (torch-free for rules)"),
     "rollout": ("rlfleet.rollout.server", "generation replica (HF or vLLM engine)"),
     "trainer": (

@@ -1,0 +1,319 @@
+"""`rlfleet status`, `rlfleet up`, `rlfleet down`: see and run a local cluster.
+
+::
+
+    rlfleet up --config examples/ppo_tiny.yaml [key.path=value ...] [--state-dir .rlfleet]
+    rlfleet status [--scheduler HOST:PORT] [--json]
+    rlfleet down [--state-dir .rlfleet]
+
+``up`` starts a :class:`~rlfleet.scheduler.cluster.LocalCluster` whose processes
+outlive the command, and records their PIDs (with their start times) and addresses
+in ``<state-dir>/cluster.json``; ``down`` stops exactly those processes; ``status``
+asks the scheduler of that file (or ``--scheduler``) for its services and the
+training status. ``up --foreground`` instead keeps the cluster until Ctrl-C.
+
+The module serves all three subcommands: ``add_arguments`` reads which one from the
+parser's ``prog`` (``rlfleet status``); under any other name it adds the three as
+sub-subcommands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["STATE_FILE", "add_arguments", "format_services", "read_state", "run"]
+
+STATE_FILE = "cluster.json"
+DEFAULT_STATE_DIR = ".rlfleet"
+_COMMANDS = ("status", "up", "down")
+
+
+def _state_path(state_dir: str | Path) -> Path:
+    return Path(state_dir) / STATE_FILE
+
+
+def read_state(state_dir: str | Path) -> dict[str, Any] | None:
+    """The state file of ``rlfleet up`` in ``state_dir``, or None if there is none."""
+    path = _state_path(state_dir)
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    return data
+
+
+def _write_state(state_dir: str | Path, state: dict[str, Any]) -> Path:
+    path = _state_path(state_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def _add_state_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--state-dir",
+        default=DEFAULT_STATE_DIR,
+        help=f"where `rlfleet up` records the cluster (default: ./{DEFAULT_STATE_DIR})",
+    )
+
+
+def _add(command: str, p: argparse.ArgumentParser) -> None:
+    p.set_defaults(_cluster_command=command)
+    _add_state_dir(p)
+    if command == "status":
+        p.add_argument(
+            "--scheduler", default=None, help="scheduler host:port (default: from the state file)"
+        )
+        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        p.add_argument("--timeout-s", type=float, default=10.0)
+    elif command == "up":
+        p.add_argument("--config", required=True, help="run config (YAML)")
+        p.add_argument("overrides", nargs="*", help="dotted config overrides key.path=value")
+        p.add_argument("--run-dir", default=None, help="logs and config (default: the run dir)")
+        p.add_argument("--timeout-s", type=float, default=300.0, help="start-up limit")
+        p.add_argument(
+            "--foreground", action="store_true", help="keep the cluster until Ctrl-C / SIGTERM"
+        )
+    else:
+        p.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM-to-SIGKILL wait")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``rlfleet status|up|down`` (picked from ``parser.prog``)."""
+    command = parser.prog.split()[-1] if parser.prog else ""
+    if command in _COMMANDS:
+        _add(command, parser)
+        return
+    sub = parser.add_subparsers(dest="cluster_command_name", metavar="COMMAND", required=True)
+    helps = {
+        "status": "services and training status",
+        "up": "start a local cluster",
+        "down": "stop it",
+    }
+    for name in _COMMANDS:
+        _add(name, sub.add_parser(name, help=helps[name]))
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args._cluster_command
+    if command == "status":
+        return _status(args)
+    if command == "up":
+        return _up(args)
+    return _down(args)
+
+
+# --------------------------------------------------------------------------- status
+
+
+def _devices(devices: Any) -> str:
+    by_kind: dict[str, list[int]] = {}
+    for d in devices:
+        by_kind.setdefault(d.kind, []).append(d.index)
+    return " ".join(f"{k}:{_ranges(sorted(v))}" for k, v in by_kind.items()) or "-"
+
+
+def _ranges(values: list[int]) -> str:
+    out: list[str] = []
+    start = prev = None
+    for v in [*values, None]:
+        if v is not None and prev is not None and v == prev + 1:
+            prev = v
+            continue
+        if start is not None:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = v
+    return ",".join(out)
+
+
+def format_services(entries: Any, now: float | None = None) -> str:
+    """The table ``rlfleet status`` prints."""
+    now = time.time() if now is None else now
+    header = ("ID", "ROLE", "ADDRESS", "STATE", "DEVICES", "QUEUE", "TOK/S", "WEIGHTS", "SEEN")
+    rows = [header]
+    for e in entries:
+        rows.append(
+            (
+                e.service_id,
+                e.spec.role,
+                e.spec.address,
+                e.state.value.upper(),
+                _devices(e.spec.devices),
+                str(e.load.queue_depth),
+                f"{e.load.tokens_per_second:.1f}",
+                f"v{e.load.weight_version}",
+                f"{max(0.0, now - e.last_heartbeat_unix):.0f}s ago",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def _status(args: argparse.Namespace) -> int:
+    from rlfleet.common.errors import RlfleetError
+    from rlfleet.scheduler.servicer import SchedulerClient
+
+    address = args.scheduler
+    if address is None:
+        state = read_state(args.state_dir)
+        address = state["handle"].get("scheduler") if state else None
+        if not address:
+            print(
+                f"rlfleet status: no --scheduler and no scheduler in {_state_path(args.state_dir)}"
+                " (start one with `rlfleet up`)",
+                file=sys.stderr,
+            )
+            return 2
+    try:
+        with SchedulerClient(address, timeout_s=args.timeout_s) as client:
+            entries = client.list_services()
+            status = client.training_status()
+    except RlfleetError as e:
+        print(f"rlfleet status: scheduler {address}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        out = {
+            "scheduler": address,
+            "services": [
+                {
+                    "service_id": e.service_id,
+                    "role": e.spec.role,
+                    "address": e.spec.address,
+                    "state": e.state.value,
+                    "devices": [[d.kind, d.index] for d in e.spec.devices],
+                    "metrics_address": e.spec.metrics_address,
+                    "pid": e.spec.pid,
+                    "queue_depth": e.load.queue_depth,
+                    "tokens_per_second": e.load.tokens_per_second,
+                    "weight_version": e.load.weight_version,
+                    "last_heartbeat_unix": e.last_heartbeat_unix,
+                }
+                for e in entries
+            ],
+            "training": {
+                "state": status.state,
+                "global_step": status.global_step,
+                "total_steps": status.total_steps,
+                "weight_version": status.weight_version,
+                "metrics": dict(status.metrics),
+            },
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"scheduler {address}: {len(entries)} service(s)")
+    print(format_services(entries))
+    if status.state != "idle" or status.global_step > 0:
+        line = (
+            f"training: {status.state}, step {status.global_step}/{status.total_steps or '?'}, "
+            f"weights v{status.weight_version}"
+        )
+        shown = sorted(status.metrics.items())[:12]
+        if shown:
+            line += "\n  " + "  ".join(f"{k}={v:.4g}" for k, v in shown)
+        print(line)
+    return 0
+
+
+# --------------------------------------------------------------------------- up / down
+
+
+def _live(state: dict[str, Any]) -> list[str]:
+    from rlfleet.scheduler.cluster import ProcessInfo, process_start_time
+
+    out = []
+    for p in state.get("processes", []):
+        info = ProcessInfo(**p)
+        try:
+            os.kill(info.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            continue
+        if info.start_time is None or process_start_time(info.pid) == info.start_time:
+            out.append(f"{info.name} (pid {info.pid})")
+    return out
+
+
+def _up(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from rlfleet.common.config import ConfigError, load_config
+    from rlfleet.common.errors import RlfleetError
+    from rlfleet.scheduler.cluster import LocalCluster
+
+    state = read_state(args.state_dir)
+    if state is not None and _live(state):
+        print(
+            f"rlfleet up: a cluster is already up ({', '.join(_live(state))}; "
+            f"state {_state_path(args.state_dir)}): run `rlfleet down` first",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"rlfleet up: {e}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir) if args.run_dir else config.run_dir()
+    cluster = LocalCluster(config, run_dir, detach=not args.foreground)
+    try:
+        handle = cluster.start(timeout_s=args.timeout_s)
+    except RlfleetError as e:
+        print(f"rlfleet up: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        cluster.stop()
+        return 130
+    path = _write_state(
+        args.state_dir,
+        {
+            "version": 1,
+            "created_unix": time.time(),
+            "config": str(Path(args.config).resolve()),
+            "handle": handle.to_dict(),
+            "processes": [asdict(p) for p in cluster.processes()],
+        },
+    )
+    print(json.dumps({"event": "up", "state": str(path), **handle.to_dict()}), flush=True)
+    if not args.foreground:
+        return 0
+    try:
+        while True:  # until Ctrl-C, or SIGTERM (the cluster's handler stops it and exits)
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+        _state_path(args.state_dir).unlink(missing_ok=True)
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from rlfleet.scheduler.cluster import ProcessInfo, stop_processes
+
+    state = read_state(args.state_dir)
+    if state is None:
+        print(
+            f"rlfleet down: no cluster recorded in {_state_path(args.state_dir)}", file=sys.stderr
+        )
+        return 1
+    infos = [ProcessInfo(**p) for p in state.get("processes", [])]
+    services = [i for i in infos if i.name != "scheduler"]
+    schedulers = [i for i in infos if i.name == "scheduler"]
+    killed = stop_processes(services, grace_s=args.grace_s)
+    killed += stop_processes(schedulers, grace_s=args.grace_s)
+    _state_path(args.state_dir).unlink(missing_ok=True)
+    note = f" ({', '.join(killed)} needed SIGKILL)" if killed else ""
+    print(f"stopped {len(infos)} process(es){note}")
+    return 0

@@ -1,0 +1,851 @@
+"""A local cluster: every service as its own process on 127.0.0.1, pinned per pool.
+
+::
+
+    with LocalCluster(config, run_dir) as cluster:
+        handle = cluster.start(timeout_s=120)
+        handle.scheduler, handle.reward, handle.trainer, handle.rollout  # addresses
+        ...                                                               # train
+    # every process stopped (SIGTERM, then SIGKILL after the grace period)
+
+What :meth:`LocalCluster.start` does:
+
+1. Writes the resolved config to ``run_dir/config.yaml`` (the trainer and reward
+   read it) and plans the pools on this machine (:func:`plan_placement`, every
+   pool entry on this one node, disjoint devices per pool).
+2. Starts the scheduler (``scheduler=True``), then reward, trainer and one rollout
+   replica per ``config.rollout_replicas()``, each as ``python -m rlfleet.<service>.server``
+   with ``--port 0``, in its own session, output in ``run_dir/logs/<name>.log``.
+   A service's address comes from its one-line JSON ``serving`` message (or the
+   trainer's ``--address-file``); then its gRPC health must answer SERVING.
+3. On ``cpu``, each process is pinned to its pool's cores (``sched_setaffinity`` in a
+   tiny launcher that then ``exec``s the server, so the PID is the server's) and
+   gets ``OMP_NUM_THREADS`` = its cores; rollout replicas split the rollout pool,
+   one pool entry each. On ``cuda`` each process gets ``CUDA_VISIBLE_DEVICES`` of
+   its pool. Roles sharing a pool share its devices (colocation).
+4. Registers reward and trainer with the scheduler as ``liveness=probe`` (they do
+   not heartbeat; the scheduler health-checks them); rollout replicas register
+   themselves (``--scheduler``).
+
+A service that exits during start-up fails :meth:`start` with the tail of its log;
+so does one that is not healthy within ``timeout_s``. Everything started so far is
+stopped first.
+
+:meth:`LocalCluster.stop` (also on ``with`` exit, at interpreter exit, and on
+SIGTERM to this process when started from the main thread) sends SIGTERM to each
+process group it started (rollouts, trainer and reward first, the scheduler last),
+waits ``grace_s``, then SIGKILLs what is left. Children also get SIGTERM if this
+process dies without stopping them (Linux ``PR_SET_PDEATHSIG``), unless the
+cluster is ``detach``-ed (``rlfleet up``), in which case :func:`stop_processes` on
+the recorded PIDs stops them later (``rlfleet down``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from rlfleet.common.config import Config, save_resolved
+from rlfleet.common.errors import Unavailable
+from rlfleet.common.rpc import wait_for_ready
+from rlfleet.scheduler.placement import (
+    Device,
+    PlacementPlan,
+    cuda_visible_devices,
+    local_node,
+    plan_placement,
+    split_devices,
+)
+from rlfleet.scheduler.registry import LIVENESS_CAPABILITY, LIVENESS_PROBE, ServiceSpec
+
+__all__ = [
+    "ClusterHandle",
+    "LocalCluster",
+    "ProcessInfo",
+    "ServiceStartError",
+    "process_start_time",
+    "stop_processes",
+]
+
+logger = logging.getLogger(__name__)
+
+# Runs in the child before the server: pin to cores, ask for SIGTERM when the parent
+# dies (PR_SET_PDEATHSIG = 1), then exec the server so its PID is the one we hold.
+_LAUNCHER = """\
+import os, sys
+cores, parent, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+if cores:
+    os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+if parent:
+    import ctypes, signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    if os.getppid() != parent:
+        sys.exit(1)
+os.execv(sys.executable, [sys.executable, *argv])
+"""
+
+_LOG_TAIL_LINES = 40
+
+
+class ServiceStartError(Unavailable):
+    """A service died or stayed unhealthy during start-up; the message has its log tail."""
+
+    default_recoverable = False
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One process the cluster started: enough to stop it from another process.
+
+    ``start_time`` is the kernel's start time of the PID (clock ticks since boot,
+    ``/proc/<pid>/stat``), so a recycled PID is never taken for ours.
+    """
+
+    name: str
+    pid: int
+    start_time: int | None
+    log: str
+
+
+@dataclass(frozen=True)
+class ClusterHandle:
+    """Addresses of a started cluster.
+
+    Attributes:
+        scheduler: the scheduler's ``host:port`` (None: no scheduler).
+        reward: the reward service.
+        trainer: the trainer service (rank 0).
+        rollout: one address per rollout replica.
+        metrics: service name -> its Prometheus ``host:port`` (the scheduler's also
+            serves ``/sd``).
+        pids: service name (``scheduler``, ``reward``, ``trainer``, ``rollout-0`` ...) -> PID
+            (absent for services given by address in ``config.services``).
+        cores: service name -> CPU cores it is pinned to (empty: not pinned).
+        gpus: service name -> its ``CUDA_VISIBLE_DEVICES`` (cuda only).
+        run_dir: where the config and logs are.
+        config_path: the resolved config the services read.
+        mode: ``colocated`` or ``disaggregated``.
+    """
+
+    scheduler: str | None
+    reward: str
+    trainer: str
+    rollout: list[str]
+    metrics: dict[str, str] = field(default_factory=dict)
+    pids: dict[str, int] = field(default_factory=dict)
+    cores: dict[str, list[int]] = field(default_factory=dict)
+    gpus: dict[str, str] = field(default_factory=dict)
+    run_dir: str = ""
+    config_path: str = ""
+    mode: str = "disaggregated"
+
+    def log_path(self, name: str) -> Path:
+        return Path(self.run_dir) / "logs" / f"{name}.log"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ClusterHandle:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+@dataclass
+class _Proc:
+    name: str
+    kind: str  # scheduler | reward | trainer | rollout
+    argv: list[str]
+    env: dict[str, str]
+    cores: tuple[int, ...]
+    gpus: str | None
+    log_path: Path
+    address_file: Path | None = None
+    popen: subprocess.Popen[bytes] | None = None
+    start_time: int | None = None
+    address: str | None = None
+    metrics_address: str | None = None
+    _read: int = 0
+
+    @property
+    def pid(self) -> int:
+        return 0 if self.popen is None else self.popen.pid
+
+
+def process_start_time(pid: int) -> int | None:
+    """The PID's start time in clock ticks since boot (Linux), or None if unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    try:
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def _log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        return f"(no log: {e})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class LocalCluster:
+    """Start and stop the services of a run as local processes.
+
+    Args:
+        config: the validated run config.
+        run_dir: gets ``config.yaml``, ``logs/<service>.log`` and address files.
+        scheduler: start a scheduler process (rollout replicas register with it, and
+            reward/trainer are registered for probing). False: use
+            ``scheduler_address`` or ``config.services.scheduler`` if given, else none.
+        scheduler_address: an already running scheduler (e.g. the driver's in-process
+            one); implies no scheduler process.
+        host: interface every service binds and advertises.
+        extra_args: service kind (``scheduler``, ``reward``, ``trainer``, ``rollout``) ->
+            more command-line arguments for it.
+        env: extra environment variables for every service.
+        detach: leave the services running when this object or process goes away
+            (no atexit / parent-death stop); stop them with :func:`stop_processes`.
+        grace_s: SIGTERM-to-SIGKILL wait of :meth:`stop`.
+        python: interpreter to run the services with.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        run_dir: str | Path,
+        *,
+        scheduler: bool = True,
+        scheduler_address: str | None = None,
+        host: str = "127.0.0.1",
+        extra_args: Mapping[str, Sequence[str]] | None = None,
+        env: Mapping[str, str] | None = None,
+        detach: bool = False,
+        grace_s: float = 10.0,
+        heartbeat_interval_s: float = 2.0,
+        python: str = sys.executable,
+    ) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir)
+        given = scheduler_address or config.services.scheduler
+        self.launch_scheduler = scheduler and given is None
+        self.scheduler_address: str | None = given
+        self.host = host
+        self.extra_args = {k: list(v) for k, v in (extra_args or {}).items()}
+        self.env = dict(env or {})
+        self.detach = detach
+        self.grace_s = grace_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.python = python
+        self.placement: PlacementPlan | None = None
+        self.handle: ClusterHandle | None = None
+        self._procs: list[_Proc] = []
+        self._registered: list[str] = []
+        self._lock = threading.RLock()
+        self._stopped = False
+        self._atexit: Callable[[], None] | None = None
+        self._old_sigterm: Any = None
+        self._pdeathsig = False
+
+    # ------------------------------------------------------------------ planning
+
+    def plan(self) -> PlacementPlan:
+        """Place the config's pools on this machine (raises PlacementError if they don't fit)."""
+        cfg = self.config
+        return plan_placement(
+            cfg.resource_pools,
+            cfg.mapping.model_dump(),
+            device=cfg.trainer.device,
+            nodes=[local_node(cfg.trainer.device)],
+            roles=cfg.enabled_roles(),
+            fold_nodes=True,
+        )
+
+    def _devices_env(self, devices: Sequence[Device], procs: int = 1) -> dict[str, str]:
+        if self.config.trainer.device == "cpu":
+            threads = str(max(1, len(devices) // max(1, procs)) if devices else 1)
+            return {
+                "CUDA_VISIBLE_DEVICES": "",
+                "OMP_NUM_THREADS": threads,
+                "MKL_NUM_THREADS": threads,
+                "OPENBLAS_NUM_THREADS": threads,
+            }
+        return {"CUDA_VISIBLE_DEVICES": cuda_visible_devices(devices)} if devices else {}
+
+    def _proc(
+        self,
+        name: str,
+        kind: str,
+        module_argv: list[str],
+        devices: Sequence[Device],
+        *,
+        procs: int = 1,
+        address_file: Path | None = None,
+    ) -> _Proc:
+        cpu = self.config.trainer.device == "cpu"
+        cores = tuple(sorted({d.index for d in devices})) if cpu else ()
+        gpus = None if cpu else cuda_visible_devices(devices)
+        env = {
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            **self._devices_env(devices, procs),
+            **self.env,
+        }
+        return _Proc(
+            name=name,
+            kind=kind,
+            argv=[*module_argv, *self.extra_args.get(kind, [])],
+            env=env,
+            cores=cores,
+            gpus=gpus,
+            log_path=self.run_dir / "logs" / f"{name}.log",
+            address_file=address_file,
+        )
+
+    def _build(self, plan: PlacementPlan, config_path: Path) -> tuple[_Proc | None, list[_Proc]]:
+        cfg, host = self.config, self.host
+        scheduler = None
+        if self.launch_scheduler:
+            scheduler = self._proc(
+                "scheduler",
+                "scheduler",
+                [
+                    "-m",
+                    "rlfleet.scheduler.server",
+                    "--host",
+                    host,
+                    "--port",
+                    "0",
+                    "--metrics-port",
+                    "0",
+                    "--config",
+                    str(config_path),
+                    "--plan-local",
+                    "--heartbeat-interval-s",
+                    str(self.heartbeat_interval_s),
+                    "--grace-s",
+                    "1",
+                ],
+                (),
+            )
+        others: list[_Proc] = []
+        if cfg.services.reward is None:
+            devices = plan.devices_of("reward_model") if "reward_model" in plan.role_pool else ()
+            others.append(
+                self._proc(
+                    "reward",
+                    "reward",
+                    [
+                        "-m",
+                        "rlfleet.reward.server",
+                        "--config",
+                        str(config_path),
+                        "--host",
+                        host,
+                        "--port",
+                        "0",
+                        "--metrics-port",
+                        "0",
+                    ],
+                    devices,
+                )
+            )
+        if cfg.services.trainer is None:
+            pools = {plan.role_pool[r] for r in ("actor", "critic", "ref") if r in plan.role_pool}
+            devices = tuple(sorted({d for p in pools for d in plan.pools[p].devices}))
+            world = cfg.world_size("actor")
+            address_file = self.run_dir / "trainer.address"
+            server = [
+                "rlfleet.trainer.server",
+                "--config",
+                str(config_path),
+                "--host",
+                host,
+                "--port",
+                "0",
+                "--address-file",
+                str(address_file),
+            ]
+            if world > 1:
+                launcher = ["-m", "torch.distributed.run", "--standalone"]
+                argv = [*launcher, "--nproc-per-node", str(world), "-m", *server]
+            else:
+                argv = ["-m", *server]
+            others.append(
+                self._proc(
+                    "trainer", "trainer", argv, devices, procs=world, address_file=address_file
+                )
+            )
+        if not cfg.services.rollout:
+            pool = plan.pools[plan.role_pool["rollout"]]
+            replicas = cfg.rollout_replicas()
+            if cfg.trainer.device == "cpu" and replicas == len(pool.nodes):
+                shares = [devs for _, _, devs in pool.nodes]
+            elif cfg.trainer.device == "cuda":
+                tp = cfg.rollout.tensor_parallel_size
+                devs = pool.devices
+                shares = (
+                    [devs[i * tp : (i + 1) * tp] for i in range(replicas)]
+                    if len(devs) >= replicas * tp
+                    else split_devices(devs, replicas)
+                )
+            else:
+                shares = split_devices(pool.devices, replicas)
+            r = cfg.rollout
+            for i, share in enumerate(shares):
+                argv = [
+                    "-m",
+                    "rlfleet.rollout.server",
+                    "--model",
+                    str(r.model_path),
+                    "--engine",
+                    r.engine,
+                    "--dtype",
+                    r.dtype,
+                    "--device",
+                    "cuda" if cfg.trainer.device == "cuda" else "cpu",
+                    "--host",
+                    host,
+                    "--port",
+                    "0",
+                    "--metrics-port",
+                    "0",
+                    "--replica-id",
+                    f"rollout-{i}",
+                    "--grace-s",
+                    "2",
+                ]
+                if r.engine == "vllm":
+                    argv += ["--gpu-memory-utilization", str(r.gpu_memory_utilization)]
+                others.append(self._proc(f"rollout-{i}", "rollout", argv, share))
+        return scheduler, others
+
+    # ------------------------------------------------------------------ start
+
+    def start(self, timeout_s: float = 180.0) -> ClusterHandle:
+        """Start every service, wait until each is healthy, return their addresses.
+
+        Raises:
+            PlacementError: the pools do not fit this machine.
+            ServiceStartError: a service died or was not healthy within ``timeout_s``
+                (with its log tail); everything started is stopped first.
+        """
+        with self._lock:
+            if self._procs or self.handle is not None:
+                raise RuntimeError("LocalCluster.start called twice")
+            self._stopped = False
+        deadline = time.monotonic() + timeout_s
+        plan = self.plan()
+        self.placement = plan
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        config_path = save_resolved(self.config, self.run_dir)
+        scheduler, others = self._build(plan, config_path)
+        self._install_stop_hooks()
+        try:
+            if scheduler is not None:
+                self._launch(scheduler)
+                self._await([scheduler], deadline)
+                self.scheduler_address = scheduler.address
+            for proc in others:
+                if proc.kind == "rollout" and self.scheduler_address:
+                    proc.argv += ["--scheduler", self.scheduler_address]
+                self._launch(proc)
+            self._await(others, deadline)
+            self._check_external(deadline)
+            if self.scheduler_address:
+                self._register_probed(others, deadline)
+        except BaseException:
+            self.stop()
+            raise
+        self.handle = self._make_handle(plan, config_path)
+        logger.info(
+            "local cluster up (%s): %s",
+            plan.mode,
+            ", ".join(f"{p.name}={p.address}" for p in self._procs),
+        )
+        return self.handle
+
+    def _launch(self, proc: _Proc) -> None:
+        if proc.address_file is not None:
+            proc.address_file.unlink(missing_ok=True)
+        parent = os.getpid() if self._pdeathsig else 0
+        pin = hasattr(os, "sched_setaffinity")
+        if pin or parent:
+            cores = ",".join(str(c) for c in proc.cores) if pin else ""
+            argv = [self.python, "-c", _LAUNCHER, cores, str(parent), *proc.argv]
+        else:  # pragma: no cover - not Linux
+            argv = [self.python, *proc.argv]
+        env = {**os.environ, **proc.env}
+        proc.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(proc.log_path, "ab") as log:
+            log.write(f"# {' '.join(proc.argv)}\n".encode())
+            log.flush()
+            proc._read = log.tell()
+            with self._lock:
+                proc.popen = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=os.getcwd(),
+                    start_new_session=True,
+                )
+                self._procs.append(proc)
+        proc.start_time = process_start_time(proc.pid)
+        logger.info(
+            "started %s (pid %d, cores %s%s)",
+            proc.name,
+            proc.pid,
+            ",".join(map(str, proc.cores)) or "any",
+            f", CUDA_VISIBLE_DEVICES={proc.gpus}" if proc.gpus is not None else "",
+        )
+
+    def _scan(self, proc: _Proc) -> None:
+        """Pick up the address from the serving line or the address file."""
+        if proc.address is None and proc.address_file is not None and proc.address_file.exists():
+            text = proc.address_file.read_text().strip()
+            if text:
+                proc.address = text
+        if proc.address is not None and proc.metrics_address is not None:
+            return
+        try:
+            with open(proc.log_path, "rb") as f:
+                f.seek(proc._read)
+                chunk = f.read()
+        except OSError:
+            return
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return
+        proc._read += end + 1
+        for line in chunk[: end + 1].splitlines():
+            line = line.strip()
+            if not line.startswith(b"{"):
+                continue
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(msg, dict) and msg.get("event") == "serving" and msg.get("address"):
+                proc.address = str(msg["address"])
+                metrics = msg.get("metrics_address") or msg.get("metrics")
+                proc.metrics_address = str(metrics) if metrics else None
+
+    def _failure(self, proc: _Proc, what: str) -> ServiceStartError:
+        return ServiceStartError(
+            f"{proc.name} {what}; last lines of {proc.log_path}:\n{_log_tail(proc.log_path)}",
+            field=proc.name,
+            value=str(proc.log_path),
+        )
+
+    def _await(self, procs: Sequence[_Proc], deadline: float) -> None:
+        pending = list(procs)
+        while pending:
+            for proc in list(pending):
+                self._scan(proc)
+                code = proc.popen.poll() if proc.popen is not None else None
+                if code is not None:
+                    raise self._failure(proc, f"exited with code {code} during start-up")
+                if proc.address is not None:
+                    pending.remove(proc)
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                names = ", ".join(p.name for p in pending)
+                raise self._failure(pending[0], f"did not report its address in time ({names})")
+            time.sleep(0.05)
+        for proc in procs:
+            assert proc.address is not None
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    wait_for_ready(proc.address, timeout_s=max(0.1, min(left, 2.0)))
+                    break
+                except Unavailable as e:
+                    code = proc.popen.poll() if proc.popen is not None else None
+                    if code is not None:
+                        raise self._failure(proc, f"exited with code {code} during start-up") from e
+                    if time.monotonic() >= deadline:
+                        raise self._failure(proc, f"was not healthy in time: {e}") from e
+            # A rollout's metrics address arrives on the same line; the trainer may
+            # also print one: read it if it is there.
+            self._scan(proc)
+
+    def _check_external(self, deadline: float) -> None:
+        s = self.config.services
+        external = [a for a in (s.reward, s.trainer, *s.rollout) if a]
+        if not self.launch_scheduler and self.scheduler_address:
+            external.append(self.scheduler_address)
+        for address in external:
+            wait_for_ready(address, timeout_s=max(0.1, deadline - time.monotonic()))
+
+    def _register_probed(self, procs: Sequence[_Proc], deadline: float) -> None:
+        """Register reward and trainer with the scheduler; it health-checks them."""
+        from rlfleet.scheduler.servicer import SchedulerClient
+
+        assert self.scheduler_address is not None
+        roles = ",".join(r for r in self.config.enabled_roles() if r in ("actor", "critic", "ref"))
+        node = socket.gethostname()
+        kind = self.config.trainer.device
+        with SchedulerClient(
+            self.scheduler_address, timeout_s=max(1.0, deadline - time.monotonic())
+        ) as client:
+            for proc in procs:
+                if proc.kind not in ("reward", "trainer") or proc.address is None:
+                    continue
+                caps = {LIVENESS_CAPABILITY: LIVENESS_PROBE, "launched_by": "local-cluster"}
+                if proc.kind == "trainer":
+                    caps["roles"] = roles
+                if kind == "cpu":
+                    devices = tuple(Device("cpu", c, "cpu") for c in proc.cores)
+                else:
+                    devices = tuple(
+                        Device("cuda", int(g), g) if g.isdigit() else Device("cuda", i, g)
+                        for i, g in enumerate((proc.gpus or "").split(","))
+                        if g
+                    )
+                spec = ServiceSpec(
+                    role="reward" if proc.kind == "reward" else "trainer",
+                    address=proc.address,
+                    node=node,
+                    devices=devices,
+                    capabilities=caps,
+                    metrics_address=proc.metrics_address or "",
+                    pid=proc.pid,
+                )
+                self._registered.append(client.register(spec).service_id)
+
+    def _make_handle(self, plan: PlacementPlan, config_path: Path) -> ClusterHandle:
+        s = self.config.services
+        by_kind: dict[str, list[_Proc]] = {}
+        for p in self._procs:
+            by_kind.setdefault(p.kind, []).append(p)
+
+        def address(kind: str, given: str | None) -> str:
+            if given:
+                return given
+            procs = by_kind.get(kind, [])
+            return procs[0].address or "" if procs else ""
+
+        rollout = list(s.rollout) or [p.address or "" for p in by_kind.get("rollout", [])]
+        return ClusterHandle(
+            scheduler=self.scheduler_address,
+            reward=address("reward", s.reward),
+            trainer=address("trainer", s.trainer),
+            rollout=rollout,
+            metrics={p.name: p.metrics_address for p in self._procs if p.metrics_address},
+            pids={p.name: p.pid for p in self._procs},
+            cores={p.name: list(p.cores) for p in self._procs},
+            gpus={p.name: p.gpus for p in self._procs if p.gpus is not None},
+            run_dir=str(self.run_dir),
+            config_path=str(config_path),
+            mode=plan.mode,
+        )
+
+    # ------------------------------------------------------------------ stop
+
+    def processes(self) -> list[ProcessInfo]:
+        """The processes started (for a state file, or checks)."""
+        with self._lock:
+            return [
+                ProcessInfo(p.name, p.pid, p.start_time, str(p.log_path))
+                for p in self._procs
+                if p.popen is not None
+            ]
+
+    @property
+    def pids(self) -> dict[str, int]:
+        with self._lock:
+            return {p.name: p.pid for p in self._procs if p.popen is not None}
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop every process started: SIGTERM to each group, wait, SIGKILL the rest.
+
+        Services first, the scheduler last (rollout replicas deregister on the way
+        out). Idempotent; safe from atexit and signal handlers.
+        """
+        grace = self.grace_s if grace_s is None else grace_s
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            procs = list(self._procs)
+        self._remove_stop_hooks()
+        self._deregister_probed()
+        services = [p for p in procs if p.kind != "scheduler"]
+        schedulers = [p for p in procs if p.kind == "scheduler"]
+        for group in (services, schedulers):
+            infos = [ProcessInfo(p.name, p.pid, p.start_time, str(p.log_path)) for p in group]
+            popens = {p.pid: p.popen for p in group if p.popen is not None}
+            stop_processes(infos, grace_s=grace, popens=popens)
+        logger.info("local cluster stopped (%d processes)", len(procs))
+
+    def _deregister_probed(self) -> None:
+        if not self._registered or not self.scheduler_address:
+            return
+        from rlfleet.scheduler.servicer import SchedulerClient
+
+        try:
+            with SchedulerClient(self.scheduler_address, timeout_s=2.0) as client:
+                for sid in self._registered:
+                    client.deregister(sid)
+        except Exception as e:  # the scheduler may be gone already: nothing to undo
+            logger.info("could not deregister %s: %s", self._registered, e)
+        self._registered.clear()
+
+    def _install_stop_hooks(self) -> None:
+        if self.detach:
+            return
+        self._atexit = self.stop
+        atexit.register(self._atexit)
+        if threading.current_thread() is threading.main_thread():
+            self._pdeathsig = sys.platform.startswith("linux")
+            self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _remove_stop_hooks(self) -> None:
+        if self._atexit is not None:
+            atexit.unregister(self._atexit)
+            self._atexit = None
+        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        previous = self._old_sigterm
+        self.stop()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            raise SystemExit(128 + signum)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------- stopping by PID
+
+
+def _is_ours(info: ProcessInfo) -> bool:
+    """True while the PID is alive and still the process we started."""
+    with contextlib.suppress(ChildProcessError):  # our own child (same process): reap it
+        if os.waitpid(info.pid, os.WNOHANG)[0] == info.pid:
+            return False
+    if _zombie(info.pid):
+        return False  # exited; its parent has yet to reap it
+    try:
+        os.kill(info.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False  # someone else's process now
+    if info.start_time is not None:
+        now = process_start_time(info.pid)
+        if now is not None and now != info.start_time:
+            return False
+        if now is None and Path("/proc").is_dir():
+            return False  # gone between the two checks
+    return True
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].startswith("Z")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _signal(info: ProcessInfo, sig: signal.Signals, *, group: bool) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if group:
+            os.killpg(info.pid, sig)  # started with start_new_session: pgid == pid
+        else:
+            os.kill(info.pid, sig)
+
+
+def stop_processes(
+    infos: Sequence[ProcessInfo],
+    *,
+    grace_s: float = 10.0,
+    popens: Mapping[int, subprocess.Popen[bytes] | None] | None = None,
+) -> list[str]:
+    """SIGTERM each process (and its process group), wait ``grace_s``, SIGKILL the rest.
+
+    Only PIDs that are still the processes recorded (same start time) are signalled.
+    Children of this process are reaped through ``popens``.
+
+    Returns:
+        Names of the processes that had to be killed.
+    """
+    popens = popens or {}
+
+    def alive(info: ProcessInfo) -> bool:
+        popen = popens.get(info.pid)
+        if popen is not None:
+            return popen.poll() is None
+        return _is_ours(info)
+
+    live = [i for i in infos if alive(i)]
+    for info in live:
+        _signal(info, signal.SIGTERM, group=True)
+    deadline = time.monotonic() + grace_s
+    killed: list[str] = []
+    for info in live:
+        popen = popens.get(info.pid)
+        if popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        else:
+            while alive(info) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if alive(info):
+            logger.warning(
+                "%s (pid %d) ignored SIGTERM for %.1fs: SIGKILL", info.name, info.pid, grace_s
+            )
+            _signal(info, signal.SIGKILL, group=True)
+            killed.append(info.name)
+            if popen is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    popen.wait(timeout=10.0)
+            else:
+                end = time.monotonic() + 10.0
+                while alive(info) and time.monotonic() < end:
+                    time.sleep(0.05)
+        # Stragglers of the group (torchrun's workers) once the leader is gone.
+        if _group_alive(info.pid):
+            end = time.monotonic() + grace_s
+            while _group_alive(info.pid) and time.monotonic() < end:
+                time.sleep(0.05)
+            if _group_alive(info.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(info.pid, signal.SIGKILL)
+    return killed

@@ -1,0 +1,538 @@
+"""The scheduler's core state: the service registry, the placement, the training status.
+
+No sockets here: :class:`Registry` and :class:`SchedulerCore` are plain, thread-safe
+classes with an injectable clock; :mod:`rlfleet.scheduler.servicer` puts them on gRPC.
+
+Registry semantics:
+
+* ``register`` assigns an id (``rollout-1``, ``trainer-1``, ...), or keeps the id the
+  service asks for when it is free (a service re-registering after a scheduler
+  restart). A service registering again at an address already registered replaces
+  the old entry and keeps its id (a restarted replica on the same port).
+* ``heartbeat`` refreshes liveness and records the load (queue depth, tokens/s,
+  weight version). A service whose last sign of life is older than
+  ``missed_heartbeats x heartbeat_interval_s`` is DEAD; a heartbeat revives it. An
+  unknown id gets ``False``: the service should register again.
+* DEAD entries are forgotten ``forget_dead_after_s`` after they died.
+* Services that cannot heartbeat themselves (reward, trainer: they do not know the
+  scheduler) are registered by whoever launched them with the capability
+  ``liveness=probe``; the scheduler server health-checks those instead
+  (:class:`rlfleet.scheduler.server.HealthProber`).
+
+The driver publishes its progress with :meth:`SchedulerCore.set_training_status`;
+``rlfleet status`` reads it back through ``GetTrainingStatus``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Literal
+
+from rlfleet.common.errors import FailedPrecondition, InvalidArgument
+from rlfleet.scheduler.placement import (
+    SERVICE_OF_ROLE,
+    Device,
+    DeviceKind,
+    NodeInventory,
+    PlacementPlan,
+    inventory_from_services,
+    local_node,
+    plan_placement,
+)
+
+__all__ = [
+    "LIVENESS_CAPABILITY",
+    "LIVENESS_PROBE",
+    "SERVICE_ROLES",
+    "Assignment",
+    "Placement",
+    "Registry",
+    "SchedulerCore",
+    "ServiceEntry",
+    "ServiceLoad",
+    "ServiceRole",
+    "ServiceSpec",
+    "ServiceState",
+    "TrainingState",
+    "TrainingStatus",
+    "bind_services",
+]
+
+logger = logging.getLogger(__name__)
+
+ServiceRole = Literal["rollout", "reward", "trainer", "scheduler"]
+SERVICE_ROLES: tuple[ServiceRole, ...] = ("rollout", "reward", "trainer", "scheduler")
+
+LIVENESS_CAPABILITY = "liveness"
+"""Capability key; value :data:`LIVENESS_PROBE` asks the scheduler to health-check."""
+LIVENESS_PROBE = "probe"
+
+
+class ServiceState(Enum):
+    ALIVE = "alive"
+    DEAD = "dead"
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """What a service says about itself when it registers.
+
+    Attributes:
+        role: the kind of service.
+        address: ``host:port`` other services dial.
+        node: host name, for same-host transports and placement.
+        devices: the devices it runs on.
+        capabilities: free-form (engine, model, roles, transports, liveness ...).
+        capacity: concurrent samples it can take (0: unknown).
+        metrics_address: ``host:port`` of its Prometheus endpoint ("" if none).
+        pid: its process id (0 if unknown).
+        service_id: "" to get one assigned.
+    """
+
+    role: ServiceRole
+    address: str
+    node: str = ""
+    devices: tuple[Device, ...] = ()
+    capabilities: Mapping[str, str] = field(default_factory=dict)
+    capacity: int = 0
+    metrics_address: str = ""
+    pid: int = 0
+    service_id: str = ""
+
+    @property
+    def probed(self) -> bool:
+        return self.capabilities.get(LIVENESS_CAPABILITY) == LIVENESS_PROBE
+
+
+@dataclass(frozen=True)
+class ServiceLoad:
+    """What a heartbeat carries."""
+
+    queue_depth: int = 0
+    tokens_per_second: float = 0.0
+    weight_version: int = 0
+
+
+@dataclass(frozen=True)
+class ServiceEntry:
+    """One registered service, as the registry sees it now."""
+
+    spec: ServiceSpec
+    state: ServiceState
+    registered_unix: float
+    last_heartbeat_unix: float
+    load: ServiceLoad = ServiceLoad()
+
+    @property
+    def service_id(self) -> str:
+        return self.spec.service_id
+
+    @property
+    def alive(self) -> bool:
+        return self.state is ServiceState.ALIVE
+
+
+@dataclass
+class _Record:
+    spec: ServiceSpec
+    registered: float
+    last_seen: float
+    load: ServiceLoad = ServiceLoad()
+    dead_since: float | None = None
+
+
+class Registry:
+    """Registered services and their liveness. Thread-safe.
+
+    Args:
+        heartbeat_interval_s: what services are told to beat at.
+        missed_heartbeats: beats missed before a service is DEAD.
+        forget_dead_after_s: drop DEAD entries this long after they died (None: never).
+        clock: wall-clock seconds (``time.time``); tests pass a fake.
+    """
+
+    def __init__(
+        self,
+        *,
+        heartbeat_interval_s: float = 5.0,
+        missed_heartbeats: int = 3,
+        forget_dead_after_s: float | None = 600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if heartbeat_interval_s <= 0:
+            raise ValueError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
+        if missed_heartbeats < 1:
+            raise ValueError(f"missed_heartbeats must be >= 1, got {missed_heartbeats}")
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.missed_heartbeats = missed_heartbeats
+        self.forget_dead_after_s = forget_dead_after_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._records: dict[str, _Record] = {}
+        self._counters: dict[str, int] = {}
+
+    @property
+    def dead_after_s(self) -> float:
+        """Silence after which a service is DEAD."""
+        return self.heartbeat_interval_s * self.missed_heartbeats
+
+    # ---------------------------------------------------------------- mutations
+
+    def register(self, spec: ServiceSpec) -> ServiceEntry:
+        """Add (or replace) a service; returns its entry with the assigned id."""
+        if spec.role not in SERVICE_ROLES:
+            raise InvalidArgument(
+                f"unknown role {spec.role!r} (roles: {', '.join(SERVICE_ROLES)})",
+                field="info.role",
+                value=spec.role,
+            )
+        if not spec.address:
+            raise InvalidArgument("a service must register an address", field="info.address")
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            same_address = [i for i, r in self._records.items() if r.spec.address == spec.address]
+            service_id = spec.service_id
+            if not service_id and same_address:
+                service_id = same_address[0]
+            for old in same_address:
+                if old != service_id:
+                    logger.info("%s at %s replaced by a new registration", old, spec.address)
+                self._records.pop(old, None)
+            if not service_id:
+                service_id = self._new_id(spec.role)
+            elif service_id in self._records and self._records[service_id].spec.role != spec.role:
+                raise InvalidArgument(
+                    f"service id {service_id!r} belongs to a "
+                    f"{self._records[service_id].spec.role} service",
+                    field="info.service_id",
+                    value=service_id,
+                )
+            spec = replace(spec, service_id=service_id)
+            self._records[service_id] = _Record(spec, registered=now, last_seen=now)
+            logger.info("registered %s (%s at %s)", service_id, spec.role, spec.address)
+            return self._entry(self._records[service_id], now)
+
+    def _new_id(self, role: str) -> str:
+        while True:
+            n = self._counters.get(role, 0) + 1
+            self._counters[role] = n
+            candidate = f"{role}-{n}"
+            if candidate not in self._records:
+                return candidate
+
+    def heartbeat(self, service_id: str, load: ServiceLoad | None = None) -> bool:
+        """Record a sign of life (and the load); False if the id is unknown."""
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            record = self._records.get(service_id)
+            if record is None:
+                return False
+            if record.dead_since is not None:
+                logger.info("%s is alive again after %.1fs", service_id, now - record.last_seen)
+                record.dead_since = None
+            record.last_seen = now
+            if load is not None:
+                record.load = load
+            return True
+
+    def deregister(self, service_id: str) -> bool:
+        """Remove a service; False if it was not registered."""
+        with self._lock:
+            gone = self._records.pop(service_id, None)
+        if gone is not None:
+            logger.info("deregistered %s (%s)", service_id, gone.spec.address)
+        return gone is not None
+
+    # ---------------------------------------------------------------- queries
+
+    def get(self, service_id: str) -> ServiceEntry | None:
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            record = self._records.get(service_id)
+            return None if record is None else self._entry(record, now)
+
+    def list_services(
+        self, role: ServiceRole | None = None, *, alive_only: bool = False
+    ) -> list[ServiceEntry]:
+        """Entries (of ``role``, or all) in registration order."""
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            out = [
+                self._entry(r, now)
+                for r in self._records.values()
+                if role is None or r.spec.role == role
+            ]
+        return [e for e in out if e.alive] if alive_only else out
+
+    def expire(self) -> list[str]:
+        """Mark silent services DEAD and forget old dead ones; returns the newly dead ids."""
+        now = self._clock()
+        with self._lock:
+            return self._expire(now)
+
+    def _expire(self, now: float) -> list[str]:
+        newly_dead = []
+        for sid, record in list(self._records.items()):
+            if record.dead_since is None and now - record.last_seen > self.dead_after_s:
+                record.dead_since = now
+                newly_dead.append(sid)
+                logger.warning(
+                    "%s (%s at %s) is DEAD: no heartbeat for %.1fs (limit %.1fs)",
+                    sid,
+                    record.spec.role,
+                    record.spec.address,
+                    now - record.last_seen,
+                    self.dead_after_s,
+                )
+            if (
+                record.dead_since is not None
+                and self.forget_dead_after_s is not None
+                and now - record.dead_since > self.forget_dead_after_s
+            ):
+                del self._records[sid]
+        return newly_dead
+
+    def _entry(self, record: _Record, now: float) -> ServiceEntry:
+        dead = record.dead_since is not None or now - record.last_seen > self.dead_after_s
+        return ServiceEntry(
+            spec=record.spec,
+            state=ServiceState.DEAD if dead else ServiceState.ALIVE,
+            registered_unix=record.registered,
+            last_heartbeat_unix=record.last_seen,
+            load=record.load,
+        )
+
+
+# --------------------------------------------------------------------------- core
+
+
+TrainingState = Literal["idle", "running", "done", "failed"]
+
+
+@dataclass(frozen=True)
+class TrainingStatus:
+    """The driver's progress, as ``GetTrainingStatus`` reports it."""
+
+    global_step: int = 0
+    total_steps: int = 0
+    weight_version: int = 0
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    state: TrainingState = "idle"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A role on a pool, bound to a registered service (``service_id`` "" if none yet)."""
+
+    role: str
+    pool: str
+    service_id: str
+    devices: tuple[Device, ...]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A plan bound to the registered services."""
+
+    plan: PlacementPlan
+    assignments: tuple[Assignment, ...]
+
+    @property
+    def colocated(self) -> bool:
+        return self.plan.colocated
+
+
+def _serves(entry: ServiceEntry, role: str) -> bool:
+    if entry.spec.role != SERVICE_OF_ROLE[role]:
+        return False
+    roles = entry.spec.capabilities.get("roles")
+    return roles is None or role in {r.strip() for r in roles.split(",")}
+
+
+def bind_services(plan: PlacementPlan, services: Sequence[ServiceEntry]) -> tuple[Assignment, ...]:
+    """One assignment per (placed role, alive service serving it); a role no service
+    serves yet gets one unbound assignment with all its pool's devices."""
+    out: list[Assignment] = []
+    for role, pool_name in plan.role_pool.items():
+        pool = plan.pools[pool_name]
+        bound = False
+        for entry in services:
+            if not entry.alive or not _serves(entry, role):
+                continue
+            on_node = pool.devices_on(entry.spec.node)
+            own = {d.key for d in entry.spec.devices}
+            devices = tuple(d for d in on_node if d.key in own) or on_node
+            out.append(Assignment(role, pool_name, entry.service_id, devices))
+            bound = True
+        if not bound:
+            out.append(Assignment(role, pool_name, "", pool.devices))
+    return tuple(out)
+
+
+class SchedulerCore:
+    """Registry + placement + training status: everything the SchedulerService serves.
+
+    Args:
+        registry: the service registry (default: a fresh :class:`Registry`).
+        device: what pool entries count when planning (``cpu`` cores or ``cuda`` GPUs).
+        nodes: the devices to plan against when no registered service reports any
+            of ``device``'s kind (None: this machine, :func:`local_node`).
+    """
+
+    def __init__(
+        self,
+        registry: Registry | None = None,
+        *,
+        device: DeviceKind = "cpu",
+        nodes: Sequence[NodeInventory] | None = None,
+    ) -> None:
+        self.registry = registry or Registry()
+        self.device: DeviceKind = device
+        self._fallback_nodes = list(nodes) if nodes is not None else None
+        self._lock = threading.Lock()
+        self._status = TrainingStatus()
+        self._placement: Placement | None = None
+
+    # ---- registry
+
+    def register(self, spec: ServiceSpec) -> ServiceEntry:
+        return self.registry.register(spec)
+
+    def heartbeat(self, service_id: str, load: ServiceLoad | None = None) -> bool:
+        return self.registry.heartbeat(service_id, load)
+
+    def deregister(self, service_id: str) -> bool:
+        return self.registry.deregister(service_id)
+
+    def list_services(
+        self, role: ServiceRole | None = None, *, alive_only: bool = False
+    ) -> list[ServiceEntry]:
+        return self.registry.list_services(role, alive_only=alive_only)
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.registry.heartbeat_interval_s
+
+    # ---- placement
+
+    def inventory(self) -> list[NodeInventory]:
+        """Nodes to plan against: the registered services' devices of this kind, else
+        the fallback nodes (this machine)."""
+        reported = [
+            (e.spec.node, [d for d in e.spec.devices if d.kind == self.device])
+            for e in self.registry.list_services(alive_only=True)
+        ]
+        nodes = [n for n in inventory_from_services(reported) if n.devices]
+        if nodes:
+            return nodes
+        if self._fallback_nodes is None:
+            self._fallback_nodes = [local_node(self.device)]
+        return list(self._fallback_nodes)
+
+    def plan(
+        self,
+        resource_pools: Mapping[str, Sequence[int]],
+        mapping: Mapping[str, str | None],
+        *,
+        roles: Iterable[str] | None = None,
+        fold_nodes: bool = False,
+    ) -> Placement:
+        """Validate the pools against :meth:`inventory`, bind roles to registered
+        services, keep the result as the current placement and return it.
+
+        A pool gets the devices its roles' registered services run on first, so the
+        plan matches what is running when it can.
+
+        Raises:
+            InvalidArgument: a role maps to an unknown pool.
+            PlacementError: the pools do not fit (every shortfall named).
+        """
+        alive = self.registry.list_services(alive_only=True)
+        prefer: dict[str, list[tuple[str, Device]]] = {}
+        for role, pool in mapping.items():
+            if pool is None or role not in SERVICE_OF_ROLE:
+                continue
+            for entry in alive:
+                if _serves(entry, role):
+                    prefer.setdefault(pool, []).extend(
+                        (entry.spec.node, d) for d in entry.spec.devices
+                    )
+        plan = plan_placement(
+            resource_pools,
+            mapping,
+            device=self.device,
+            nodes=self.inventory(),
+            roles=roles,
+            fold_nodes=fold_nodes,
+            prefer=prefer,
+        )
+        placement = Placement(plan, bind_services(plan, alive))
+        with self._lock:
+            self._placement = placement
+        return placement
+
+    def set_placement(self, plan: PlacementPlan) -> Placement:
+        """Adopt a plan computed elsewhere (e.g. by the local cluster that launched us)."""
+        placement = Placement(
+            plan, bind_services(plan, self.registry.list_services(alive_only=True))
+        )
+        with self._lock:
+            self._placement = placement
+        return placement
+
+    def placement(self) -> Placement:
+        """The current placement, re-bound to the services alive now.
+
+        Raises:
+            FailedPrecondition: nothing has been planned yet.
+        """
+        with self._lock:
+            current = self._placement
+        if current is None:
+            raise FailedPrecondition("no placement yet: call Plan first")
+        return Placement(
+            current.plan, bind_services(current.plan, self.registry.list_services(alive_only=True))
+        )
+
+    # ---- training status
+
+    def training_status(self) -> TrainingStatus:
+        with self._lock:
+            return self._status
+
+    def set_training_status(
+        self,
+        *,
+        global_step: int | None = None,
+        total_steps: int | None = None,
+        weight_version: int | None = None,
+        metrics: Mapping[str, float] | None = None,
+        state: TrainingState | None = None,
+    ) -> TrainingStatus:
+        """Update the fields given (the driver calls this after each step)."""
+        if state is not None and state not in ("idle", "running", "done", "failed"):
+            raise InvalidArgument(f"unknown training state {state!r}", field="state", value=state)
+        with self._lock:
+            s = self._status
+            self._status = TrainingStatus(
+                global_step=s.global_step if global_step is None else global_step,
+                total_steps=s.total_steps if total_steps is None else total_steps,
+                weight_version=s.weight_version if weight_version is None else weight_version,
+                metrics=dict(s.metrics if metrics is None else metrics),
+                state=s.state if state is None else state,
+            )
+            return self._status
+
+    @property
+    def weight_version(self) -> int:
+        """The version a newly registered rollout replica must fetch before serving."""
+        return self.training_status().weight_version

@@ -1,0 +1,218 @@
+"""LocalCluster: every service its own process, pinned per pool, healthy, and gone after stop.
+
+Also: a service dying at start-up fails start() with its log; SIGTERM or SIGKILL of
+the process holding the cluster leaves no child behind; `rlfleet up/status/down`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rlfleet.common.config import config_from_dict
+from rlfleet.common.rpc import Server, check_health, create_channel, create_server
+from rlfleet.scheduler import cli
+from rlfleet.scheduler.cluster import LocalCluster, ServiceStartError
+from rlfleet.scheduler.registry import ServiceState
+from rlfleet.scheduler.servicer import SchedulerClient
+
+pytestmark = pytest.mark.timeout(240)
+
+CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def gone(pid: int) -> bool:
+    """True when neither the process nor anything in its process group is left."""
+    for probe in (os.kill, os.killpg):
+        try:
+            probe(pid, 0)
+        except ProcessLookupError:
+            continue
+        return False
+    return True
+
+
+def healthy(address: str) -> bool:
+    channel = create_channel(address, retry_unavailable=False)
+    try:
+        return check_health(channel, timeout_s=5.0)
+    finally:
+        channel.close()
+
+
+@pytest.fixture()
+def dummy() -> Iterator[Server]:
+    """A gRPC server with only health: stands in for services given by address."""
+    server = create_server([])
+    try:
+        yield server
+    finally:
+        server.stop(0)
+
+
+def base_config(model: Path, run_dir: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "actor": {"model_path": str(model)},
+        "trainer": {"device": "cpu", "default_local_dir": str(run_dir)},
+        "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
+        **extra,
+    }
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs 2 CPU cores for two pools")
+def test_cluster_starts_every_service_pinned_and_stops_them_all(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = config_from_dict(base_config(tiny_model_dir, tmp_path / "run"))
+    cluster = LocalCluster(config, tmp_path / "run", heartbeat_interval_s=0.5, grace_s=10)
+    with cluster:
+        h = cluster.start(timeout_s=180)
+        pids = dict(h.pids)
+        assert set(pids) == {"scheduler", "reward", "trainer", "rollout-0"}
+        assert len(h.rollout) == 1 and h.mode == "disaggregated"
+        for address in (h.scheduler, h.reward, h.trainer, *h.rollout):
+            assert address is not None and address.startswith("127.0.0.1:")
+            assert healthy(address), address
+
+        # Disjoint pools: the trainer on the train pool's core, the replica on the other.
+        assert h.cores["trainer"] == [CORES[0]] and h.cores["rollout-0"] == [CORES[1]]
+        assert os.sched_getaffinity(pids["trainer"]) == {CORES[0]}
+        assert os.sched_getaffinity(pids["rollout-0"]) == {CORES[1]}
+        environ = Path(f"/proc/{pids['trainer']}/environ").read_bytes().split(b"\0")
+        assert b"OMP_NUM_THREADS=1" in environ
+        assert (tmp_path / "run" / "config.yaml").is_file()
+        assert all((tmp_path / "run" / "logs" / f"{name}.log").is_file() for name in pids)
+
+        with SchedulerClient(h.scheduler) as client:  # type: ignore[arg-type]
+            entries = {e.spec.role: e for e in client.list_services()}
+        assert set(entries) == {"rollout", "reward", "trainer"}
+        assert all(e.state is ServiceState.ALIVE for e in entries.values())
+        assert entries["rollout"].spec.address == h.rollout[0]
+        assert entries["trainer"].spec.capabilities["roles"] == "actor,critic"
+        with urllib.request.urlopen(f"http://{h.metrics['scheduler']}/sd", timeout=5) as r:
+            targets = {g["labels"]["role"] for g in json.loads(r.read())}
+        assert {"scheduler", "rollout", "reward"} <= targets
+    for name, pid in pids.items():
+        assert gone(pid), f"{name} (pid {pid}) survived stop()"
+
+
+def test_service_dying_at_start_up_fails_with_its_log(tmp_path: Path, dummy: Server) -> None:
+    raw = base_config(
+        tmp_path / "no-such-model",
+        tmp_path / "run",
+        services={"reward": dummy.address, "trainer": dummy.address},
+    )
+    cluster = LocalCluster(config_from_dict(raw), tmp_path / "run", scheduler=False)
+    with pytest.raises(ServiceStartError) as info:
+        cluster.start(timeout_s=120)
+    message = str(info.value)
+    assert "rollout-0 exited with code" in message and "rollout-0.log" in message
+    assert "no-such-model" in message  # the log tail says why
+    assert cluster.pids and all(gone(pid) for pid in cluster.pids.values())
+
+
+HOLDER = textwrap.dedent(
+    """
+    import json, sys, time
+    from rlfleet.common.config import load_config
+    from rlfleet.scheduler.cluster import LocalCluster
+    cluster = LocalCluster(load_config(sys.argv[1]), sys.argv[2], scheduler=False)
+    handle = cluster.start(timeout_s=60)
+    print(json.dumps(handle.pids), flush=True)
+    while True:
+        time.sleep(1)
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_no_orphans_when_the_holder_is_terminated_or_killed(
+    tmp_path: Path, dummy: Server, sig: signal.Signals
+) -> None:
+    raw = base_config(
+        tmp_path / "model",
+        tmp_path / "run",
+        services={"trainer": dummy.address, "rollout": [dummy.address]},
+    )
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(raw))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(config_file), str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        pids: dict[str, int] = json.loads(holder.stdout.readline() or "{}")
+        assert set(pids) == {"reward"}, pids
+        os.kill(holder.pid, sig)
+        holder.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while not all(gone(pid) for pid in pids.values()):
+            assert time.monotonic() < deadline, f"children of the holder survived {sig.name}"
+            time.sleep(0.1)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(10)
+        if holder.stdout is not None:
+            holder.stdout.close()
+
+
+def parse(command: str, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"rlfleet {command}")
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_cli_up_status_down(
+    tmp_path: Path, dummy: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    raw = base_config(
+        tmp_path / "model",
+        tmp_path / "run",
+        services={"trainer": dummy.address, "rollout": [dummy.address]},
+    )
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(raw))
+    state_dir = tmp_path / "state"
+    assert cli.run(parse("up", ["--config", str(config_file), "--state-dir", str(state_dir)])) == 0
+    state = cli.read_state(state_dir)
+    assert state is not None
+    pids = {p["name"]: p["pid"] for p in state["processes"]}
+    try:
+        assert set(pids) == {"scheduler", "reward"}
+        capsys.readouterr()
+        # A second `up` refuses while the first runs.
+        assert (
+            cli.run(parse("up", ["--config", str(config_file), "--state-dir", str(state_dir)])) == 1
+        )
+        assert "already up" in capsys.readouterr().err
+
+        assert cli.run(parse("status", ["--state-dir", str(state_dir), "--json"])) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert [s["role"] for s in status["services"]] == ["reward"]
+        assert status["services"][0]["state"] == "alive"
+        assert status["training"]["state"] == "idle"
+        assert cli.run(parse("status", ["--state-dir", str(state_dir)])) == 0
+        table = capsys.readouterr().out
+        assert "reward-1" in table and "ALIVE" in table and state["handle"]["reward"] in table
+    finally:
+        assert cli.run(parse("down", ["--state-dir", str(state_dir)])) == 0
+    assert cli.read_state(state_dir) is None
+    for name, pid in pids.items():
+        assert gone(pid), f"{name} (pid {pid}) survived `rlfleet down`"

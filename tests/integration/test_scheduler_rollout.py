@@ -1,0 +1,71 @@
+"""A real rollout replica process registers with a real scheduler server, heartbeats,
+goes DEAD when frozen, comes back, and is gone after SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from rlfleet.scheduler.registry import Registry, SchedulerCore, ServiceEntry, ServiceState
+from rlfleet.scheduler.server import start_scheduler_server
+from rlfleet.scheduler.servicer import SchedulerClient
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not {what} within {timeout_s}s"
+        time.sleep(0.1)
+
+
+def test_rollout_replica_registers_goes_dead_and_leaves(tiny_model_dir: Path) -> None:
+    core = SchedulerCore(Registry(heartbeat_interval_s=0.3, missed_heartbeats=3))
+    core.set_training_status(weight_version=0)
+    with start_scheduler_server(core, metrics_port=0) as server:
+        cmd = [
+            sys.executable, "-m", "rlfleet.rollout.server",
+            "--model", str(tiny_model_dir), "--engine", "hf", "--port", "0",
+            "--scheduler", server.address, "--grace-s", "1",
+        ]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        client = SchedulerClient(server.address)
+        try:
+
+            def rollouts() -> list[ServiceEntry]:
+                return client.list_services("rollout")
+
+            wait_until("registered", lambda: len(rollouts()) == 1, 120)
+            [entry] = rollouts()
+            assert entry.service_id == "rollout-1" and entry.state is ServiceState.ALIVE
+            assert entry.spec.pid == proc.pid and entry.spec.address.startswith("127.0.0.1:")
+            assert entry.spec.capabilities["engine"] == "hf"
+            assert entry.spec.devices and entry.spec.devices[0].kind == "cpu"
+            assert entry.spec.metrics_address  # listed for Prometheus discovery
+            first = entry.last_heartbeat_unix
+            wait_until("heartbeating", lambda: rollouts()[0].last_heartbeat_unix > first, 10)
+
+            os.kill(proc.pid, signal.SIGSTOP)  # silent: 3 missed beats -> DEAD
+            wait_until("DEAD", lambda: rollouts()[0].state is ServiceState.DEAD, 10)
+            os.kill(proc.pid, signal.SIGCONT)
+            wait_until("ALIVE again", lambda: rollouts()[0].state is ServiceState.ALIVE, 10)
+
+            os.kill(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+            assert rollouts() == []  # deregistered on the way out
+        finally:
+            client.close()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)

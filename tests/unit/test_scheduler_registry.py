@@ -1,0 +1,157 @@
+"""Registry semantics with a fake clock, and the scheduler core around it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from rlfleet.common.errors import FailedPrecondition, InvalidArgument
+from rlfleet.scheduler.placement import Device, NodeInventory, PlacementError
+from rlfleet.scheduler.registry import (
+    Registry,
+    SchedulerCore,
+    ServiceLoad,
+    ServiceSpec,
+    ServiceState,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def spec(role: str = "rollout", port: int = 1, **kw: object) -> ServiceSpec:
+    return ServiceSpec(role=role, address=f"127.0.0.1:{port}", node="n0", **kw)  # type: ignore[arg-type]
+
+
+def test_register_assigns_ids_per_role() -> None:
+    reg = Registry(clock=Clock())
+    a = reg.register(spec("rollout", 1))
+    b = reg.register(spec("rollout", 2))
+    c = reg.register(spec("trainer", 3))
+    assert [a.service_id, b.service_id, c.service_id] == ["rollout-1", "rollout-2", "trainer-1"]
+    assert a.state is ServiceState.ALIVE
+    assert [e.service_id for e in reg.list_services("rollout")] == ["rollout-1", "rollout-2"]
+    assert len(reg.list_services()) == 3
+
+
+def test_missed_heartbeats_mark_dead_and_a_heartbeat_revives() -> None:
+    clock = Clock()
+    reg = Registry(heartbeat_interval_s=1.0, missed_heartbeats=3, clock=clock)
+    sid = reg.register(spec()).service_id
+    clock.now += 2.9
+    assert reg.heartbeat(sid, ServiceLoad(queue_depth=4, tokens_per_second=12.5, weight_version=3))
+    clock.now += 3.0
+    entry = reg.get(sid)
+    assert entry is not None and entry.alive
+    assert entry.load == ServiceLoad(4, 12.5, 3)
+    clock.now += 0.1  # 3.1 s of silence > 3 x 1 s
+    assert reg.expire() == [sid]
+    assert reg.get(sid).state is ServiceState.DEAD  # type: ignore[union-attr]
+    assert reg.list_services(alive_only=True) == []
+    assert reg.heartbeat(sid)  # known, and alive again
+    assert reg.get(sid).alive  # type: ignore[union-attr]
+
+
+def test_dead_entries_are_forgotten_and_unknown_ids_say_so() -> None:
+    clock = Clock()
+    reg = Registry(
+        heartbeat_interval_s=1.0, missed_heartbeats=1, forget_dead_after_s=10, clock=clock
+    )
+    sid = reg.register(spec()).service_id
+    clock.now += 2
+    assert reg.list_services()[0].state is ServiceState.DEAD
+    clock.now += 11
+    assert reg.list_services() == []
+    assert reg.heartbeat(sid) is False
+
+
+def test_deregister_and_reregister() -> None:
+    reg = Registry(clock=Clock())
+    sid = reg.register(spec(port=1)).service_id
+    assert reg.deregister(sid) is True
+    assert reg.deregister(sid) is False
+    # A service asking for its old id (scheduler restarted) keeps it.
+    again = reg.register(spec(port=1, service_id="rollout-9"))
+    assert again.service_id == "rollout-9"
+    # Registering again at the same address replaces the entry and keeps the id.
+    replaced = reg.register(spec(port=1, pid=42))
+    assert replaced.service_id == "rollout-9" and len(reg.list_services()) == 1
+    assert reg.list_services()[0].spec.pid == 42
+
+
+def test_register_validation() -> None:
+    reg = Registry(clock=Clock())
+    with pytest.raises(InvalidArgument, match="unknown role"):
+        reg.register(spec("critic"))
+    with pytest.raises(InvalidArgument, match="address"):
+        reg.register(ServiceSpec(role="reward", address=""))
+    reg.register(spec("trainer", 5, service_id="x-1"))
+    with pytest.raises(InvalidArgument, match="belongs to a trainer"):
+        reg.register(spec("rollout", 6, service_id="x-1"))
+
+
+def test_registry_is_thread_safe() -> None:
+    reg = Registry(clock=Clock())
+
+    def work(base: int) -> None:
+        for i in range(50):
+            sid = reg.register(spec(port=base + i)).service_id
+            reg.heartbeat(sid)
+
+    threads = [threading.Thread(target=work, args=(1000 * t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ids = [e.service_id for e in reg.list_services()]
+    assert len(ids) == 200 and len(set(ids)) == 200
+
+
+def test_core_training_status_and_weight_version() -> None:
+    core = SchedulerCore(Registry(clock=Clock()))
+    assert core.training_status().state == "idle"
+    core.set_training_status(state="running", total_steps=10)
+    status = core.set_training_status(global_step=3, weight_version=3, metrics={"reward": 0.5})
+    assert (status.state, status.global_step, status.total_steps) == ("running", 3, 10)
+    assert dict(status.metrics) == {"reward": 0.5} and core.weight_version == 3
+    with pytest.raises(InvalidArgument):
+        core.set_training_status(state="exploded")  # type: ignore[arg-type]
+
+
+def test_core_plans_against_registered_devices_and_binds_services() -> None:
+    core = SchedulerCore(Registry(clock=Clock()), device="cpu", nodes=[])
+    core.register(spec("trainer", 1, devices=(Device("cpu", 0),), capabilities={"roles": "actor"}))
+    core.register(spec("rollout", 2, devices=(Device("cpu", 1),)))
+    with pytest.raises(FailedPrecondition, match="no placement yet"):
+        core.placement()
+    placement = core.plan(
+        {"train_pool": [1], "rollout_pool": [1]},
+        {"actor": "train_pool", "critic": "train_pool", "rollout": "rollout_pool"},
+    )
+    by_role = {a.role: a for a in placement.assignments}
+    assert by_role["actor"].service_id == "trainer-1"
+    assert [d.index for d in by_role["actor"].devices] == [0]
+    assert by_role["rollout"].service_id == "rollout-1"
+    assert [d.index for d in by_role["rollout"].devices] == [1]
+    assert by_role["critic"].service_id == ""  # the trainer does not serve the critic
+    assert not placement.colocated
+    assert core.placement().plan == placement.plan
+    with pytest.raises(PlacementError, match="rollout_pool needs 2 cpu cores on node 0, only 1"):
+        core.plan(
+            {"train_pool": [1], "rollout_pool": [2]},
+            {"actor": "train_pool", "rollout": "rollout_pool"},
+        )
+
+
+def test_core_falls_back_to_given_nodes() -> None:
+    node = NodeInventory("here", (Device("cpu", 0), Device("cpu", 1)))
+    core = SchedulerCore(Registry(clock=Clock()), nodes=[node])
+    placement = core.plan({"global_pool": [2]}, {"actor": "global_pool", "rollout": "global_pool"})
+    assert placement.colocated
+    assert all(a.service_id == "" for a in placement.assignments)
