@@ -271,6 +271,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.TrainingStatus:
         return status_to_proto(self.core.training_status())
 
+    def SetTrainingStatus(
+        self, request: scheduler_pb2.TrainingStatus, context: grpc.ServicerContext
+    ) -> scheduler_pb2.TrainingStatus:
+        s = status_from_proto(request)
+        if request.state and request.state != s.state:
+            raise InvalidArgument(
+                f"unknown training state {request.state!r}", field="state", value=request.state
+            )
+        return status_to_proto(
+            self.core.set_training_status(
+                global_step=s.global_step,
+                total_steps=s.total_steps,
+                weight_version=s.weight_version,
+                metrics=s.metrics,
+                state=s.state,
+            )
+        )
+
 
 # --------------------------------------------------------------------------- clients
 
@@ -362,6 +380,10 @@ class SchedulerClient:
         return status_from_proto(
             self._call("GetTrainingStatus", scheduler_pb2.GetTrainingStatusRequest())
         )
+
+    def set_training_status(self, status: TrainingStatus) -> TrainingStatus:
+        """Publish the driver's progress (replaces every field)."""
+        return status_from_proto(self._call("SetTrainingStatus", status_to_proto(status)))
 
     def close(self) -> None:
         self._channel.close()

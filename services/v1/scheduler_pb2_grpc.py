@@ -70,6 +70,11 @@ class SchedulerServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_scheduler__pb2.GetTrainingStatusRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_scheduler__pb2.TrainingStatus.FromString,
                 _registered_method=True)
+        self.SetTrainingStatus = channel.unary_unary(
+                '/rlfleet.v1.SchedulerService/SetTrainingStatus',
+                request_serializer=rlfleet_dot_v1_dot_scheduler__pb2.TrainingStatus.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_scheduler__pb2.TrainingStatus.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -118,6 +123,14 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetTrainingStatus(self, request, context):
+        """The driver publishes its progress after each step (a driver in another
+        process than the scheduler; `rlfleet status` shows it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +167,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
             'GetTrainingStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTrainingStatus,
                     request_deserializer=rlfleet_dot_v1_dot_scheduler__pb2.GetTrainingStatusRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_scheduler__pb2.TrainingStatus.SerializeToString,
+            ),
+            'SetTrainingStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTrainingStatus,
+                    request_deserializer=rlfleet_dot_v1_dot_scheduler__pb2.TrainingStatus.FromString,
                     response_serializer=rlfleet_dot_v1_dot_scheduler__pb2.TrainingStatus.SerializeToString,
             ),
     }
@@ -345,6 +363,33 @@ class SchedulerService:
             target,
             '/rlfleet.v1.SchedulerService/GetTrainingStatus',
             rlfleet_dot_v1_dot_scheduler__pb2.GetTrainingStatusRequest.SerializeToString,
+            rlfleet_dot_v1_dot_scheduler__pb2.TrainingStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetTrainingStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.SchedulerService/SetTrainingStatus',
+            rlfleet_dot_v1_dot_scheduler__pb2.TrainingStatus.SerializeToString,
             rlfleet_dot_v1_dot_scheduler__pb2.TrainingStatus.FromString,
             options,
             channel_credentials,

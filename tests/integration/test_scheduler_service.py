@@ -20,9 +20,11 @@ from rlfleet.scheduler.registry import (
     ServiceLoad,
     ServiceSpec,
     ServiceState,
+    TrainingStatus,
 )
 from rlfleet.scheduler.server import SchedulerServer, start_scheduler_server
 from rlfleet.scheduler.servicer import SchedulerClient
+from rlfleet.v1 import scheduler_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -158,3 +160,19 @@ def test_training_status_sd_and_metrics(server: SchedulerServer) -> None:
     with urllib.request.urlopen(f"http://{server.metrics_address}/metrics", timeout=5) as r:
         text = r.read().decode()
     assert 'rlfleet_scheduler_registered_services{role="rollout",state="alive"} 1.0' in text
+
+
+def test_driver_in_another_process_publishes_training_status(server: SchedulerServer) -> None:
+    with SchedulerClient(server.address) as client:
+        sent = TrainingStatus(
+            global_step=3,
+            total_steps=10,
+            weight_version=3,
+            metrics={"reward": 0.5},
+            state="running",
+        )
+        assert client.set_training_status(sent) == sent
+        assert client.training_status() == sent
+        assert server.core.training_status() == sent
+        with pytest.raises(InvalidArgument, match="unknown training state 'sleepy'"):
+            client._call("SetTrainingStatus", scheduler_pb2.TrainingStatus(state="sleepy"))
