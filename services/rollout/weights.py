@@ -4,8 +4,10 @@ Every transport (the gRPC chunk stream here, the bulk TCP / shared-memory data
 plane in :mod:`rlfleet.rollout.transport`) ends in :meth:`WeightReceiver.apply`:
 
 1. **stage**: the bytes land in buffers owned by the receiver, never in the model;
+   a bucketed update (:mod:`rlfleet.common.weight_stream`) stages every bucket;
 2. **verify**: the codec's checks (per-chunk crc32, per-tensor byte ranges, counts,
-   the stream's sha256), or the bulk plane's sha256 of all bytes; a failure raises
+   each stream's digest; bucket order, the final bucket and the tensor count), or
+   the bulk plane's sha256 of all bytes; a failure raises
    :class:`DataLoss` (gRPC ``DATA_LOSS``) naming the chunk / tensor;
 3. **check**: every name, dtype and shape against the model, and that every
    parameter is covered (``InvalidArgument`` naming the tensor);
@@ -25,8 +27,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlfleet.common.codec import ChunkAssembler, ChunkLike, CodecError
-from rlfleet.common.errors import DataLoss, FailedPrecondition, InvalidArgument
+from rlfleet.common.codec import ChunkLike
+from rlfleet.common.errors import DataLoss, FailedPrecondition
+from rlfleet.common.weight_stream import WeightStreamReceiver
 from rlfleet.rollout.engine import Engine
 
 __all__ = ["DataLoss", "UpdateResult", "WeightReceiver"]
@@ -68,37 +71,13 @@ class WeightReceiver:
 
     def receive_chunks(self, stream: Iterable[tuple[int, ChunkLike]]) -> UpdateResult:
         """Stage a ``(version, TensorBatchChunk)`` stream (the ``UpdateWeights`` RPC),
-        verify it and apply it. Every chunk must carry the same version."""
-        asm = ChunkAssembler()
-        version: int | None = None
+        verify it and apply it. Every chunk must carry the same version.
+
+        The stream is one codec stream, or several (buckets, the trainer's push; see
+        :mod:`rlfleet.common.weight_stream`): every bucket is staged and verified, and
+        only the union of all of them, checked against the model, is swapped in."""
         start = time.perf_counter()
-        count = 0
-        for v, chunk in stream:
-            if version is None:
-                version = v
-                self.check_version(v)
-            elif v != version:
-                raise InvalidArgument(
-                    f"chunk {count} has version {v}, the stream began with {version}",
-                    field="version",
-                    value=v,
-                )
-            try:
-                asm.add(chunk)
-            except CodecError as e:
-                raise DataLoss(
-                    f"weight update {version} rejected: {e}", code="CORRUPT_CHUNK"
-                ) from e
-            count += 1
-        if version is None:
-            raise InvalidArgument("empty weight update: no chunks", field="chunks")
-        if not asm.complete:
-            raise DataLoss(
-                f"weight update {version} ended after {count} chunks without its last chunk; "
-                "nothing applied",
-                code="INCOMPLETE_UPDATE",
-            )
-        tensors, _meta = asm.result(to="torch")
+        version, tensors = WeightStreamReceiver(on_version=self.check_version).receive(stream)
         return self.apply(tensors, version, start=start, transport="grpc")
 
     def apply(

@@ -23,7 +23,7 @@ import grpc
 
 from rlfleet.common.codec import ChunkAssembler, iter_chunks
 from rlfleet.common.rpc import create_channel, to_rlfleet_error
-from rlfleet.trainer.servicer import METRICS_META_KEY
+from rlfleet.trainer.servicer import METRICS_META_KEY, TRANSPORT_NAMES, transport_codes
 from rlfleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 __all__ = [
@@ -60,6 +60,7 @@ class PushOutcome:
     bytes: int
     ok: dict[str, bool] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    transports: dict[str, str] = field(default_factory=dict)  # replica -> grpc | tcp | shm
 
 
 class TrainerClient(Protocol):
@@ -78,7 +79,12 @@ class TrainerClient(Protocol):
     ) -> CheckpointInfo: ...
     def load_checkpoint(self, path: str = "") -> CheckpointInfo: ...
     def push_weights(
-        self, targets: Sequence[tuple[str, str]], *, version: int = 0, bucket_bytes: int = 0
+        self,
+        targets: Sequence[tuple[str, str]],
+        *,
+        version: int = 0,
+        bucket_bytes: int = 0,
+        transports: Sequence[str] = (),
     ) -> PushOutcome: ...
     def status(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
@@ -90,6 +96,9 @@ def _outcome(resp: trainer_pb2.PushWeightsResponse) -> PushOutcome:
         bytes=resp.bytes,
         ok={r.replica_id: r.ok for r in resp.results},
         errors={r.replica_id: r.error for r in resp.results if r.error},
+        transports={
+            r.replica_id: TRANSPORT_NAMES.get(r.transport, "grpc") for r in resp.results if r.ok
+        },
     )
 
 
@@ -154,7 +163,12 @@ class InProcessTrainerClient:
         return CheckpointInfo(str(folder), step, extra_state_json=extra)
 
     def push_weights(
-        self, targets: Sequence[tuple[str, str]], *, version: int = 0, bucket_bytes: int = 0
+        self,
+        targets: Sequence[tuple[str, str]],
+        *,
+        version: int = 0,
+        bucket_bytes: int = 0,
+        transports: Sequence[str] = (),
     ) -> PushOutcome:
         from rlfleet.trainer.servicer import push_to_targets
         from rlfleet.trainer.weights import DEFAULT_BUCKET_BYTES
@@ -165,6 +179,7 @@ class InProcessTrainerClient:
                 list(targets),
                 version=version,
                 bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+                transports=transport_codes(transports),
             )
         )
 
@@ -251,12 +266,18 @@ class RemoteTrainerClient:
         return CheckpointInfo(resp.path, resp.step, extra_state_json=resp.extra_state_json)
 
     def push_weights(
-        self, targets: Sequence[tuple[str, str]], *, version: int = 0, bucket_bytes: int = 0
+        self,
+        targets: Sequence[tuple[str, str]],
+        *,
+        version: int = 0,
+        bucket_bytes: int = 0,
+        transports: Sequence[str] = (),
     ) -> PushOutcome:
         req = trainer_pb2.PushWeightsRequest(
             targets=[trainer_pb2.RolloutTarget(replica_id=r, address=a) for r, a in targets],
             version=version,
             bucket_bytes=bucket_bytes,
+            transports=transport_codes(transports),
         )
         return _outcome(self._call(self._stub.PushWeights, req))
 

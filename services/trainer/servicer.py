@@ -144,6 +144,43 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.TrainerStatus(**self.core.status())
 
 
+#: ``WeightTransport`` values and the transport names of the rollout's data plane.
+TRANSPORT_NAMES: dict[int, str] = {
+    rollout_pb2.WEIGHT_TRANSPORT_GRPC: "grpc",
+    rollout_pb2.WEIGHT_TRANSPORT_TCP: "tcp",
+    rollout_pb2.WEIGHT_TRANSPORT_SHM: "shm",
+}
+_TRANSPORT_CODES = {name: code for code, name in TRANSPORT_NAMES.items()}
+
+
+def transport_codes(names: Iterable[str]) -> list[int]:
+    """Transport names (``shm``, ``tcp``, ``grpc``) -> ``WeightTransport`` values."""
+    names = list(names)
+    unknown = [n for n in names if n not in _TRANSPORT_CODES]
+    if unknown:
+        raise ValueError(f"unknown weight transports {unknown}; known: {sorted(_TRANSPORT_CODES)}")
+    return [_TRANSPORT_CODES[n] for n in names]
+
+
+def transport_names(codes: Iterable[int]) -> list[str]:
+    """``WeightTransport`` values -> names; an empty list is the portable gRPC stream.
+
+    Empty stays the gRPC stream (rather than trying the bulk plane first) because a
+    replica need not serve ``OpenWeightTransfer`` (the trainer's test replica does
+    not); a caller that wants TCP / shared memory names them."""
+    names = []
+    for code in codes:
+        if code not in TRANSPORT_NAMES:
+            raise InvalidArgument(
+                f"weight transport {code} is not implemented by the trainer's push "
+                f"(implemented: {sorted(TRANSPORT_NAMES)})",
+                field="transports",
+                value=code,
+            )
+        names.append(TRANSPORT_NAMES[code])
+    return names or ["grpc"]
+
+
 def push_to_targets(
     core: TrainerCore,
     targets: list[tuple[str, str]],
@@ -152,18 +189,20 @@ def push_to_targets(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     transports: list[int] | None = None,
 ) -> trainer_pb2.PushWeightsResponse:
-    """Push the actor's weights (in the rollout's dtype) to ``targets`` over the gRPC
-    chunk stream, the portable transport, whatever ``transports`` prefers."""
+    """Push the actor's weights (in the rollout's dtype) to ``targets``: the bucketed
+    gRPC chunk stream, or the bulk data plane for a one-bucket model when
+    ``transports`` ask for TCP / shared memory (:func:`rlfleet.trainer.weights.push_weights`)."""
     if not targets:
         raise InvalidArgument("no rollout targets to push to", field="targets")
     for rid, address in targets:
         if not address:
             raise InvalidArgument(f"target {rid!r} has no address", field="targets")
-    del transports  # only the portable gRPC stream is implemented on the sender side
+    names = transport_names(transports or [])
     version = version or core.weight_version
     dtype = torch_dtype(core.config.rollout.dtype)
-    summary = push_weights(core.iter_weights(dtype), targets, version, bucket_bytes=bucket_bytes)
-    grpc_transport = rollout_pb2.WEIGHT_TRANSPORT_GRPC
+    summary = push_weights(
+        core.iter_weights(dtype), targets, version, bucket_bytes=bucket_bytes, transports=names
+    )
     return trainer_pb2.PushWeightsResponse(
         version=version,
         bytes=summary.bytes,
@@ -172,7 +211,7 @@ def push_to_targets(
                 replica_id=r.replica_id,
                 ok=r.ok,
                 error=r.error,
-                transport=grpc_transport,
+                transport=_TRANSPORT_CODES.get(r.transport, rollout_pb2.WEIGHT_TRANSPORT_GRPC),
                 seconds=r.seconds,
             )
             for r in summary.results

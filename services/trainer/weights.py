@@ -1,21 +1,22 @@
 """Weight push: the actor's full weights to every rollout replica, in buckets, in parallel.
 
-Wire format (rollout.proto ``UpdateWeights``, a client stream of ``WeightChunk``): one
-call per replica and version. The parameters, in Hugging Face names and the rollout's
-dtype, are cut into *buckets* of at most ``bucket_bytes`` (a tensor larger than that
-is a bucket of its own); each bucket is one codec chunk stream
-(:func:`rlfleet.common.codec.iter_chunks`, its own ``stream_id``, crc32 per chunk,
-sha256 on its last chunk) whose meta says::
+Wire format: the bucketed weight stream of :mod:`rlfleet.common.weight_stream` (one
+``UpdateWeights`` call per replica and version, each bucket of at most
+``bucket_bytes`` one complete codec stream; a tensor larger than that is a bucket of
+its own). The parameters are in Hugging Face names and the rollout's dtype. A model
+that fits one bucket is exactly one codec stream, which any plain ``ChunkAssembler``
+receiver accepts.
 
-    rlfleet.weights.version  the version, as on every WeightChunk
-    rlfleet.weights.bucket   0, 1, 2, ...
-    rlfleet.weights.final    "1" on the last bucket only, with
-    rlfleet.weights.tensors  the number of tensors of the whole update
-
-The sub-streams follow each other in the one call; the receiver verifies each, and
-applies the update only when the final bucket arrived and every check passed
-(:class:`WeightStreamReceiver`). A model that fits one bucket is exactly one codec
-stream, which any plain ``ChunkAssembler`` receiver accepts.
+Bulk data plane: when ``transports`` name ``tcp`` or ``shm`` and the whole model fits
+in one bucket, the bucket goes through the rollout's negotiated data plane
+(:func:`rlfleet.rollout.client.push_weights`: shared memory on the same host, else a
+raw TCP stream; the replica may still answer ``grpc``). A model of several buckets
+always takes the gRPC stream: a bulk transfer (``OpenWeightTransfer``) is one whole,
+self-contained update, checked against the model's full parameter list before any
+byte moves, so it has no notion of a partial bucket to stage until the last one
+arrives. Carrying buckets there needs a bucket index / final flag in
+``WeightTransferOffer`` and a staging area across transfers on the replica (see
+docs/rollout.md); until then, set ``bucket_bytes`` above the model size to use it.
 
 Memory: buckets are gathered (from FSDP shards) and encoded one at a time, and every
 chunk is encoded once and handed to all replicas' senders through small bounded
@@ -25,28 +26,31 @@ one. Extra memory is one bucket plus a few chunks, whatever the model size.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import torch
 
-from rlfleet.common.codec import ChunkAssembler, ChunkLike, CodecError, iter_chunks
-from rlfleet.common.errors import InvalidArgument
+from rlfleet.common.codec import iter_chunks
+from rlfleet.common.errors import RlfleetError
 from rlfleet.common.rpc import create_channel, to_rlfleet_error
+from rlfleet.common.weight_stream import bucket_meta
 from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "PushSummary",
     "ReplicaResult",
-    "WeightStreamReceiver",
     "iter_buckets",
+    "iter_weight_chunks",
     "push_weights",
 ]
 
@@ -54,7 +58,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 _QUEUE_CHUNKS = 4
-_META = "rlfleet.weights."
+_BULK = ("shm", "tcp")
+_TRANSPORTS = ("shm", "tcp", "grpc")
 
 
 @dataclass
@@ -64,6 +69,7 @@ class ReplicaResult:
     ok: bool = False
     error: str = ""
     seconds: float = 0.0
+    transport: str = "grpc"  # the path that moved the bytes
 
 
 @dataclass
@@ -150,37 +156,85 @@ def push_weights(
     timeout_s: float = 600.0,
     auth_token: str | None = None,
     on_bucket: Callable[[int], None] | None = None,
+    transports: Sequence[str] = ("grpc",),
 ) -> PushSummary:
     """Stream ``named`` tensors to every ``(replica_id, address)`` in ``targets`` in parallel.
 
     ``named`` is consumed lazily, one bucket at a time (see the module docstring). A
     failing replica is reported in its :class:`ReplicaResult`; the others go on.
     ``on_bucket(nbytes)`` is called with each bucket's size once it is gathered.
+    ``transports`` (names ``shm``, ``tcp``, ``grpc``, preference order) lets a
+    one-bucket model take the bulk data plane; several buckets always go over gRPC.
     """
+    unknown = [t for t in transports if t not in _TRANSPORTS]
+    if unknown or not transports:
+        raise ValueError(
+            f"transports must be a non-empty subset of {_TRANSPORTS}, got {transports}"
+        )
+    buckets = iter_buckets(named, bucket_bytes)
+    if any(t in _BULK for t in transports):
+        first, final = next(buckets)
+        if final:
+            return _push_bulk(
+                dict(first), targets, version, transports, timeout_s, auth_token, on_bucket
+            )
+        logger.info(
+            "weight push %d: the model is more than one bucket of %d bytes; the bulk data "
+            "plane takes whole updates only, using the gRPC stream",
+            version,
+            bucket_bytes,
+        )
+        buckets = itertools.chain([(first, final)], buckets)
+    return _push_stream(buckets, targets, version, timeout_s, auth_token, on_bucket)
+
+
+def iter_weight_chunks(
+    named: Iterable[tuple[str, torch.Tensor]],
+    version: int,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Iterator[rollout_pb2.WeightChunk]:
+    """The ``UpdateWeights`` messages of one bucketed update, lazily (the gRPC stream
+    :func:`push_weights` sends to every replica)."""
+    return _encode(iter_buckets(named, bucket_bytes), version, PushSummary(version), None)
+
+
+def _encode(
+    buckets: Iterable[tuple[list[tuple[str, torch.Tensor]], bool]],
+    version: int,
+    summary: PushSummary,
+    on_bucket: Callable[[int], None] | None,
+) -> Iterator[rollout_pb2.WeightChunk]:
+    for index, (bucket, final) in enumerate(buckets):
+        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        if on_bucket is not None:
+            on_bucket(nbytes)
+        summary.bytes += nbytes
+        summary.tensors += len(bucket)
+        summary.max_bucket_bytes = max(summary.max_bucket_bytes, nbytes)
+        summary.buckets = index + 1
+        meta = bucket_meta(version, index, final=final, tensors=summary.tensors)
+        for chunk in iter_chunks(dict(bucket), meta):
+            yield rollout_pb2.WeightChunk(version=version, chunk=chunk)
+        del bucket
+
+
+def _push_stream(
+    buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]],
+    targets: Sequence[tuple[str, str]],
+    version: int,
+    timeout_s: float,
+    auth_token: str | None,
+    on_bucket: Callable[[int], None] | None,
+) -> PushSummary:
     summary = PushSummary(version=version)
     senders = [_Sender(rid, addr, timeout_s, auth_token) for rid, addr in targets]
     for s in senders:
         s.thread.start()
     try:
-        index = 0
-        for bucket, final in iter_buckets(named, bucket_bytes):
-            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-            if on_bucket is not None:
-                on_bucket(nbytes)
-            summary.bytes += nbytes
-            summary.tensors += len(bucket)
-            summary.max_bucket_bytes = max(summary.max_bucket_bytes, nbytes)
-            meta = {f"{_META}version": str(version), f"{_META}bucket": str(index)}
-            if final:
-                meta[f"{_META}final"] = "1"
-                meta[f"{_META}tensors"] = str(summary.tensors)
-            for chunk in iter_chunks(dict(bucket), meta):
-                msg = rollout_pb2.WeightChunk(version=version, chunk=chunk)
-                for s in senders:
-                    s.put(msg)
-            del bucket
-            index += 1
-        summary.buckets = index
+        for msg in _encode(buckets, version, summary, on_bucket):
+            for s in senders:
+                s.put(msg)
     finally:
         for s in senders:
             s.put(_Sender._END)
@@ -190,66 +244,47 @@ def push_weights(
     return summary
 
 
-class WeightStreamReceiver:
-    """Receiving side of the bucketed stream (see the module docstring).
+def _push_bulk(
+    tensors: dict[str, torch.Tensor],
+    targets: Sequence[tuple[str, str]],
+    version: int,
+    transports: Sequence[str],
+    timeout_s: float,
+    auth_token: str | None,
+    on_bucket: Callable[[int], None] | None,
+) -> PushSummary:
+    """The whole model (one bucket) to every replica over the negotiated data plane."""
+    # Deferred: the rollout client pulls in the rollout package, which a trainer that
+    # only streams over gRPC does not need.
+    from rlfleet.rollout.client import push_weights as push_to_replica
 
-    :meth:`receive` takes ``(version, chunk)`` pairs, verifies every bucket with a
-    :class:`ChunkAssembler`, checks bucket order, the final marker, the tensor count and
-    one version throughout, and returns ``(version, tensors)``; it raises
-    ``InvalidArgument`` (nothing applied) otherwise.
-    """
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if on_bucket is not None:
+        on_bucket(nbytes)
+    summary = PushSummary(
+        version=version, bytes=nbytes, tensors=len(tensors), buckets=1, max_bucket_bytes=nbytes
+    )
 
-    def __init__(self) -> None:
-        self.buckets = 0
-
-    def receive(self, stream: Iterable[tuple[int, ChunkLike]]) -> tuple[int, dict[str, Any]]:
-        tensors: dict[str, Any] = {}
-        version: int | None = None
-        asm = ChunkAssembler()
-        final = False
-        expected_tensors = -1
-        for v, chunk in stream:
-            if version is None:
-                version = v
-            elif v != version:
-                raise InvalidArgument(
-                    f"chunk of version {v} in an update of version {version}", field="version"
-                )
-            if final:
-                raise InvalidArgument("chunks after the final bucket", field="chunks")
-            try:
-                done = asm.add(chunk)
-            except CodecError as e:
-                raise InvalidArgument(f"weight update rejected: {e}", field="chunks") from e
-            if not done:
-                continue
-            values, meta = asm.result(to="torch")
-            bucket = int(meta.get(f"{_META}bucket", "0"))
-            if bucket != self.buckets:
-                raise InvalidArgument(
-                    f"bucket {bucket} arrived, expected {self.buckets}", field="bucket"
-                )
-            dup = set(values) & set(tensors)
-            if dup:
-                raise InvalidArgument(f"tensors sent twice: {sorted(dup)[:3]}", field="weights")
-            tensors.update(values)
-            self.buckets += 1
-            # A plain single-stream sender has no meta: its one stream is the update.
-            final = f"{_META}bucket" not in meta or meta.get(f"{_META}final") == "1"
-            expected_tensors = int(meta.get(f"{_META}tensors", len(tensors)))
-            asm = ChunkAssembler()
-        if version is None:
-            raise InvalidArgument("empty weight update", field="chunks")
-        if not final:
-            raise InvalidArgument(
-                f"weight update {version} ended after {self.buckets} buckets without the "
-                "final one; nothing applied",
-                field="chunks",
+    def one(rid: str, address: str) -> ReplicaResult:
+        result = ReplicaResult(rid, address)
+        start = time.perf_counter()
+        try:
+            update = push_to_replica(
+                address,
+                tensors,
+                version,
+                transports=transports,
+                timeout_s=timeout_s,
+                auth_token=auth_token,
             )
-        if expected_tensors != len(tensors):
-            raise InvalidArgument(
-                f"weight update {version} has {len(tensors)} tensors, the sender said "
-                f"{expected_tensors}",
-                field="weights",
-            )
-        return version, tensors
+            result.ok, result.transport = True, update.transport
+        except RlfleetError as e:  # reported per replica; the push to the others goes on
+            result.error = f"{type(e).__name__}: {e}"
+        except (OSError, ValueError) as e:  # a socket or shared-memory failure
+            result.error = f"{type(e).__name__}: {e}"
+        result.seconds = time.perf_counter() - start
+        return result
+
+    with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
+        summary.results = list(pool.map(lambda t: one(*t), targets))
+    return summary

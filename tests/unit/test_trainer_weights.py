@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from rlfleet.common.codec import iter_chunks
-from rlfleet.common.errors import InvalidArgument
-from rlfleet.trainer.weights import WeightStreamReceiver, iter_buckets
+from rlfleet.common.errors import DataLoss, InvalidArgument, RlfleetError
+from rlfleet.common.weight_stream import WeightStreamReceiver
+from rlfleet.trainer.weights import iter_buckets
 
 
 def _named() -> list[tuple[str, torch.Tensor]]:
@@ -46,16 +47,51 @@ def test_receiver_assembles_buckets() -> None:
 
 
 @pytest.mark.parametrize(
-    ("buckets", "pattern"),
+    ("buckets", "error", "pattern"),
     [
-        ([({"a": torch.ones(3)}, _meta(0))], "without the final"),
-        ([({"a": torch.ones(3)}, _meta(1, final=True, tensors=1))], "bucket 1 arrived"),
-        ([({"a": torch.ones(3)}, _meta(0, final=True, tensors=2))], "sender said 2"),
+        ([({"a": torch.ones(3)}, _meta(0))], DataLoss, "without the final"),
+        ([({"a": torch.ones(3)}, _meta(1, final=True, tensors=1))], InvalidArgument, "bucket 1"),
+        ([({"a": torch.ones(3)}, _meta(0, final=True, tensors=2))], InvalidArgument, "said 2"),
+        (
+            [({"a": torch.ones(3)}, _meta(0)), ({"a": torch.ones(3)}, _meta(1, True, 2))],
+            InvalidArgument,
+            "sent twice",
+        ),
+        (
+            [({"a": torch.ones(3)}, _meta(0, True, 1)), ({"b": torch.ones(3)}, _meta(1))],
+            InvalidArgument,
+            "after the final",
+        ),
     ],
-    ids=["no-final", "order", "count"],
+    ids=["no-final", "order", "count", "duplicate", "after-final"],
 )
 def test_receiver_refuses_incomplete_updates(
-    buckets: list[tuple[dict[str, torch.Tensor], dict[str, str]]], pattern: str
+    buckets: list[tuple[dict[str, torch.Tensor], dict[str, str]]],
+    error: type[RlfleetError],
+    pattern: str,
 ) -> None:
-    with pytest.raises(InvalidArgument, match=pattern):
+    with pytest.raises(error, match=pattern):
         WeightStreamReceiver().receive(_stream(buckets))
+
+
+def test_receiver_stops_at_a_corrupt_or_truncated_bucket() -> None:
+    first = [(5, c) for c in iter_chunks({"a": torch.ones(3000)}, _meta(0), max_chunk_bytes=4096)]
+    second = list(_stream([({"b": torch.ones(3)}, _meta(1, final=True, tensors=2))]))
+    assert len(first) > 2
+    with pytest.raises(DataLoss, match="inside a bucket") as err:
+        WeightStreamReceiver().receive(first[:-1])
+    assert err.value.code == "INCOMPLETE_UPDATE"
+    version, chunk = first[1]
+    chunk.pieces[0].data = bytes([chunk.pieces[0].data[0] ^ 0xFF]) + chunk.pieces[0].data[1:]
+    with pytest.raises(DataLoss, match="bucket 0") as err:
+        WeightStreamReceiver().receive([first[0], (version, chunk), *first[2:], *second])
+    assert err.value.code == "CORRUPT_CHUNK"
+
+
+def test_receiver_checks_the_version_first() -> None:
+    seen: list[int] = []
+    bucket = [({"a": torch.ones(3)}, _meta(0, final=True, tensors=1))]
+    assert WeightStreamReceiver(on_version=seen.append).receive(_stream(bucket))[0] == 5
+    assert seen == [5]
+    with pytest.raises(InvalidArgument, match="says version 5, its chunks 9"):
+        WeightStreamReceiver().receive(_stream(bucket, version=9))

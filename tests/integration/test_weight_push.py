@@ -1,0 +1,179 @@
+"""The trainer's bucketed weight push into a real rollout service (HF engine, tiny model,
+gRPC on 127.0.0.1 port 0): several buckets in one ``UpdateWeights`` call arrive whole,
+a corrupt, missing or truncated bucket changes nothing, and a one-bucket model takes
+the bulk data plane when asked."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rlfleet.rollout.client import RemoteRolloutClient  # noqa: E402
+from rlfleet.rollout.core import RolloutCore  # noqa: E402
+from rlfleet.rollout.engine import SamplingParams  # noqa: E402
+from rlfleet.rollout.hf_engine import HFEngine  # noqa: E402
+from rlfleet.rollout.server import start_rollout_server  # noqa: E402
+from rlfleet.trainer.client import InProcessTrainerClient  # noqa: E402
+from rlfleet.trainer.core import TrainerCore  # noqa: E402
+from rlfleet.trainer.testing import make_batch, make_config  # noqa: E402
+from rlfleet.trainer.weights import iter_weight_chunks  # noqa: E402
+from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+BUCKET = 600_000  # the tiny model is ~4.5 MB, its largest tensor 1 MiB: 7+ buckets
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]]
+SAMPLING = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir: Path) -> TrainerCore:
+    """A trainer whose actor took one SFT step, so its weights differ from the model
+    the rollout loaded."""
+    core = TrainerCore(make_config(str(tiny_model_dir), algorithm={"adv_estimator": "grpo"}))
+    core.sft_step(make_batch(seed=3))
+    return core
+
+
+@pytest.fixture()
+def rollout(tiny_model_dir: Path) -> Iterator[tuple[HFEngine, str]]:
+    engine = HFEngine(tiny_model_dir)
+    core = RolloutCore(engine, replica_id="r0")
+    server = start_rollout_server(core)
+    try:
+        yield engine, server.address
+    finally:
+        server.stop(0)
+        core.close()
+
+
+def _params(engine: HFEngine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+
+def _generate(address: str) -> list[tuple[list[int], list[int], list[float], int]]:
+    with RemoteRolloutClient(address) as client:
+        samples = list(client.generate(PROMPTS, SAMPLING))
+    return [
+        (PROMPTS[s.prompt_index], s.token_ids, s.logprobs, s.weight_version)
+        for s in sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
+    ]
+
+
+def _trainer_log_probs(
+    trainer: TrainerCore, samples: list[tuple[list[int], list[int], list[float], int]]
+) -> torch.Tensor:
+    """The trainer's teacher-forced log-probs of the rollout's samples (no padding:
+    equal prompt and response lengths)."""
+    prompts = torch.tensor([p for p, *_ in samples])
+    responses = torch.tensor([r for _, r, *_ in samples])
+    input_ids = torch.cat([prompts, responses], dim=1)
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "responses": responses,
+    }
+    out, _ = trainer.compute_log_prob(batch)
+    log_probs: torch.Tensor = out["old_log_probs"]
+    return log_probs
+
+
+def _send(address: str, chunks: Iterator[rollout_pb2.WeightChunk]) -> grpc.RpcError:
+    with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as err:
+        rollout_pb2_grpc.RolloutServiceStub(channel).UpdateWeights(chunks, timeout=60)
+    return err.value
+
+
+def test_bucketed_push_lands_whole_in_a_real_replica(
+    trainer: TrainerCore, rollout: tuple[HFEngine, str]
+) -> None:
+    engine, address = rollout
+    ours = dict(trainer.iter_weights())
+    assert any(not torch.equal(ours[n], p) for n, p in _params(engine).items())
+    before = _generate(address)
+
+    out = InProcessTrainerClient(trainer).push_weights(
+        [("r0", address)], version=4, bucket_bytes=BUCKET
+    )
+    assert out.ok == {"r0": True}, out.errors
+    assert out.transports == {"r0": "grpc"}
+    assert out.bytes == sum(t.numel() * t.element_size() for t in ours.values())
+
+    assert engine.info().weight_version == 4
+    theirs = _params(engine)
+    assert set(theirs) == set(ours)
+    assert all(torch.equal(theirs[n], ours[n]) for n in ours)
+    after = _generate(address)
+    assert {v for *_, v in after} == {4}
+    # Same seed, new weights: the log-probs moved, and they are the trainer's.
+    assert [lp for *_, lp, _ in after] != [lp for *_, lp, _ in before]
+    rollout_lp = torch.tensor([lp for *_, lp, _ in after])
+    torch.testing.assert_close(_trainer_log_probs(trainer, after), rollout_lp, atol=1e-4, rtol=0)
+
+
+def _corrupt(chunks: list[rollout_pb2.WeightChunk], bucket: int) -> None:
+    first = next(
+        i for i, m in enumerate(chunks) if m.chunk.meta.get("rlfleet.weights.bucket") == str(bucket)
+    )
+    piece = chunks[first].chunk.pieces[0]
+    piece.data = bytes([piece.data[0] ^ 0xFF]) + piece.data[1:]
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing", "truncated"])
+def test_a_bad_bucket_rejects_the_whole_update(
+    trainer: TrainerCore, rollout: tuple[HFEngine, str], damage: str
+) -> None:
+    engine, address = rollout
+    old, before = _params(engine), _generate(address)
+    chunks = list(iter_weight_chunks(trainer.iter_weights(), 5, bucket_bytes=BUCKET))
+    buckets = {m.chunk.meta["rlfleet.weights.bucket"] for m in chunks if m.chunk.seq == 0}
+    assert len(buckets) > 3
+    if damage == "corrupt":
+        _corrupt(chunks, bucket=2)
+        expected = grpc.StatusCode.DATA_LOSS
+    elif damage == "missing":
+        chunks = [m for m in chunks if m.chunk.stream_id != _stream_id(chunks, bucket=1)]
+        expected = grpc.StatusCode.INVALID_ARGUMENT
+    else:
+        last = _stream_id(chunks, bucket=len(buckets) - 1)
+        chunks = [m for m in chunks if m.chunk.stream_id != last]
+        expected = grpc.StatusCode.DATA_LOSS
+    err = _send(address, iter(chunks))
+    assert err.code() == expected, err.details()
+
+    assert engine.info().weight_version == 0
+    assert all(torch.equal(p, old[n]) for n, p in _params(engine).items())
+    assert _generate(address) == before  # the old weights keep serving
+
+
+def _stream_id(chunks: list[rollout_pb2.WeightChunk], bucket: int) -> str:
+    """The stream id of bucket ``bucket``."""
+    return next(
+        m.chunk.stream_id
+        for m in chunks
+        if m.chunk.seq == 0 and m.chunk.meta["rlfleet.weights.bucket"] == str(bucket)
+    )
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_one_bucket_model_takes_the_bulk_plane(
+    trainer: TrainerCore, rollout: tuple[HFEngine, str], transport: str
+) -> None:
+    engine, address = rollout
+    client = InProcessTrainerClient(trainer)
+    out = client.push_weights([("r0", address)], version=2, transports=[transport])
+    assert out.ok == {"r0": True}, out.errors
+    assert out.transports == {"r0": transport}
+    ours = dict(trainer.iter_weights())
+    assert all(torch.equal(p, ours[n]) for n, p in _params(engine).items())
+    assert engine.info().weight_version == 2
+    # Several buckets: the bulk plane takes whole updates only, so the gRPC stream.
+    out = client.push_weights(
+        [("r0", address)], version=3, bucket_bytes=BUCKET, transports=[transport]
+    )
+    assert out.transports == {"r0": "grpc"} and engine.info().weight_version == 3
