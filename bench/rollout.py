@@ -1,0 +1,508 @@
+"""Rollout benchmark: prints one JSON object on stdout (progress goes to stderr).
+
+(a) **Generation**: tokens/s of the rollout gRPC service (``python -m
+    rlfleet.rollout.server --engine hf --port 0``, a separate process, called through
+    ``RemoteRolloutClient``) against the same HF engine called in this process
+    (``HFEngine.generate``), and through the in-process core (``RolloutCore`` +
+    ``InProcessRolloutClient``): same model folder, prompts and sampling parameters
+    (seeded, temperature 1, up to ``--max-tokens`` tokens or eos), one request
+    of ``--prompts`` x ``--n`` rows. Models are built by
+    ``rlfleet.common.tiny_model.build_tiny_model`` (``--presets``).
+(b) **Weight update**: ``--params`` bf16 parameters of random values (1 GiB by
+    default: 32 matrices of 4096 x 4096) pushed with ``rlfleet.rollout.client.push_weights``
+    over each transport (gRPC chunks, raw TCP, shared memory) into a ``RolloutCore``
+    served over gRPC in a separate process, whose engine holds a state of the same
+    names, shapes and dtype; against a raw TCP socket moving the same bytes into the
+    same process, and a memcpy of the same bytes in this process.
+
+    python bench/rollout.py                                  # tiny + small, 1 GiB update
+    python bench/rollout.py --presets tiny --params 64e6 --repeats 3     # quick
+
+``tokens_per_s`` / ``GBps`` are medians of ``--repeats`` timed runs after one warm-up
+(``best_*`` the fastest); methods are interleaved run by run, so background load hits
+them alike. Ratios use the medians. GB is 10**9 bytes. ``--threads`` (default 1) sets
+torch's intra-op threads in this process and in the service process alike: on a small
+shared CPU host, two OpenMP threads per process make generation times swing tenfold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from rlfleet.common.errors import FailedPrecondition, InvalidArgument
+from rlfleet.common.rpc import create_channel
+from rlfleet.rollout import client as rollout_client
+from rlfleet.rollout.engine import EngineInfo, GenerationRequest, SampleOutput, SamplingParams
+
+TIMEOUT_S = 600.0
+_MATRIX = 4096  # columns of every weight matrix in (b)
+
+
+def log(*args: Any) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def interleaved(
+    methods: Mapping[str, Callable[[], Any]], repeats: int
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Seconds of each run per method (one warm-up each first, not counted), and the
+    last value each method returned."""
+    last: dict[str, Any] = {}
+    for name, fn in methods.items():
+        last[name] = fn()
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    for r in range(repeats):
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            last[name] = fn()
+            times[name].append(time.perf_counter() - start)
+        log(
+            f"  round {r + 1}/{repeats}: "
+            + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items())
+        )
+    return times, last
+
+
+# --------------------------------------------------------------------------- (a)
+
+
+def _start_service(model_dir: Path, threads: int) -> tuple[subprocess.Popen[str], str]:
+    """``python -m rlfleet.rollout.server`` on port 0 with ``threads`` intra-op threads
+    (``OMP_NUM_THREADS``, which torch reads at start); returns it and its address."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    cmd = [sys.executable, "-m", "rlfleet.rollout.server", "--model", str(model_dir)]
+    cmd += ["--engine", "hf", "--port", "0", "--metrics-port", "-1", "--log-level", "WARNING"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"rollout server exited with {proc.wait()} before serving")
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event.get("event") == "serving":
+            return proc, str(event["address"])
+    proc.terminate()
+    raise TimeoutError("rollout server did not print its address within 120 s")
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()  # SIGTERM: graceful stop
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def _tokens(samples: list[SampleOutput]) -> int:
+    return sum(len(s.token_ids) for s in samples)
+
+
+def _key(samples: list[SampleOutput]) -> list[tuple[int, int, tuple[int, ...]]]:
+    return sorted((s.prompt_index, s.sample_index, tuple(s.token_ids)) for s in samples)
+
+
+def bench_generation(preset: str, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from rlfleet.common.tiny_model import build_tiny_model
+    from rlfleet.rollout.client import InProcessRolloutClient, RemoteRolloutClient
+    from rlfleet.rollout.core import RolloutCore
+    from rlfleet.rollout.hf_engine import HFEngine
+
+    model_dir = build_tiny_model(workdir / preset, preset=preset, seed=0)
+    engine = HFEngine(model_dir)
+    vocab = int(engine.model.get_output_embeddings().weight.shape[0])
+    n_params = sum(p.numel() for p in engine.model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(5, vocab, (args.prompts, args.prompt_len), generator=gen).tolist()
+    # ignore_eos stays False: the gRPC SamplingParams has no such field, so the service
+    # would stop at eos where an in-process call with ignore_eos=True would not.
+    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=1234)
+    core = RolloutCore(engine, replica_id="bench-inprocess")
+    local = InProcessRolloutClient(core)
+    proc, address = _start_service(model_dir, args.threads)
+    remote = RemoteRolloutClient(address, generate_timeout_s=TIMEOUT_S)
+    try:
+        methods: dict[str, Callable[[], list[SampleOutput]]] = {
+            "engine_inprocess": lambda: engine.generate([GenerationRequest(prompts, params)])[0],
+            "core_inprocess": lambda: list(local.generate(prompts, params)),
+            "service_grpc": lambda: list(remote.generate(prompts, params)),
+        }
+        times, last = interleaved(methods, args.repeats)
+    finally:
+        remote.close()
+        _stop(proc)
+        core.close()
+    tokens = {k: _tokens(v) for k, v in last.items()}
+    tps = {k: tokens[k] / statistics.median(v) for k, v in times.items()}
+    base = tps["engine_inprocess"]
+    return {
+        "preset": preset,
+        "parameters": n_params,
+        "rows": args.prompts * args.n,
+        "prompt_tokens": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "tokens_per_run": tokens,
+        # Seeded sampling, the same batch: the service should give the same tokens.
+        "service_tokens_equal_inprocess": _key(last["service_grpc"])
+        == _key(last["engine_inprocess"]),
+        "median_s": {k: round(statistics.median(v), 4) for k, v in times.items()},
+        "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+        "best_tokens_per_s": {k: round(tokens[k] / min(v), 1) for k, v in times.items()},
+        "service_vs_engine": round(tps["service_grpc"] / base, 3),
+        "core_vs_engine": round(tps["core_inprocess"] / base, 3),
+        "target": ">= 0.95",
+        "met": tps["service_grpc"] / base >= 0.95,
+    }
+
+
+# --------------------------------------------------------------------------- (b)
+
+
+def weight_shapes(n_params: int) -> dict[str, tuple[int, int]]:
+    """Names and shapes of bf16 matrices of ``_MATRIX`` columns, ``n_params`` in all
+    (rounded up to whole rows)."""
+    rows_total = max(1, math.ceil(n_params / _MATRIX))
+    shapes: dict[str, tuple[int, int]] = {}
+    i = 0
+    while rows_total > 0:
+        rows = min(_MATRIX, rows_total)
+        shapes[f"model.layers.{i // 4}.w{i % 4}.weight"] = (rows, _MATRIX)
+        rows_total -= rows
+        i += 1
+    return shapes
+
+
+class StateEngine:
+    """The rollout ``Engine`` protocol's weight side on a plain state of bf16 tensors:
+    checks and applies updates as ``HFEngine`` does (validate everything, then
+    ``copy_`` into the held tensors under a lock), and cannot generate."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.state = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+        self.version = 0
+        self.apply_s: dict[int, float] = {}  # version -> seconds of the copy into the state
+        self._lock = threading.Lock()
+
+    def validate(self, requests: Any) -> None:
+        raise FailedPrecondition("the benchmark engine does not generate")
+
+    def generate(self, requests: Any, on_sample: Any = None) -> list[list[SampleOutput]]:
+        raise FailedPrecondition("the benchmark engine does not generate")
+
+    def check_weights(self, specs: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+        for name, (dtype, shape) in specs.items():
+            held = self.state.get(name)
+            if held is None:
+                raise InvalidArgument(f"unknown tensor {name!r}", field=name)
+            if dtype != "bfloat16" or tuple(shape) != tuple(held.shape):
+                raise InvalidArgument(
+                    f"tensor {name!r}: {dtype} {list(shape)}, held bfloat16 {list(held.shape)}",
+                    field=name,
+                )
+        missing = set(self.state) - set(specs)
+        if missing:
+            raise InvalidArgument(f"missing {len(missing)} tensors", field="weights")
+
+    def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        self.check_weights(
+            {
+                n: (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                for n, t in named_tensors.items()
+            }
+        )
+        start = time.perf_counter()
+        with self._lock, torch.no_grad():
+            for name, t in named_tensors.items():
+                self.state[name].copy_(t)
+            self.version = version
+        self.apply_s[version] = time.perf_counter() - start
+
+    def sleep(self, level: int = 1) -> int:
+        return 0
+
+    def wake_up(self) -> None:
+        pass
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            engine="bench",
+            model="random-bf16",
+            dtype="bfloat16",
+            device="cpu",
+            weight_version=self.version,
+            max_model_len=0,
+        )
+
+
+def _raw_tcp_receiver(listener: socket.socket, total: int, runs: int) -> None:
+    """Accept ``runs`` connections; each sends an 8-byte length then the bytes, which
+    land by ``recv_into`` in one buffer allocated and touched once (the best case for
+    a bulk transport: no page faults); ack each with one byte."""
+    buf = np.ones(total, dtype=np.uint8).data
+    head = bytearray(8)
+    with listener:
+        for _ in range(runs):
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(TIMEOUT_S)
+                conn.recv_into(head, 8, socket.MSG_WAITALL)
+                (size,) = struct.unpack("<Q", head)
+                if size != total:
+                    raise ConnectionError(f"announced {size} bytes, expected {total}")
+                got = 0
+                while got < size:
+                    n = conn.recv_into(buf[got:])
+                    if n == 0:
+                        raise ConnectionError(f"peer closed after {got} of {size} bytes")
+                    got += n
+                conn.sendall(b"k")
+
+
+def _receiver_process(conn: Connection, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A rollout replica of its own (core + gRPC server) holding a ``StateEngine``, plus
+    a raw TCP receiver; driven by commands over ``conn``."""
+    from rlfleet.rollout.core import RolloutCore
+    from rlfleet.rollout.server import start_rollout_server
+
+    engine = StateEngine(shapes)
+    core = RolloutCore(engine, replica_id="bench-receiver", transfer_timeout_s=TIMEOUT_S)
+    server = start_rollout_server(core, host="127.0.0.1", port=0)
+    conn.send(server.address)
+    threads: list[threading.Thread] = []
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "stop":
+            break
+        if cmd == "tcp":
+            listener = socket.create_server(("127.0.0.1", 0))
+            listener.settimeout(TIMEOUT_S)
+            t = threading.Thread(target=_raw_tcp_receiver, args=(listener, *arg), daemon=True)
+            t.start()
+            threads.append(t)
+            conn.send(listener.getsockname()[1])
+        elif cmd == "apply_s":
+            conn.send(dict(engine.apply_s))
+    server.stop(1.0)
+    core.close()
+
+
+def _raw_tcp_send(views: list[memoryview], port: int) -> None:
+    total = sum(len(v) for v in views)
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(struct.pack("<Q", total))
+        for v in views:
+            sock.sendall(v)
+        if sock.recv(1) != b"k":
+            raise ConnectionError("no ack from the TCP receiver")
+
+
+class PhaseTimer:
+    """Times the sender's phases inside the real ``push_weights``: wraps the functions
+    ``rlfleet.rollout.client`` calls (``make_offer``: sha256 of every byte;
+    ``send_tcp`` / ``send_shm``: moving the bytes) and records their seconds under the
+    current method's name."""
+
+    def __init__(self) -> None:
+        self.method = ""
+        self.seconds: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+
+    def _wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*a: Any, **kw: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds[self.method][phase].append(time.perf_counter() - start)
+
+        return timed
+
+    def install(self) -> None:
+        rollout_client.make_offer = self._wrap("offer_sha256", rollout_client.make_offer)
+        rollout_client.send_tcp = self._wrap("move", rollout_client.send_tcp)
+        rollout_client.send_shm = self._wrap("move", rollout_client.send_shm)
+
+
+def bench_weights(n_params: int, repeats: int) -> dict[str, Any]:
+    shapes = weight_shapes(n_params)
+    log(f"(b) building {sum(r * c for r, c in shapes.values()) / 1e6:.0f}M bf16 parameters")
+    gen = torch.Generator().manual_seed(0)
+    state = {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in shapes.items()}
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    views = [t.view(-1).view(torch.uint8).numpy().data for t in state.values()]
+    warm = np.ones(size, dtype=np.uint8)  # memcpy target, touched once
+
+    def memcpy(dst: np.ndarray) -> None:
+        offset = 0
+        for v in views:
+            dst[offset : offset + len(v)] = np.frombuffer(v, dtype=np.uint8)
+            offset += len(v)
+
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_process, args=(child_conn, dict(shapes)), daemon=True)
+    proc.start()
+    timer = PhaseTimer()
+    timer.install()
+    version = 0
+    versions: dict[int, str] = {}
+    results: dict[str, Any] = {}
+    try:
+        if not conn.poll(120):
+            raise TimeoutError("receiver process did not start within 120 s")
+        address = conn.recv()
+        conn.send(("tcp", (size, repeats + 1)))
+        if not conn.poll(60):
+            raise TimeoutError("raw TCP receiver did not start within 60 s")
+        tcp_port = conn.recv()
+        channel = create_channel(address)
+
+        def push(transport: str) -> Callable[[], Any]:
+            def run() -> Any:
+                nonlocal version
+                version += 1
+                versions[version] = transport
+                timer.method = transport
+                result = rollout_client.push_weights(
+                    channel, state, version, transports=(transport,), timeout_s=TIMEOUT_S
+                )
+                if result.transport != transport or result.version != version:
+                    raise RuntimeError(f"asked for {transport} v{version}, got {result}")
+                return result
+
+            return run
+
+        methods: dict[str, Callable[[], Any]] = {
+            "tcp_raw": lambda: _raw_tcp_send(views, tcp_port),
+            "grpc": push("grpc"),
+            "tcp": push("tcp"),
+            "shm": push("shm"),
+            "memcpy_warm": lambda: memcpy(warm),
+            "memcpy_fresh": lambda: memcpy(np.empty(size, dtype=np.uint8)),
+        }
+        times, last = interleaved(methods, repeats)
+        conn.send(("apply_s", None))
+        apply_by_version: dict[int, float] = conn.recv()
+        channel.close()
+        conn.send(("stop", None))
+        proc.join(60)
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(10)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    gbps = {k: size / 1e9 / v for k, v in med.items()}
+    apply_s: dict[str, list[float]] = defaultdict(list)
+    for v, s in apply_by_version.items():
+        apply_s[versions[v]].append(s)
+    phases: dict[str, dict[str, float]] = {}
+    for transport in ("grpc", "tcp", "shm"):
+        p = {name: statistics.median(xs) for name, xs in timer.seconds[transport].items()}
+        p["apply_copy"] = statistics.median(apply_s[transport])
+        p["total"] = med[transport]
+        p["other"] = p["total"] - sum(v for k, v in p.items() if k != "total")
+        phases[transport] = {k: round(v, 4) for k, v in p.items()}
+    move_gbps = {t: size / 1e9 / phases[t]["move"] for t in ("tcp", "shm")}
+    results = {
+        "parameters": size // 2,
+        "bytes": size,
+        "tensors": len(state),
+        "dtype": "bfloat16",
+        "receiver": "RolloutCore + gRPC server in a separate process, StateEngine",
+        "median_s": {k: round(v, 4) for k, v in med.items()},
+        "GBps": {k: round(v, 3) for k, v in gbps.items()},
+        "best_GBps": {k: round(size / 1e9 / min(v), 3) for k, v in times.items()},
+        "phases_median_s": phases,
+        "receiver_reported_s": {k: round(v.seconds, 4) for k, v in last.items() if v is not None},
+        "data_plane_move_GBps": {k: round(v, 3) for k, v in move_gbps.items()},
+        "tcp_vs_raw_tcp": round(gbps["tcp"] / gbps["tcp_raw"], 3),
+        "tcp_move_vs_raw_tcp": round(move_gbps["tcp"] / gbps["tcp_raw"], 3),
+        "grpc_vs_raw_tcp": round(gbps["grpc"] / gbps["tcp_raw"], 3),
+        "shm_vs_raw_tcp": round(gbps["shm"] / gbps["tcp_raw"], 3),
+        "shm_vs_memcpy_warm": round(gbps["shm"] / gbps["memcpy_warm"], 3),
+        "shm_move_vs_memcpy_fresh": round(move_gbps["shm"] / gbps["memcpy_fresh"], 3),
+        "target": "bulk data plane (tcp) >= 0.8 x raw TCP",
+        "met_end_to_end": gbps["tcp"] / gbps["tcp_raw"] >= 0.8,
+        "met_move_only": move_gbps["tcp"] / gbps["tcp_raw"] >= 0.8,
+    }
+    return results
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--presets", default="tiny,small", help="comma list; '' skips (a)")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--params", type=float, default=float(2**29), help="bf16 parameters in (b); 0 skips"
+    )
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--weight-repeats", type=int, default=3)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads, here and in the service process (see BENCHMARKS.md)",
+    )
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    out: dict[str, Any] = {
+        "benchmark": "rollout",
+        "date": time.strftime("%Y-%m-%d"),
+        "host": {
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "grpcio": grpc.__version__,
+        },
+    }
+    presets = [p for p in args.presets.split(",") if p]
+    if presets:
+        out["generation"] = []
+        with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as tmp:
+            for preset in presets:
+                log(f"(a) generation, {preset} model")
+                out["generation"].append(bench_generation(preset, Path(tmp), args))
+    if args.params > 0:
+        out["weight_update"] = bench_weights(int(args.params), max(1, args.weight_repeats))
+    out["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""Trainer benchmark: prints one JSON object on stdout (progress goes to stderr).
+
+Training tokens/s of ``update_actor`` through the trainer gRPC service
+(``python -m rlfleet.trainer.server``, a separate process, called through
+``RemoteTrainerClient``) against the same call in this process
+(``InProcessTrainerClient`` on a ``TrainerCore``): same model folder, config and batch
+(GRPO, so the actor alone; one optimizer step per call). Models are built by
+``rlfleet.common.tiny_model.build_tiny_model`` (``--presets``).
+
+On a GPU (``torch.cuda.is_available()``) it also measures the actor update on CUDA in
+this process, with bf16 mixed precision: tokens/s, MFU (model FLOPs per second over the
+device's peak dense bf16 FLOPs) and peak allocated memory per parameter. On a CPU host
+``"gpu"`` is ``null`` and ``"gpu_reason"`` says why.
+
+    python bench/trainer.py                                  # tiny + small
+    python bench/trainer.py --presets tiny --repeats 3       # quick
+
+Tokens are the non-pad tokens of the batch (``attention_mask.sum()``) times
+``--ppo-epochs``: what the forward/backward passes process. ``tokens_per_s`` is the
+median of ``--repeats`` timed calls after one warm-up (``best_*`` the fastest), the two
+methods interleaved call by call. ``--threads`` (default 1) sets torch's intra-op
+threads here and in the service process alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from rlfleet.common.config import Config, save_resolved
+from rlfleet.trainer.batch import Batch
+from rlfleet.trainer.testing import make_batch, make_config
+
+TIMEOUT_S = 600.0
+
+#: Peak dense bf16 tensor-core FLOP/s by device name (vendor data sheets, SXM parts).
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "H200": 989.4e12,
+    "H100": 989.4e12,
+    "A100": 312e12,
+    "L40S": 362.05e12,
+    "A10G": 70e12,
+    "L4": 121e12,
+}
+
+
+def log(*args: Any) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def interleaved(
+    methods: Mapping[str, Callable[[], Any]], repeats: int
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Seconds of each run per method (one warm-up each first), and the last results."""
+    last: dict[str, Any] = {}
+    for name, fn in methods.items():
+        last[name] = fn()
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    for r in range(repeats):
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            last[name] = fn()
+            times[name].append(time.perf_counter() - start)
+        log(
+            f"  round {r + 1}/{repeats}: "
+            + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items())
+        )
+    return times, last
+
+
+def bench_config(model_dir: Path, run_dir: Path, args: argparse.Namespace, **extra: Any) -> Config:
+    """GRPO (actor only), one mini-batch per call: ``--prompts`` x ``--n`` samples."""
+    sections: dict[str, Any] = {
+        "algorithm": {"adv_estimator": "grpo"},
+        "data": {
+            "train_batch_size": args.prompts,
+            "max_prompt_length": args.prompt_len,
+            "max_response_length": args.response_len,
+        },
+        "actor": {
+            "ppo_mini_batch_size": args.prompts,
+            "ppo_micro_batch_size": args.micro_batch,
+            "ppo_epochs": args.ppo_epochs,
+        },
+        "rollout": {"n": args.n},
+        "trainer": {"default_local_dir": str(run_dir), "seed": 0, "resume_mode": "disable"},
+    }
+    for name, values in extra.items():
+        sections.setdefault(name, {}).update(values)
+    return make_config(str(model_dir), **sections)
+
+
+def bench_batch(core: Any, vocab: int, args: argparse.Namespace) -> Batch:
+    """``make_batch`` rows with ``old_log_probs`` from the actor and random advantages."""
+    bs = args.prompts * args.n
+    batch = make_batch(
+        bs, args.prompt_len, args.response_len, vocab=vocab, seed=0, pad_rows=bs // 4
+    )
+    batch["old_log_probs"] = core.compute_log_prob(batch)[0]["old_log_probs"]
+    gen = torch.Generator().manual_seed(1)
+    mask = batch["attention_mask"][:, -args.response_len :].float()
+    batch["advantages"] = torch.randn(bs, args.response_len, generator=gen) * mask
+    return batch
+
+
+def _start_service(config_dir: Path, threads: int) -> tuple[subprocess.Popen[bytes], str]:
+    """``python -m rlfleet.trainer.server`` on port 0 with ``threads`` intra-op threads;
+    returns it and its address (from ``--address-file``)."""
+    address_file = config_dir / "address"
+    cmd = [sys.executable, "-m", "rlfleet.trainer.server", "--config"]
+    cmd += [str(config_dir / "config.yaml"), "--port", "0", "--address-file", str(address_file)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if address_file.exists():
+            return proc, address_file.read_text().strip()
+        if proc.poll() is not None:
+            raise RuntimeError(f"trainer server exited with {proc.returncode} before serving")
+        time.sleep(0.1)
+    proc.terminate()
+    raise TimeoutError("trainer server did not write its address within 180 s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()  # SIGTERM: graceful stop
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def bench_service(preset: str, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from rlfleet.common.tiny_model import build_tiny_model
+    from rlfleet.trainer.client import InProcessTrainerClient, RemoteTrainerClient
+    from rlfleet.trainer.core import TrainerCore
+
+    model_dir = build_tiny_model(workdir / preset, preset=preset, seed=0)
+    config = bench_config(model_dir, workdir / f"run-{preset}", args)
+    service_dir = workdir / f"service-{preset}"
+    save_resolved(config, service_dir)
+    core = TrainerCore(config)
+    actor = core.backend.models["actor"]
+    n_params = sum(p.numel() for p in actor.parameters())
+    batch = bench_batch(core, int(actor.get_output_embeddings().weight.shape[0]), args)
+    tokens = int(batch["attention_mask"].sum()) * args.ppo_epochs
+    local = InProcessTrainerClient(core)
+    proc, address = _start_service(service_dir, args.threads)
+    remote = RemoteTrainerClient(address, timeout_s=TIMEOUT_S)
+    try:
+        methods = {
+            "inprocess": lambda: local.update_actor(dict(batch)),
+            "service_grpc": lambda: remote.update_actor(dict(batch)),
+        }
+        times, last = interleaved(methods, args.repeats)
+    finally:
+        remote.close()
+        _stop(proc)
+    tps = {k: tokens / statistics.median(v) for k, v in times.items()}
+    ratio = tps["service_grpc"] / tps["inprocess"]
+    return {
+        "preset": preset,
+        "parameters": n_params,
+        "samples": args.prompts * args.n,
+        "sequence": args.prompt_len + args.response_len,
+        "micro_batch": args.micro_batch,
+        "ppo_epochs": args.ppo_epochs,
+        "tokens_per_call": tokens,
+        "median_s": {k: round(statistics.median(v), 4) for k, v in times.items()},
+        "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+        "best_tokens_per_s": {k: round(tokens / min(v), 1) for k, v in times.items()},
+        "service_vs_inprocess": round(ratio, 3),
+        "pg_loss": {k: round(v.metrics["actor/pg_loss"], 5) for k, v in last.items()},
+        "target": ">= 0.95",
+        "met": ratio >= 0.95,
+    }
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
+    if override_tflops:
+        return override_tflops * 1e12
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if key in device_name:
+            return flops
+    return None
+
+
+def model_flops_per_token(model: Any, seq_len: int) -> float:
+    """Training FLOPs per token: ``6 N`` for the matmuls of forward + backward (N the
+    parameters outside the embedding lookup) plus ``12 L h s`` for attention scores
+    and values (PaLM, arXiv:2204.02311, appendix B)."""
+    cfg = model.config
+    n = sum(p.numel() for p in model.parameters())
+    if not getattr(cfg, "tie_word_embeddings", False):
+        n -= model.get_input_embeddings().weight.numel()
+    return 6.0 * n + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+
+
+def bench_gpu(preset: str, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The actor update on CUDA (bf16 mixed precision) in this process."""
+    from rlfleet.common.tiny_model import build_tiny_model
+    from rlfleet.trainer.client import InProcessTrainerClient
+    from rlfleet.trainer.core import TrainerCore
+
+    model_dir = Path(args.gpu_model) if args.gpu_model else None
+    if model_dir is None:
+        model_dir = build_tiny_model(workdir / f"gpu-{preset}", preset=preset, seed=0)
+    config = bench_config(
+        model_dir,
+        workdir / "run-gpu",
+        args,
+        trainer={"device": "cuda"},
+        actor={"dtype": "bfloat16"},
+    )
+    core = TrainerCore(config)
+    model = core.backend.models["actor"]
+    n_params = sum(p.numel() for p in model.parameters())
+    batch = bench_batch(core, int(model.get_output_embeddings().weight.shape[0]), args)
+    tokens = int(batch["attention_mask"].sum()) * args.ppo_epochs
+    client = InProcessTrainerClient(core)
+    client.update_actor(dict(batch))  # warm-up: kernels, allocator, optimizer state
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for r in range(args.repeats):
+        start = time.perf_counter()
+        client.update_actor(dict(batch))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        log(f"  gpu round {r + 1}/{args.repeats}: {times[-1]:.3f}s")
+    med = statistics.median(times)
+    name = torch.cuda.get_device_name()
+    peak = peak_flops(name, args.peak_tflops)
+    flops = model_flops_per_token(model, args.prompt_len + args.response_len) * tokens
+    peak_bytes = torch.cuda.max_memory_allocated()
+    return {
+        "device": name,
+        "model": str(model_dir),
+        "parameters": n_params,
+        "dtype": "bfloat16 compute, float32 parameters and optimizer state",
+        "tokens_per_call": tokens,
+        "median_s": round(med, 4),
+        "tokens_per_s": round(tokens / med, 1),
+        "best_tokens_per_s": round(tokens / min(times), 1),
+        "model_TFLOPs_per_s": round(flops / med / 1e12, 2),
+        "peak_bf16_TFLOPs_per_s": round(peak / 1e12, 1) if peak else None,
+        "mfu": round(flops / med / peak, 4) if peak else None,
+        "peak_memory_bytes": peak_bytes,
+        "peak_memory_bytes_per_parameter": round(peak_bytes / n_params, 2),
+    }
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--presets", default="tiny,small", help="comma list of model presets")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per call (one mini-batch)")
+    ap.add_argument("--n", type=int, default=4, help="responses per prompt")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--response-len", type=int, default=32)
+    ap.add_argument("--micro-batch", type=int, default=8, help="samples per forward/backward")
+    ap.add_argument("--ppo-epochs", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--gpu-preset", default="small", help="model preset of the GPU run")
+    ap.add_argument("--gpu-model", default=None, help="a Hugging Face folder for the GPU run")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="device peak, for MFU")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    out: dict[str, Any] = {
+        "benchmark": "trainer",
+        "date": time.strftime("%Y-%m-%d"),
+        "host": {
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "grpcio": grpc.__version__,
+        },
+        "update_actor": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as tmp:
+        for preset in [p for p in args.presets.split(",") if p]:
+            log(f"update_actor, {preset} model: service vs in-process")
+            out["update_actor"].append(bench_service(preset, Path(tmp), args))
+        if torch.cuda.is_available():
+            log(f"update_actor on {torch.cuda.get_device_name()}")
+            out["gpu"] = bench_gpu(args.gpu_preset, Path(tmp), args)
+        else:
+            out["gpu"] = None
+            out["gpu_reason"] = (
+                f"torch.cuda.is_available() is False (torch {torch.__version__}): "
+                "no MFU or GPU memory figures on this host"
+            )
+    out["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
