@@ -89,12 +89,12 @@ def interleaved(
 
 
 def _start_service(model_dir: Path, threads: int) -> tuple[subprocess.Popen[str], str]:
-    """``python -m rlfleet.rollout.server`` on port 0 with ``threads`` intra-op threads
-    (``OMP_NUM_THREADS``, which torch reads at start); returns it and its address."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    """``python -m rlfleet.rollout.server`` on port 0 with ``--torch-threads threads``;
+    returns it and its address."""
     cmd = [sys.executable, "-m", "rlfleet.rollout.server", "--model", str(model_dir)]
     cmd += ["--engine", "hf", "--port", "0", "--metrics-port", "-1", "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    cmd += ["--torch-threads", str(threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -140,9 +140,10 @@ def bench_generation(preset: str, workdir: Path, args: argparse.Namespace) -> di
     n_params = sum(p.numel() for p in engine.model.parameters())
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(5, vocab, (args.prompts, args.prompt_len), generator=gen).tolist()
-    # ignore_eos stays False: the gRPC SamplingParams has no such field, so the service
-    # would stop at eos where an in-process call with ignore_eos=True would not.
-    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=1234)
+    # ignore_eos: every path generates exactly max_tokens per row, the same work.
+    params = SamplingParams(
+        n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=1234, ignore_eos=True
+    )
     core = RolloutCore(engine, replica_id="bench-inprocess")
     local = InProcessRolloutClient(core)
     proc, address = _start_service(model_dir, args.threads)
@@ -324,9 +325,9 @@ def _raw_tcp_send(views: list[memoryview], port: int) -> None:
 
 class PhaseTimer:
     """Times the sender's phases inside the real ``push_weights``: wraps the functions
-    ``rlfleet.rollout.client`` calls (``make_offer``: sha256 of every byte;
-    ``send_tcp`` / ``send_shm``: moving the bytes) and records their seconds under the
-    current method's name."""
+    ``rlfleet.rollout.client`` calls (``make_offer``: the layout, no pass over the
+    bytes; ``send_tcp`` / ``send_shm``: moving the bytes and checksumming each block
+    as it goes) and records their seconds under the current method's name."""
 
     def __init__(self) -> None:
         self.method = ""
@@ -343,7 +344,7 @@ class PhaseTimer:
         return timed
 
     def install(self) -> None:
-        rollout_client.make_offer = self._wrap("offer_sha256", rollout_client.make_offer)
+        rollout_client.make_offer = self._wrap("offer", rollout_client.make_offer)
         rollout_client.send_tcp = self._wrap("move", rollout_client.send_tcp)
         rollout_client.send_shm = self._wrap("move", rollout_client.send_shm)
 
@@ -418,15 +419,22 @@ def bench_weights(n_params: int, repeats: int) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in times.items()}
     gbps = {k: size / 1e9 / v for k, v in med.items()}
     apply_s: dict[str, list[float]] = defaultdict(list)
-    for v, s in apply_by_version.items():
-        apply_s[versions[v]].append(s)
+    for v in sorted(apply_by_version):
+        apply_s[versions[v]].append(apply_by_version[v])
     phases: dict[str, dict[str, float]] = {}
     for transport in ("grpc", "tcp", "shm"):
-        p = {name: statistics.median(xs) for name, xs in timer.seconds[transport].items()}
-        p["apply_copy"] = statistics.median(apply_s[transport])
-        p["total"] = med[transport]
-        p["other"] = p["total"] - sum(v for k, v in p.items() if k != "total")
-        phases[transport] = {k: round(v, 4) for k, v in p.items()}
+        # Per timed run (the warm-up, first, is dropped as in ``times``): every phase
+        # and ``other`` = total - phases, then the median of each over the runs.
+        runs = [
+            {name: xs[1 + r] for name, xs in timer.seconds[transport].items()}
+            | {"apply_copy": apply_s[transport][1 + r], "total": times[transport][r]}
+            for r in range(len(times[transport]))
+        ]
+        for run in runs:
+            run["other"] = run["total"] - sum(v for k, v in run.items() if k != "total")
+        phases[transport] = {
+            k: round(statistics.median(run[k] for run in runs), 4) for k in runs[0]
+        }
     move_gbps = {t: size / 1e9 / phases[t]["move"] for t in ("tcp", "shm")}
     results = {
         "parameters": size // 2,

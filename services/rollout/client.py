@@ -266,11 +266,11 @@ def push_weights(
                 )
                 if plan.transport in ("tcp", "shm"):
                     if plan.transport == "tcp":
-                        send_tcp(plan, named_tensors, offer.tensors, timeout_s=timeout_s)
+                        crcs = send_tcp(plan, named_tensors, offer.tensors, timeout_s=timeout_s)
                     else:
-                        send_shm(plan, named_tensors, offer.tensors)
+                        crcs = send_shm(plan, named_tensors, offer.tensors)
                     msg = stub.CommitWeightTransfer(
-                        rollout_pb2.WeightTransferCommit(transfer_id=plan.transfer_id),
+                        rollout_pb2.WeightTransferCommit(transfer_id=plan.transfer_id, crc32c=crcs),
                         timeout=timeout_s,
                     )
                     return serde.update_from_proto(msg, plan.transport)

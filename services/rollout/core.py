@@ -291,8 +291,9 @@ class RolloutCore:
     def open_transfer(self, offer: TransferOffer) -> TransferPlan:
         return self._bulk.open(offer)
 
-    def commit_transfer(self, transfer_id: str) -> UpdateResult:
-        return self._record(self._bulk.commit(transfer_id))
+    def commit_transfer(self, transfer_id: str, crc32c: Sequence[int]) -> UpdateResult:
+        """Verify a bulk transfer against the sender's per-tensor CRC-32Cs and apply it."""
+        return self._record(self._bulk.commit(transfer_id, crc32c))
 
     # ------------------------------------------------------------------ sleep / status
 

@@ -163,7 +163,10 @@ class Engine(Protocol):
 
     def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
         """Replace the weights; all-or-nothing. Raises ``InvalidArgument`` naming the
-        first tensor whose name, shape or dtype does not match the model."""
+        first tensor whose name, shape or dtype does not match the model.
+
+        The tensors may view a staging buffer that the next update reuses: copy
+        them, never keep references to them."""
         ...
 
     def check_weights(self, specs: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:

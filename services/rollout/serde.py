@@ -64,6 +64,7 @@ def sampling_from_proto(msg: rollout_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs,
+        ignore_eos=msg.ignore_eos,
     )
 
 
@@ -77,6 +78,7 @@ def sampling_to_proto(p: SamplingParams, *, detokenize: bool = False) -> rollout
         stop_token_ids=list(p.stop_token_ids),
         logprobs=p.logprobs,
         detokenize=detokenize,
+        ignore_eos=p.ignore_eos,
     )
     if p.seed is not None:
         msg.seed = p.seed
@@ -136,7 +138,6 @@ def offer_to_proto(o: TransferOffer) -> rollout_pb2.WeightTransferOffer:
             rollout_pb2.TensorSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in o.tensors
         ],
         total_bytes=o.total_bytes,
-        sha256=o.sha256,
         transports=[_TRANSPORT_CODES[t] for t in o.transports],
         sender_host=o.sender_host,
     )
@@ -163,7 +164,6 @@ def offer_from_proto(msg: rollout_pb2.WeightTransferOffer) -> TransferOffer:
         version=msg.version,
         tensors=specs,
         total_bytes=msg.total_bytes,
-        sha256=msg.sha256,
         transports=[TRANSPORT_NAMES[c] for c in msg.transports],
         sender_host=msg.sender_host,
     )

@@ -233,6 +233,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", default=None, help="scheduler host:port to register with")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--device", default="cpu", help="hf engine: cpu, cuda, cuda:1 ...")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch intra-op threads in this process (torch.set_num_threads); default: "
+        "torch's own. Several processes sharing few cores generate far more steadily "
+        "with 1 each (see BENCHMARKS.md, Rollout)",
+    )
     parser.add_argument("--replica-id", default=None, help="default: <host>:<port>")
     parser.add_argument(
         "--max-batch-samples", type=int, default=256, help="rows (prompts x n) per engine batch"
@@ -261,6 +270,16 @@ def serve_main(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     auth_token = os.environ.get("RLFLEET_AUTH_TOKEN") or None
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            print(
+                f"rlfleet serve rollout: --torch-threads must be >= 1, got {args.torch_threads}",
+                file=sys.stderr,
+            )
+            return 2
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     extra: dict[str, Any] = {}
     if args.engine == "vllm":
         extra["gpu_memory_utilization"] = args.gpu_memory_utilization

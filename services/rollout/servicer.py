@@ -76,7 +76,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def CommitWeightTransfer(
         self, request: rollout_pb2.WeightTransferCommit, context: grpc.ServicerContext
     ) -> rollout_pb2.UpdateWeightsResponse:
-        return serde.update_to_proto(self.core.commit_transfer(request.transfer_id))
+        return serde.update_to_proto(
+            self.core.commit_transfer(request.transfer_id, list(request.crc32c))
+        )
 
     def Sleep(
         self, request: rollout_pb2.SleepRequest, context: grpc.ServicerContext

@@ -3,23 +3,40 @@
 Protocol (``OpenWeightTransfer`` -> move bytes -> ``CommitWeightTransfer``):
 
 1. The sender offers: version, the tensors (name, dtype, shape) in the order their
-   bytes will follow, packed back to back with no padding, ``total_bytes``, the
-   sha256 of all those bytes, its transports in preference order and its host name.
+   bytes will follow, packed back to back with no padding, ``total_bytes``, its
+   transports in preference order and its host name. Nothing is read or hashed yet.
 2. The receiver checks the version and every name / dtype / shape against the model
    *before* any byte moves, picks the first transport it can serve and answers a
    plan: ``transfer_id``, transport, endpoint and, for TCP, a one-time token.
-3. **TCP**: the sender connects to ``endpoint`` (``host:port`` of a one-shot
+3. The sender moves the bytes and, as it moves each block (while the block is still
+   in cache), extends that tensor's CRC-32C. The receiver computes its own CRC-32C
+   per tensor as the bytes arrive, so no full pass over the bytes happens before or
+   after the move on either side.
+   **TCP**: the sender connects to ``endpoint`` (``host:port`` of a one-shot
    listener), writes the token, then the raw bytes, and closes. The receiver reads
-   into one preallocated buffer while a second thread hashes what has arrived
-   (hashlib releases the GIL), so verification overlaps the transfer.
+   into its staging buffer and checksums each block right after ``recv_into``.
    **SHM** (sender on the same host): ``endpoint`` names a POSIX shared-memory
-   segment of ``total_bytes`` the receiver created; the sender maps it
-   (``/dev/shm/<name>``) and copies the bytes in.
-4. ``CommitWeightTransfer``: the receiver waits for the bytes, checks count and
-   sha256 (``DataLoss`` otherwise), views its buffer as tensors without a copy and
-   hands them to :meth:`WeightReceiver.apply`, which swaps them in atomically.
+   segment the receiver owns: a header of ``_SHM_HEADER`` bytes whose first 8 hold
+   the count of bytes written so far (little-endian uint64), then the tensor
+   bytes. The sender maps it (``/dev/shm/<name>``), copies block by block and
+   bumps the count after each block; a receiver thread checksums behind the count.
+4. ``CommitWeightTransfer`` carries the sender's per-tensor CRC-32Cs: the receiver
+   waits for the bytes, checks the count and every checksum (``DataLoss`` naming
+   the tensor otherwise), views its buffer as tensors without a copy and hands them
+   to :meth:`WeightReceiver.apply`, which swaps them in atomically.
 
-Uncommitted transfers expire after ``timeout_s``; their buffers are released.
+**Staging buffers are reused.** First-touching a fresh 1 GiB buffer costs seconds
+of page faults on a small VM against ~0.1 s for a warm copy, so a finished
+transfer's buffer (TCP) or segment (SHM) is kept and handed to the next transfer
+that fits in it. The replica thus holds one staging buffer of the last update's
+size per transport between updates. A buffer goes back to the pool only once
+nothing can write into it any more (its receive thread ended, or the sender
+committed) and the apply, which copies out of it, returned: engines must not keep
+references to the tensors they are given. Concurrent transfers each get their own
+buffer (a fresh one when the spare is taken).
+
+Uncommitted transfers expire after ``timeout_s``; their buffers are released, not
+reused (a late sender could still be writing).
 
 **NCCL / CUDA IPC** plug in at step 2/3 the same way (see docs/rollout.md): a plan
 whose endpoint is a rendezvous (NCCL: ``host:port`` of a TCPStore plus a group
@@ -30,16 +47,16 @@ receiver opens), bytes moved device to device, and the same commit; only the
 
 from __future__ import annotations
 
+import bisect
 import contextlib
-import hashlib
 import hmac
 import logging
 import math
 import mmap
 import os
-import queue
 import secrets
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -48,6 +65,7 @@ from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from typing import Any
 
+import google_crc32c
 import numpy as np
 
 from rlfleet.common.codec import TensorSpec, tensor_specs, unpack
@@ -66,6 +84,7 @@ __all__ = [
     "send_tcp",
     "spec_nbytes",
     "tensor_bytes",
+    "tensor_crcs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -73,7 +92,12 @@ logger = logging.getLogger(__name__)
 #: Transport names, in the default sender preference order.
 TRANSPORTS: tuple[str, ...] = ("shm", "tcp", "grpc")
 _SERVED = ("shm", "tcp", "grpc")
-_BLOCK = 8 << 20  # socket reads / hash updates
+_BLOCK = 1 << 20  # largest socket read: checksummed right after, still in cache
+# Sender: bytes moved, then checksummed, per step. Small enough that the block is
+# still in cache when the CRC reads it; large enough that the per-call cost is noise.
+_SEND_BLOCK = 1 << 20
+_SHM_HEADER = 4096  # bytes before the tensor bytes in a segment (page-aligned data)
+_SHM_POLL_S = 0.0005  # receiver's checksum thread: wait between looks at the count
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +107,6 @@ class TransferOffer:
     version: int
     tensors: list[TensorSpec]  # offsets packed back to back, in byte order
     total_bytes: int
-    sha256: str
     transports: list[str]
     sender_host: str = ""
 
@@ -118,20 +141,26 @@ def tensor_bytes(t: Any) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+def _u8(data: memoryview) -> np.ndarray:
+    # google_crc32c takes bytes or numpy arrays, not memoryviews.
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def tensor_crcs(named_tensors: Mapping[str, Any], specs: Sequence[TensorSpec]) -> list[int]:
+    """CRC-32C of each tensor's bytes, in ``specs`` order (what a sender commits)."""
+    return [int(google_crc32c.value(_u8(tensor_bytes(named_tensors[s.name])))) for s in specs]
+
+
 def make_offer(
     named_tensors: Mapping[str, Any], version: int, transports: Sequence[str] = TRANSPORTS
 ) -> TransferOffer:
-    """The offer for ``named_tensors`` (hashes every byte once)."""
+    """The offer for ``named_tensors``: layout only, no pass over the bytes."""
     specs = tensor_specs(named_tensors, align=1)
-    h = hashlib.sha256()
-    for s in specs:
-        h.update(tensor_bytes(named_tensors[s.name]))
     total = specs[-1].offset + specs[-1].nbytes if specs else 0
     return TransferOffer(
         version=version,
         tensors=specs,
         total_bytes=total,
-        sha256=h.hexdigest(),
         transports=list(transports),
         sender_host=socket.gethostname(),
     )
@@ -146,46 +175,101 @@ def send_tcp(
     specs: Sequence[TensorSpec],
     *,
     timeout_s: float = 600.0,
-) -> None:
-    """Connect to the plan's endpoint, present the token, stream the bytes in order."""
+) -> list[int]:
+    """Connect to the plan's endpoint, present the token, stream the bytes in order.
+
+    Returns:
+        The CRC-32C of each tensor as sent, in ``specs`` order (for the commit).
+    """
+    crcs: list[int] = []
     host, _, port = plan.endpoint.rpartition(":")
     with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(plan.token.encode())
         for s in specs:
             data = tensor_bytes(named_tensors[s.name])
-            if len(data):
-                sock.sendall(data)
+            crc = 0
+            for i in range(0, len(data), _SEND_BLOCK):
+                block = data[i : i + _SEND_BLOCK]
+                sock.sendall(block)
+                crc = google_crc32c.extend(crc, _u8(block))
+            crcs.append(int(crc))
         sock.shutdown(socket.SHUT_WR)
         # Wait for the receiver to close: it has everything once it does.
         sock.recv(1)
+    return crcs
 
 
 def send_shm(
     plan: TransferPlan, named_tensors: Mapping[str, Any], specs: Sequence[TensorSpec]
-) -> None:
-    """Copy the bytes into the receiver's shared-memory segment."""
+) -> list[int]:
+    """Copy the bytes into the receiver's shared-memory segment, block by block,
+    publishing the count of bytes written after each block.
+
+    Returns:
+        The CRC-32C of each tensor as copied, in ``specs`` order (for the commit).
+    """
     # Mapped by path rather than through SharedMemory: attaching with SharedMemory
     # registers the segment with this process's resource tracker, which would unlink
     # it (and warn) when this process exits.
     path = f"/dev/shm/{plan.endpoint.lstrip('/')}"
     total = specs[-1].offset + specs[-1].nbytes if specs else 0
+    crcs: list[int] = []
     if total == 0:
-        return
+        return [0] * len(specs)
     fd = os.open(path, os.O_RDWR)
     try:
-        with mmap.mmap(fd, total) as mm:
-            dst = np.frombuffer(mm, dtype=np.uint8)
-            for s in specs:
-                dst[s.offset : s.offset + s.nbytes] = np.frombuffer(
-                    tensor_bytes(named_tensors[s.name]), dtype=np.uint8
-                )
-            del dst
+        # MAP_POPULATE: map every page in one call rather than fault them in one by
+        # one during the copy (the segment's pages exist once it has been used).
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        with mmap.mmap(fd, _SHM_HEADER + total, flags=flags) as mm:
+            written = np.frombuffer(mm, dtype="<u8", count=1)
+            dst = np.frombuffer(mm, dtype=np.uint8, offset=_SHM_HEADER, count=total)
+            try:
+                for s in specs:
+                    crcs.append(_copy_tensor(s, named_tensors[s.name], dst, written))
+            finally:
+                del written, dst  # the mmap cannot close while numpy views it
     finally:
         os.close(fd)
+    return crcs
+
+
+def _copy_tensor(spec: TensorSpec, tensor: Any, dst: np.ndarray, written: np.ndarray) -> int:
+    src = _u8(tensor_bytes(tensor))
+    crc = 0
+    for i in range(0, spec.nbytes, _SEND_BLOCK):
+        block = src[i : i + _SEND_BLOCK]
+        start = spec.offset + i
+        dst[start : start + len(block)] = block
+        # Published after the bytes (x86 keeps the order of stores; elsewhere the
+        # receiver re-reads a mismatching tensor at commit).
+        written[0] = start + len(block)
+        crc = google_crc32c.extend(crc, block)
+    return int(crc)
 
 
 # --------------------------------------------------------------------- receiver side
+
+
+class _TensorCrcs:
+    """Per-tensor CRC-32C of a packed byte stream, fed in order as bytes arrive."""
+
+    def __init__(self, specs: Sequence[TensorSpec]) -> None:
+        self.ends = [s.offset + s.nbytes for s in specs]
+        self.values = [0] * len(specs)
+        self.fed = 0  # bytes checksummed so far
+
+    def feed(self, buf: np.ndarray, end: int) -> None:
+        """Checksum ``buf[self.fed:end]``, split at tensor boundaries."""
+        pos = self.fed
+        i = bisect.bisect_right(self.ends, pos)  # first tensor ending after pos
+        while pos < end:
+            stop = min(end, self.ends[i])
+            self.values[i] = google_crc32c.extend(self.values[i], buf[pos:stop])
+            pos = stop
+            i += 1
+        self.fed = max(self.fed, end)
 
 
 @dataclass
@@ -195,27 +279,16 @@ class _Transfer:
     transport: str
     created: float
     token: str = ""
-    buffer: Any = None  # np.uint8 array (tcp) or memoryview of the segment (shm)
+    storage: np.ndarray | None = None  # tcp: the staging array (may be larger than needed)
+    buffer: Any = None  # np.uint8 array (tcp) or memoryview of the segment (shm), exact size
     shm: shared_memory.SharedMemory | None = None
     listener: socket.socket | None = None
-    done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)  # no writer left (tcp)
+    stop: threading.Event = field(default_factory=threading.Event)  # shm checksum thread
+    checker: threading.Thread | None = None
+    crcs: _TensorCrcs | None = None
     received: int = 0
-    digest: str = ""
     error: str = ""
-
-    def release(self) -> None:
-        if self.listener is not None:
-            with contextlib.suppress(OSError):
-                self.listener.close()
-        if isinstance(self.buffer, memoryview):
-            self.buffer.release()
-        self.buffer = None
-        if self.shm is not None:
-            with contextlib.suppress(OSError, BufferError):
-                self.shm.close()
-            with contextlib.suppress(OSError):
-                self.shm.unlink()
-            self.shm = None
 
 
 class BulkReceiver:
@@ -243,6 +316,9 @@ class BulkReceiver:
         self._node = socket.gethostname()
         self._lock = threading.Lock()
         self._transfers: dict[str, _Transfer] = {}
+        # One spare staging buffer per transport, from the last finished transfer.
+        self._spare_array: np.ndarray | None = None
+        self._spare_shm: shared_memory.SharedMemory | None = None
 
     def open(self, offer: TransferOffer) -> TransferPlan:
         self._expire()
@@ -274,7 +350,8 @@ class BulkReceiver:
         )
         return TransferPlan(t.id, transport, endpoint, t.token)
 
-    def commit(self, transfer_id: str) -> UpdateResult:
+    def commit(self, transfer_id: str, crc32c: Sequence[int]) -> UpdateResult:
+        """Verify the transfer against the sender's per-tensor CRC-32Cs and apply it."""
         with self._lock:
             t = self._transfers.pop(transfer_id, None)
         if t is None:
@@ -284,11 +361,13 @@ class BulkReceiver:
                 value=transfer_id,
             )
         try:
-            return self._verify_and_apply(t)
+            return self._verify_and_apply(t, crc32c)
         finally:
-            t.release()
+            # The sender committed, so it no longer writes: the buffer can be reused
+            # once its receive / checksum thread has ended.
+            self._release(t, reuse=True)
 
-    def _verify_and_apply(self, t: _Transfer) -> UpdateResult:
+    def _verify_and_apply(self, t: _Transfer, crc32c: Sequence[int]) -> UpdateResult:
         # A function of its own so that the tensor views into the buffer are gone
         # before the caller releases it (a shared-memory segment cannot close while
         # views of it exist).
@@ -298,30 +377,59 @@ class BulkReceiver:
                 field="transfer_id",
                 value=t.id,
             )
+        specs = t.offer.tensors
+        if len(crc32c) != len(specs):
+            raise InvalidArgument(
+                f"the commit carries {len(crc32c)} CRC-32Cs for {len(specs)} offered tensors",
+                field="crc32c",
+                value=len(crc32c),
+            )
         total = t.offer.total_bytes
+        remaining = max(0.0, self._timeout_s - (time.monotonic() - t.created))
         if t.transport == "tcp":
-            remaining = self._timeout_s - (time.monotonic() - t.created)
-            if not t.done.wait(max(0.0, remaining)):
+            if not t.done.wait(remaining):
                 raise DeadlineExceeded(
                     f"transfer {t.id}: {t.received} of {total} bytes arrived within "
                     f"{self._timeout_s}s",
                     field="transfer_id",
                 )
-            if t.error:
-                raise DataLoss(f"transfer {t.id}: {t.error}", code="TRANSFER_FAILED")
-            digest = t.digest
         else:
-            h = hashlib.sha256()
-            for i in range(0, total, _BLOCK):
-                h.update(t.buffer[i : i + _BLOCK])
-            digest = h.hexdigest()
-        if digest != t.offer.sha256:
+            # The sender has finished writing (it committed): the checksum thread
+            # catches up with the count and ends.
+            t.stop.set()
+            if t.checker is not None:
+                t.checker.join(remaining)
+                if t.checker.is_alive():
+                    raise DeadlineExceeded(f"transfer {t.id}: checksum thread still running")
+            if t.received < total and not t.error:
+                t.error = f"sender committed after writing {t.received} of {total} bytes"
+        if t.error:
+            raise DataLoss(f"transfer {t.id}: {t.error}", code="TRANSFER_FAILED")
+        assert t.crcs is not None
+        got = t.crcs.values
+        bad = [i for i, (a, b) in enumerate(zip(got, crc32c, strict=True)) if a != b]
+        if bad and t.transport == "shm":
+            # The thread read behind the sender's published count; where memory order
+            # is weaker than x86's it may have read a block early. Re-read those
+            # tensors now that the sender is done (the commit orders it) before
+            # calling them corrupt.
+            buf = np.frombuffer(t.buffer, dtype=np.uint8)
+            for i in bad:
+                s = specs[i]
+                got[i] = google_crc32c.value(buf[s.offset : s.offset + s.nbytes])
+            del buf
+            bad = [i for i in bad if got[i] != crc32c[i]]
+        if bad:
+            names = ", ".join(repr(specs[i].name) for i in bad[:3])
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            i = bad[0]
             raise DataLoss(
-                f"transfer {t.id} ({t.transport}): sha256 of the {total} bytes received "
-                f"is {digest}, the offer said {t.offer.sha256}; nothing applied",
+                f"transfer {t.id} ({t.transport}): CRC-32C mismatch in {len(bad)} of "
+                f"{len(specs)} tensors ({names}{more}; first: received {got[i]:#010x}, "
+                f"sender sent {crc32c[i]:#010x}); nothing applied",
                 code="CHECKSUM_MISMATCH",
             )
-        tensors = unpack(t.buffer, t.offer.tensors, to="torch", copy=False)
+        tensors = unpack(t.buffer, specs, to="torch", copy=False)
         return self._receiver.apply(
             tensors, t.offer.version, start=t.created, transport=t.transport
         )
@@ -330,7 +438,11 @@ class BulkReceiver:
         with self._lock:
             transfers, self._transfers = list(self._transfers.values()), {}
         for t in transfers:
-            t.release()
+            self._release(t, reuse=False)
+        with self._lock:
+            spare_shm, self._spare_shm, self._spare_array = self._spare_shm, None, None
+        if spare_shm is not None:
+            _destroy_shm(spare_shm)
 
     # ------------------------------------------------------------------ internals
 
@@ -366,16 +478,101 @@ class BulkReceiver:
             value=offer.transports,
         )
 
+    def _release(self, t: _Transfer, *, reuse: bool) -> None:
+        """Free ``t``'s listener and buffer; with ``reuse``, keep the buffer as the
+        spare when no thread can still write into it or checksum it."""
+        if t.listener is not None:
+            with contextlib.suppress(OSError):
+                t.listener.close()
+        t.stop.set()
+        views_gone = True
+        if isinstance(t.buffer, memoryview):
+            try:
+                t.buffer.release()
+            except BufferError:  # tensors still view it (an exception's traceback holds them)
+                views_gone = False
+        t.buffer = None
+        t.crcs = None
+        storage, t.storage = t.storage, None
+        if storage is not None and reuse and t.done.is_set():
+            with self._lock:
+                if self._spare_array is None or self._spare_array.nbytes <= storage.nbytes:
+                    self._spare_array = storage
+        shm, t.shm = t.shm, None
+        if shm is None:
+            return
+        checker_done = t.checker is None or not t.checker.is_alive()
+        if reuse and checker_done and views_gone:
+            with self._lock:
+                old = self._spare_shm
+                if old is None or old.size <= shm.size:
+                    self._spare_shm, shm = shm, old  # destroy the smaller one
+        if shm is not None:
+            _destroy_shm(shm)
+
+    def _take_array(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            spare, self._spare_array = self._spare_array, None
+        if spare is not None and spare.nbytes >= nbytes:
+            return spare
+        # None spare (or a concurrent transfer holds it): a fresh one; a spare too
+        # small is dropped first, so its memory goes before the new one is touched.
+        del spare
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def _take_shm(self, nbytes: int) -> shared_memory.SharedMemory:
+        with self._lock:
+            spare, self._spare_shm = self._spare_shm, None
+        if spare is not None:
+            if spare.size >= nbytes:
+                return spare
+            _destroy_shm(spare)
+        return shared_memory.SharedMemory(
+            name=f"rlfleet_{uuid.uuid4().hex[:16]}", create=True, size=nbytes
+        )
+
     def _open_shm(self, t: _Transfer) -> None:
-        size = max(1, t.offer.total_bytes)
-        t.shm = shared_memory.SharedMemory(name=f"rlfleet_{t.id[:16]}", create=True, size=size)
+        total = t.offer.total_bytes
+        t.shm = self._take_shm(_SHM_HEADER + total)
         buf = t.shm.buf
         assert buf is not None
-        t.buffer = buf[: t.offer.total_bytes]
+        struct.pack_into("<Q", buf, 0, 0)  # nothing written yet
+        t.buffer = buf[_SHM_HEADER : _SHM_HEADER + total]
+        t.crcs = _TensorCrcs(t.offer.tensors)
+        t.checker = threading.Thread(
+            target=self._check_shm, args=(t,), name=f"rlfleet-crc-{t.id[:8]}", daemon=True
+        )
+        t.checker.start()
+
+    def _check_shm(self, t: _Transfer) -> None:
+        """Checksum the segment behind the sender's published count until all bytes
+        are in or the transfer is committed / dropped."""
+        assert t.shm is not None and t.shm.buf is not None and t.crcs is not None
+        total = t.offer.total_bytes
+        count = np.frombuffer(t.shm.buf, dtype="<u8", count=1)
+        data = np.frombuffer(t.shm.buf, dtype=np.uint8, offset=_SHM_HEADER, count=total)
+        try:
+            while t.received < total:
+                stopping = t.stop.is_set()  # read before the count: see the last write
+                written = int(count[0])
+                if written > total:
+                    t.error = f"sender reported {written} bytes written of {total} offered"
+                    return
+                if written > t.received:
+                    t.crcs.feed(data, written)
+                    t.received = written
+                elif stopping:
+                    return
+                else:
+                    time.sleep(_SHM_POLL_S)
+        finally:
+            del count, data
 
     def _open_tcp(self, t: _Transfer) -> None:
         t.token = secrets.token_hex(16)
-        t.buffer = np.empty(t.offer.total_bytes, dtype=np.uint8)
+        t.storage = self._take_array(t.offer.total_bytes)
+        t.buffer = t.storage[: t.offer.total_bytes]
+        t.crcs = _TensorCrcs(t.offer.tensors)
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.bind((self._host, 0))
@@ -387,16 +584,9 @@ class BulkReceiver:
         ).start()
 
     def _serve_tcp(self, t: _Transfer) -> None:
-        assert t.listener is not None
-        hashes: queue.Queue[memoryview | None] = queue.Queue()
-        h = hashlib.sha256()
-
-        def hasher() -> None:
-            while (block := hashes.get()) is not None:
-                h.update(block)
-
-        hash_thread = threading.Thread(target=hasher, daemon=True)
-        hash_thread.start()
+        assert t.listener is not None and t.crcs is not None
+        buf = t.buffer
+        crcs = t.crcs
         try:
             deadline = t.created + self._timeout_s
             while True:  # bounded by the listener's timeout; wrong tokens are dropped
@@ -407,14 +597,17 @@ class BulkReceiver:
                     if not hmac.compare_digest(token, t.token.encode()):
                         logger.warning("transfer %s: connection with a wrong token dropped", t.id)
                         continue
-                    view = memoryview(t.buffer)
+                    view = memoryview(buf)
                     total = t.offer.total_bytes
                     while t.received < total:
                         n = conn.recv_into(view[t.received : t.received + _BLOCK])
                         if n == 0:
                             break
-                        hashes.put(view[t.received : t.received + n])
                         t.received += n
+                        # Checksummed as it lands, while the sender fills the socket
+                        # again (the block is still in cache).
+                        crcs.feed(buf, t.received)
+                    view.release()
                     if t.received < total:
                         t.error = f"sender closed after {t.received} of {total} bytes"
                     elif conn.recv(1):
@@ -423,9 +616,6 @@ class BulkReceiver:
         except (OSError, ConnectionError) as e:
             t.error = f"{type(e).__name__}: {e} after {t.received} bytes"
         finally:
-            hashes.put(None)
-            hash_thread.join()
-            t.digest = h.hexdigest()
             with contextlib.suppress(OSError):
                 t.listener.close()
             t.done.set()
@@ -437,7 +627,14 @@ class BulkReceiver:
             dropped = [self._transfers.pop(k) for k in old]
         for t in dropped:
             logger.warning("weight transfer %s expired uncommitted", t.id)
-            t.release()
+            self._release(t, reuse=False)
+
+
+def _destroy_shm(shm: shared_memory.SharedMemory) -> None:
+    with contextlib.suppress(OSError, BufferError):
+        shm.close()
+    with contextlib.suppress(OSError):
+        shm.unlink()
 
 
 _ITEMSIZE = {

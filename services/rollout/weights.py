@@ -7,7 +7,8 @@ plane in :mod:`rlfleet.rollout.transport`) ends in :meth:`WeightReceiver.apply`:
    a bucketed update (:mod:`rlfleet.common.weight_stream`) stages every bucket;
 2. **verify**: the codec's checks (per-chunk crc32, per-tensor byte ranges, counts,
    each stream's digest; bucket order, the final bucket and the tensor count), or
-   the bulk plane's sha256 of all bytes; a failure raises
+   the bulk plane's per-tensor CRC-32C, computed by both ends as bytes move; a
+   failure raises
    :class:`DataLoss` (gRPC ``DATA_LOSS``) naming the chunk / tensor;
 3. **check**: every name, dtype and shape against the model, and that every
    parameter is covered (``InvalidArgument`` naming the tensor);

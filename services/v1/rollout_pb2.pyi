@@ -36,7 +36,7 @@ WEIGHT_TRANSPORT_NCCL: WeightTransport
 WEIGHT_TRANSPORT_CUDA_IPC: WeightTransport
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "logprobs", "detokenize")
+    __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "logprobs", "detokenize", "ignore_eos")
     N_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DETOKENIZE_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -55,7 +56,8 @@ class SamplingParams(_message.Message):
     seed: int
     logprobs: bool
     detokenize: bool
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., detokenize: _Optional[bool] = ...) -> None: ...
+    ignore_eos: bool
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., detokenize: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class Prompt(_message.Message):
     __slots__ = ("id", "token_ids")
@@ -130,20 +132,18 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WeightTransferOffer(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes", "sha256", "transports", "sender_host")
+    __slots__ = ("version", "tensors", "total_bytes", "transports", "sender_host")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SHA256_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     SENDER_HOST_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
-    sha256: str
     transports: _containers.RepeatedScalarFieldContainer[WeightTransport]
     sender_host: str
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[WeightTransport, str]]] = ..., sender_host: _Optional[str] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., transports: _Optional[_Iterable[_Union[WeightTransport, str]]] = ..., sender_host: _Optional[str] = ...) -> None: ...
 
 class WeightTransferPlan(_message.Message):
     __slots__ = ("transfer_id", "transport", "endpoint", "token")
@@ -158,10 +158,12 @@ class WeightTransferPlan(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
 
 class WeightTransferCommit(_message.Message):
-    __slots__ = ("transfer_id",)
+    __slots__ = ("transfer_id", "crc32c")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
-    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SleepRequest(_message.Message):
     __slots__ = ("level",)

@@ -95,3 +95,30 @@ def test_serve_arguments_parse() -> None:
         ["--model", "m", "--engine", "hf", "--port", "0", "--scheduler", "h:1"]
     )
     assert (args.model, args.engine, args.port, args.scheduler) == ("m", "hf", 0, "h:1")
+    assert args.torch_threads is None  # torch's default unless asked
+
+
+def test_serve_torch_threads_set_before_the_engine_loads(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from rlfleet.rollout import server
+
+    calls: list[object] = []
+
+    def no_engine(*a: object, **kw: object) -> None:
+        calls.append("build_engine")
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n))
+    monkeypatch.setattr(server, "build_engine", no_engine)
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    with pytest.raises(RuntimeError, match="stop here"):
+        server.serve_main(parser.parse_args(["--model", "m", "--torch-threads", "3"]))
+    assert calls == [3, "build_engine"]
+    calls.clear()
+    assert server.serve_main(parser.parse_args(["--model", "m", "--torch-threads", "0"])) == 2
+    assert "--torch-threads must be >= 1, got 0" in capsys.readouterr().err
+    assert calls == []

@@ -105,9 +105,10 @@ def test_replica_registers_heartbeats_and_deregisters(
         "0",
         "--grace-s",
         "2",
+        "--torch-threads",
+        "1",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready = json.loads(read_line(proc, 90))
         assert ready["event"] == "serving" and ready["service_id"] == "rollout-7"

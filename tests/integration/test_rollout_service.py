@@ -115,6 +115,23 @@ def test_generate_n_samples_with_consistent_logprobs(served, tiny_model_dir: Pat
     assert [s.token_ids for s in local] == [s.token_ids for s in samples]
 
 
+def test_ignore_eos_crosses_grpc(served) -> None:
+    """``ignore_eos`` reaches the engine: remotely as in-process, every sample is
+    exactly ``max_tokens`` long, where without it some stop at eos."""
+    core, address, _ = served
+    with_eos = SamplingParams(n=16, temperature=1.0, max_tokens=64, seed=3)
+    no_eos = SamplingParams(n=16, temperature=1.0, max_tokens=64, seed=3, ignore_eos=True)
+    with RemoteRolloutClient(address) as client:
+        stopped = by_index(client.generate(PROMPTS, with_eos))
+        remote = by_index(client.generate(PROMPTS, no_eos))
+    # The seed makes eos come up in some samples (the test's premise).
+    assert any(s.finish_reason == FinishReason.STOP for s in stopped)
+    assert all(len(s.token_ids) == 64 for s in remote)
+    assert all(s.finish_reason == FinishReason.LENGTH for s in remote)
+    local = by_index(InProcessRolloutClient(core).generate(PROMPTS, no_eos))
+    assert [s.token_ids for s in remote] == [s.token_ids for s in local]
+
+
 def test_results_carry_prompt_ids_and_replica(served) -> None:
     _, address, _ = served
     channel = grpc.insecure_channel(address)

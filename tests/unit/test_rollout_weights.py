@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import socket
+import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,10 +19,14 @@ from rlfleet.common.errors import (  # noqa: E402
 )
 from rlfleet.rollout.hf_engine import HFEngine  # noqa: E402
 from rlfleet.rollout.transport import (  # noqa: E402
+    _SHM_HEADER,
     BulkReceiver,
+    TransferPlan,
     make_offer,
     send_shm,
     send_tcp,
+    tensor_bytes,
+    tensor_crcs,
 )
 from rlfleet.rollout.weights import WeightReceiver  # noqa: E402
 
@@ -104,6 +110,10 @@ def test_versions_never_go_back(engine: HFEngine) -> None:
     assert engine.info().weight_version == 5
 
 
+def send(transport: str, plan: TransferPlan, w: dict[str, torch.Tensor], specs: Any) -> list[int]:
+    return (send_tcp if transport == "tcp" else send_shm)(plan, w, specs)
+
+
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_bulk_transfer_is_bit_exact(engine: HFEngine, transport: str) -> None:
     bulk = BulkReceiver(WeightReceiver(engine), engine)
@@ -111,15 +121,52 @@ def test_bulk_transfer_is_bit_exact(engine: HFEngine, transport: str) -> None:
     offer = make_offer(w, 2, [transport])
     plan = bulk.open(offer)
     assert plan.transport == transport
-    (send_tcp if transport == "tcp" else send_shm)(plan, w, offer.tensors)
-    result = bulk.commit(plan.transfer_id)
+    crcs = send(transport, plan, w, offer.tensors)
+    assert crcs == tensor_crcs(w, offer.tensors)
+    result = bulk.commit(plan.transfer_id, crcs)
     assert (result.version, result.transport) == (2, transport)
     assert_weights(engine, w)
     bulk.close()
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_bulk_staging_buffer_is_reused(engine: HFEngine, transport: str) -> None:
+    """A committed transfer's buffer (segment) serves the next one that fits; each
+    update still applies exactly its own bytes."""
+    bulk = BulkReceiver(WeightReceiver(engine), engine)
+    endpoints = []
+    for version in (1, 2, 3):
+        w = new_weights(engine, seed=version)
+        offer = make_offer(w, version, [transport])
+        plan = bulk.open(offer)
+        endpoints.append(plan.endpoint)
+        bulk.commit(plan.transfer_id, send(transport, plan, w, offer.tensors))
+        assert_weights(engine, w)
+    spare = bulk._spare_array if transport == "tcp" else bulk._spare_shm
+    assert spare is not None
+    if transport == "shm":  # the same segment every time
+        assert len(set(endpoints)) == 1
+    # Two transfers open at once: the second cannot share the first's buffer.
+    w1, w2 = new_weights(engine, seed=11), new_weights(engine, seed=12)
+    o1, o2 = make_offer(w1, 4, [transport]), make_offer(w2, 5, [transport])
+    p1, p2 = bulk.open(o1), bulk.open(o2)
+    if transport == "shm":
+        assert p1.endpoint != p2.endpoint
+    c2 = send(transport, p2, w2, o2.tensors)
+    c1 = send(transport, p1, w1, o1.tensors)
+    bulk.commit(p1.transfer_id, c1)
+    assert_weights(engine, w1)
+    bulk.commit(p2.transfer_id, c2)
+    assert_weights(engine, w2)
+    bulk.close()
+    if transport == "shm":
+        assert not any(Path("/dev/shm", e).exists() for e in {*endpoints, p1.endpoint, p2.endpoint})
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_corrupted_bulk_transfer_is_rejected(engine: HFEngine, transport: str) -> None:
+    """Bytes that differ from what the sender checksummed (here: sent tampered,
+    committed with the true CRC-32Cs) are refused, naming the tensor."""
     old = snapshot(engine)
     bulk = BulkReceiver(WeightReceiver(engine), engine)
     w = new_weights(engine)
@@ -129,10 +176,43 @@ def test_corrupted_bulk_transfer_is_rejected(engine: HFEngine, transport: str) -
     name = "model.layers.2.mlp.down_proj.weight"
     tampered[name] = w[name].clone()
     tampered[name][0, 0] += 1.0
-    (send_tcp if transport == "tcp" else send_shm)(plan, tampered, offer.tensors)
-    with pytest.raises(DataLoss, match="sha256"):
-        bulk.commit(plan.transfer_id)
+    send(transport, plan, tampered, offer.tensors)
+    with pytest.raises(DataLoss, match=rf"CRC-32C mismatch in 1 of .*{name}") as e:
+        bulk.commit(plan.transfer_id, tensor_crcs(w, offer.tensors))
+    assert e.value.status == "DATA_LOSS"
     assert_weights(engine, old)
+    bulk.close()
+
+
+def test_shm_commit_before_every_byte_is_written_is_rejected(engine: HFEngine) -> None:
+    """The receiver counts what the sender published; a commit short of the offer is
+    refused even with the right checksums."""
+    old = snapshot(engine)
+    bulk = BulkReceiver(WeightReceiver(engine), engine)
+    w = new_weights(engine)
+    offer = make_offer(w, 2, ["shm"])
+    plan = bulk.open(offer)
+    first = offer.tensors[0]
+    with open(f"/dev/shm/{plan.endpoint}", "r+b") as f:  # only the first tensor
+        f.seek(_SHM_HEADER + first.offset)
+        f.write(tensor_bytes(w[first.name]))
+        f.seek(0)
+        f.write(struct.pack("<Q", first.nbytes))
+    with pytest.raises(DataLoss, match=f"after writing {first.nbytes} of {offer.total_bytes}"):
+        bulk.commit(plan.transfer_id, tensor_crcs(w, offer.tensors))
+    assert_weights(engine, old)
+    bulk.close()
+
+
+def test_bulk_commit_needs_one_crc_per_tensor(engine: HFEngine) -> None:
+    bulk = BulkReceiver(WeightReceiver(engine), engine)
+    w = new_weights(engine)
+    offer = make_offer(w, 1, ["tcp"])
+    plan = bulk.open(offer)
+    crcs = send_tcp(plan, w, offer.tensors)
+    with pytest.raises(InvalidArgument, match=f"carries {len(crcs) - 1} CRC-32Cs"):
+        bulk.commit(plan.transfer_id, crcs[:-1])
+    assert engine.info().weight_version == 0
     bulk.close()
 
 
@@ -147,7 +227,7 @@ def test_bulk_tcp_rejects_short_streams_and_wrong_tokens(engine: HFEngine) -> No
     with socket.create_connection((host, int(port))) as s:
         s.sendall(plan.token.encode() + b"\0" * 1000)
     with pytest.raises(DataLoss, match="sender closed after 1000 of"):
-        bulk.commit(plan.transfer_id)
+        bulk.commit(plan.transfer_id, tensor_crcs(w, offer.tensors))
     assert engine.info().weight_version == 0
     bulk.close()
 

@@ -1,0 +1,59 @@
+"""Rollout protobuf <-> dataclass conversions round-trip every field."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlfleet.common.codec import TensorSpec
+from rlfleet.common.errors import InvalidArgument
+from rlfleet.rollout import serde
+from rlfleet.rollout.engine import SamplingParams
+from rlfleet.rollout.transport import TransferOffer, TransferPlan
+from rlfleet.v1 import common_pb2, rollout_pb2
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_sampling_params_round_trip(ignore_eos: bool) -> None:
+    p = SamplingParams(
+        n=3,
+        temperature=0.5,
+        top_p=0.75,
+        top_k=7,
+        max_tokens=11,
+        stop_token_ids=(4, 9),
+        seed=13,
+        logprobs=False,
+        ignore_eos=ignore_eos,
+    )
+    msg = rollout_pb2.SamplingParams.FromString(serde.sampling_to_proto(p).SerializeToString())
+    assert msg.ignore_eos is ignore_eos
+    assert serde.sampling_from_proto(msg) == p
+
+
+def test_offer_and_plan_round_trip() -> None:
+    bf16 = common_pb2.DType.Value("BFLOAT16")
+    offer = TransferOffer(
+        version=4,
+        tensors=[TensorSpec("a", bf16, (2, 3), 12, 0), TensorSpec("b", bf16, (5,), 10, 12)],
+        total_bytes=22,
+        transports=["shm", "tcp"],
+        sender_host="h",
+    )
+    wire = rollout_pb2.WeightTransferOffer.FromString(
+        serde.offer_to_proto(offer).SerializeToString()
+    )
+    assert serde.offer_from_proto(wire) == offer
+    plan = TransferPlan("id", "tcp", "127.0.0.1:5", "tok")
+    assert serde.plan_from_proto(serde.plan_to_proto(plan)) == plan
+
+
+def test_offer_with_unknown_transport_is_refused() -> None:
+    msg = rollout_pb2.WeightTransferOffer(version=1, transports=[99])
+    with pytest.raises(InvalidArgument, match="unknown transports"):
+        serde.offer_from_proto(msg)
+
+
+def test_commit_carries_one_crc32c_per_tensor() -> None:
+    msg = rollout_pb2.WeightTransferCommit(transfer_id="t", crc32c=[0, 0xFFFFFFFF, 7])
+    again = rollout_pb2.WeightTransferCommit.FromString(msg.SerializeToString())
+    assert list(again.crc32c) == [0, 0xFFFFFFFF, 7]
