@@ -7,7 +7,7 @@ STAMP := $(VENV)/.stamp-setup
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint format protos protos-check bench clean setup-vllm test-vllm
+.PHONY: setup demo test lint format protos protos-check bench clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -19,6 +19,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e '.[all,dev]'
 	@touch $@
+
+# The embedded default: tiny model, arithmetic data, SFT warm start, then PPO (GAE)
+# and GRPO; prints greedy test accuracy before and after.
+demo: setup
+	$(PY) -m rlfleet.scheduler.demo
 
 test: setup protos-check
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -40,7 +45,7 @@ protos-check: setup
 
 # Each benchmark prints one JSON object and compares against a baseline measured in
 # the same run; see BENCHMARKS.md.
-BENCHES := codec data reward rollout trainer
+BENCHES := codec data reward rollout trainer ppo_step
 
 bench: setup
 	@for b in $(BENCHES); do echo "== bench/$$b.py" >&2; $(PY) bench/$$b.py || exit 1; done

@@ -14,8 +14,19 @@ from collections.abc import Callable, Sequence
 
 # name -> (module, help). The module defines `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": (
+        "rlfleet.scheduler.train",
+        "train with PPO: start the services, run the driver, stop them",
+    ),
+    "demo": (
+        "rlfleet.scheduler.demo",
+        "the embedded demo: tiny model, arithmetic, warm start, PPO, GRPO",
+    ),
     "init-model": ("rlfleet.common.tiny_model", "build a tiny Llama model and tokenizer offline"),
-    "serve": ("rlfleet.serve", "run one service (scheduler, reward, rollout, trainer) in the foreground"),
+    "serve": (
+        "rlfleet.serve",
+        "run one service (scheduler, reward, rollout, trainer) in the foreground",
+    ),
     "status": ("rlfleet.scheduler.cli", "show the cluster's services and training status"),
     "up": (
         "rlfleet.scheduler.cli",

@@ -1,0 +1,292 @@
+"""PPO step time: synchronous vs pipelined, colocated vs disaggregated, and the
+scheduler's own overhead. Prints one JSON object.
+
+    .venv/bin/python bench/ppo_step.py [--gen-s 1.0] [--train-s 1.0] [--steps 6]
+
+The driver (:class:`rlfleet.scheduler.driver.PPOTrainer`) runs unchanged: the real
+dataset, tokenizer, sampler, batch assembly, reward manager (gsm8k rule), metrics and
+pipeline thread. The rollout replica and the trainer are *timed stand-ins* that take
+``--gen-s`` / ``--train-s`` seconds per step (split over the trainer's phases as
+PPO's are) and return correctly shaped results, so the comparison isolates what the
+scheduler controls -- overlap, ordering, its own work -- from model speed on a
+shared 2-core machine.
+
+Placements modelled:
+
+* **disaggregated**: rollout and trainer on separate device sets; sync runs gen then
+  train, pipelined overlaps gen of step k+1 with train of step k (``max_staleness 1``);
+* **colocated**: one pool of twice the devices holds both, time-shared: each phase
+  runs on all devices (half the time) but never concurrently, plus the engine's
+  sleep / wake (``--swap-s``) each step.
+
+Targets (issue 7): pipelined / sync <= 0.6 when gen and train take similar time;
+scheduler share of step time <= 3%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlfleet.common.config import Config, config_from_dict
+from rlfleet.rollout.core import RolloutStatusInfo
+from rlfleet.rollout.engine import FinishReason, SampleOutput, SamplingParams
+from rlfleet.scheduler.driver import PPOTrainer
+from rlfleet.scheduler.workers import Role, RolloutReplica
+from rlfleet.trainer.client import PushOutcome, UpdateResult
+
+# Share of the trainer's time per phase (old log-prob, ref, values, adv, critic, actor).
+TRAIN_SPLIT = {"logp": 0.15, "ref": 0.1, "values": 0.1, "adv": 0.0, "critic": 0.3, "actor": 0.35}
+
+
+class Device:
+    """A set of devices: phases on the same Device never run at the same time."""
+
+    def __init__(self, speedup: float = 1.0) -> None:
+        self.lock = threading.Lock()
+        self.speedup = speedup
+
+    def busy(self, seconds: float) -> None:
+        with self.lock:
+            time.sleep(seconds / self.speedup)
+
+
+class FakeRollout:
+    def __init__(self, device: Device, gen_s: float, response_len: int, vocab: int) -> None:
+        self.device = device
+        self.gen_s = gen_s
+        self.response_len = response_len
+        self.vocab = vocab
+        self.version = 0
+        self.sleeping = False
+        self.swap_s = 0.0
+        self._lock = threading.Lock()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        min_weight_version: int = 0,
+    ) -> Iterator[SampleOutput]:
+        with self.device.lock:
+            version = self.version
+            time.sleep(self.gen_s / self.device.speedup)
+        g = torch.Generator().manual_seed(params.seed or 0)
+        lengths = torch.randint(4, self.response_len + 1, (len(prompts) * params.n,), generator=g)
+        tokens = torch.randint(5, self.vocab, (int(lengths.sum()),), generator=g).tolist()
+        pos = 0
+        for i in range(len(prompts)):
+            for j in range(params.n):
+                n = int(lengths[i * params.n + j])
+                yield SampleOutput(
+                    i, j, tokens[pos : pos + n], [-1.0] * n, FinishReason.STOP, version
+                )
+                pos += n
+
+    def update_weights(self, named: Mapping[str, Any], version: int, **_: Any) -> Any:
+        self.version = version
+
+    def status(self) -> RolloutStatusInfo:
+        return RolloutStatusInfo(
+            "fake", "fake", "fake", "float32", "cpu", self.version, 0, 0.0, self.sleeping, 0
+        )
+
+    def sleep(self, level: int = 1) -> int:
+        time.sleep(self.swap_s / 2)
+        self.sleeping = True
+        return 0
+
+    def wake_up(self) -> None:
+        time.sleep(self.swap_s / 2)
+        self.sleeping = False
+
+    def close(self) -> None:
+        pass
+
+
+class FakeTrainer:
+    def __init__(self, device: Device, train_s: float, rollouts: dict[str, FakeRollout]) -> None:
+        self.device = device
+        self.train_s = train_s
+        self.rollouts = rollouts
+        self.version = 0
+        self.step = 0
+
+    def _rows(self, batch: dict[str, Any], key: str) -> dict[str, Any]:
+        self.device.busy(self.train_s * TRAIN_SPLIT[key])
+        return {}
+
+    def _like(self, batch: dict[str, Any], *names: str) -> dict[str, Any]:
+        shape = batch["responses"].shape
+        return {n: torch.zeros(shape) for n in names}
+
+    def compute_log_prob(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        self._rows(batch, "logp")
+        return self._like(batch, "old_log_probs", "entropys"), {}
+
+    def compute_ref_log_prob(
+        self, batch: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, float]]:
+        self._rows(batch, "ref")
+        return self._like(batch, "ref_log_prob"), {}
+
+    def compute_values(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        self._rows(batch, "values")
+        return self._like(batch, "values"), {}
+
+    def compute_advantage(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        out = self._like(batch, "token_level_scores", "token_level_rewards", "advantages")
+        out["returns"] = out["advantages"]
+        return out, {}
+
+    def update_critic(self, batch: dict[str, Any]) -> UpdateResult:
+        self._rows(batch, "critic")
+        return UpdateResult({}, self.step, self.version)
+
+    def update_actor(self, batch: dict[str, Any]) -> UpdateResult:
+        self._rows(batch, "actor")
+        self.step += 1
+        self.version += 1
+        return UpdateResult({}, self.step, self.version)
+
+    def push_weights(
+        self, targets: Sequence[tuple[str, str]], *, version: int = 0, **_: Any
+    ) -> Any:
+        for _rid, address in targets:
+            self.rollouts[address].update_weights({}, version)
+        return PushOutcome(version, 0, {rid: True for rid, _ in targets})
+
+    def status(self) -> dict[str, Any]:
+        return {"weight_version": self.version, "global_step": self.step}
+
+    def close(self) -> None:
+        pass
+
+
+def _config(model: Path, data: Path, run_dir: Path, *, colocated: bool, pipelined: bool) -> Config:
+    pools = {"global_pool": [2]} if colocated else {"train_pool": [1], "rollout_pool": [1]}
+    tp, rp = ("global_pool", "global_pool") if colocated else ("train_pool", "rollout_pool")
+    return config_from_dict(
+        {
+            "data": {
+                "train_files": str(data / "train.parquet"),
+                "val_files": [],
+                "train_batch_size": 32,
+                "max_prompt_length": 64,
+                "max_response_length": 16,
+            },
+            "actor": {"model_path": str(model), "ppo_mini_batch_size": 8},
+            "rollout": {"n": 4},
+            "algorithm": {"adv_estimator": "gae"},
+            "reward": {"num_workers": 1},
+            "trainer": {
+                "total_training_steps": 100,
+                "default_local_dir": str(run_dir),
+                "resume_mode": "disable",
+                "logger": [],
+                "val_before_train": False,
+                "pipeline": {"enable": pipelined, "max_staleness": 1},
+            },
+            "resource_pools": pools,
+            "mapping": {"actor": tp, "critic": tp, "rollout": rp},
+        }
+    )
+
+
+def run_case(
+    model: Path,
+    data: Path,
+    root: Path,
+    *,
+    colocated: bool,
+    pipelined: bool,
+    gen_s: float,
+    train_s: float,
+    swap_s: float,
+    steps: int,
+) -> dict[str, float]:
+    cfg = _config(model, data, root / f"c{int(colocated)}p{int(pipelined)}", colocated=colocated,
+                  pipelined=pipelined)  # fmt: skip
+    if colocated:
+        shared = Device(speedup=2.0)  # twice the devices, one phase at a time
+        gen_dev = train_dev = shared
+    else:
+        gen_dev, train_dev = Device(), Device()
+    rollout = FakeRollout(gen_dev, gen_s, 16, 2048)
+    rollout.swap_s = swap_s if colocated else 0.0
+    trainer_client = FakeTrainer(train_dev, train_s, {"fake-0": rollout})
+    from rlfleet.reward.client import InProcessRewardClient
+    from rlfleet.reward.manager import RewardManager
+
+    reward = InProcessRewardClient(RewardManager(cfg.reward, num_workers=0))
+    mapping = {
+        Role.ActorRolloutRef: trainer_client,
+        Role.Rollout: [RolloutReplica("rollout-0", rollout, "fake-0")],  # type: ignore[arg-type]
+        Role.RewardModel: reward,
+    }
+    cfg.trainer.total_training_steps = steps + 1
+    with PPOTrainer(config=cfg, role_worker_mapping=mapping) as trainer:
+        records = trainer.fit()
+    warm = records[1:]  # step 1 has nothing to overlap with
+    step = statistics.mean(r.metrics["timing_s/step"] for r in warm)
+    sched = statistics.mean(r.metrics["timing_s/scheduler"] for r in warm)
+    return {
+        "step_s": round(step, 4),
+        "scheduler_s": round(sched, 4),
+        "scheduler_share": round(sched / step, 4),
+        "staleness_mean": statistics.mean(r.metrics["staleness/mean"] for r in warm),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gen-s", type=float, default=1.0, help="generation seconds per step")
+    parser.add_argument("--train-s", type=float, default=1.0, help="training seconds per step")
+    parser.add_argument("--swap-s", type=float, default=0.1, help="colocated sleep+wake seconds")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per case")
+    args = parser.parse_args()
+    from rlfleet.common.tiny_model import build_tiny_model
+    from rlfleet.scheduler.data.preprocess import preprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = build_tiny_model(root / "tiny", preset="tiny", seed=0)
+        with open(os.devnull, "w") as quiet:
+            preprocess("arithmetic", None, root / "data", n=512, n_test=16, digits=2, seed=0,
+                       stderr=quiet)  # fmt: skip
+        kw = {"gen_s": args.gen_s, "train_s": args.train_s, "swap_s": args.swap_s,
+              "steps": args.steps}  # fmt: skip
+        sync = run_case(model, root / "data", root, colocated=False, pipelined=False, **kw)
+        pipe = run_case(model, root / "data", root, colocated=False, pipelined=True, **kw)
+        colo = run_case(model, root / "data", root, colocated=True, pipelined=False, **kw)
+    out = {
+        "bench": "ppo_step",
+        "workers": "timed stand-ins (see docstring); driver, data, reward are real",
+        "gen_s": args.gen_s,
+        "train_s": args.train_s,
+        "batch": "32 prompts x 4 samples, GAE",
+        "disaggregated_sync": sync,
+        "disaggregated_pipelined": pipe,
+        "colocated_sync": colo,
+        "pipelined_over_sync": round(pipe["step_s"] / sync["step_s"], 3),
+        "colocated_over_disaggregated_sync": round(colo["step_s"] / sync["step_s"], 3),
+        "colocated_over_disaggregated_pipelined": round(colo["step_s"] / pipe["step_s"], 3),
+        "scheduler_share_max": max(c["scheduler_share"] for c in (sync, pipe, colo)),
+        "targets": {"pipelined_over_sync": 0.6, "scheduler_share": 0.03},
+    }
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""`rlfleet train --config FILE [key.path=value ...]`: one PPO run, start to finish.
+
+1. Loads the config (YAML plus dotted overrides; every error reported at once) and
+   saves the resolved config as ``<run dir>/config.yaml``.
+2. Starts the services as local processes (:class:`rlfleet.scheduler.cluster.LocalCluster`:
+   reward, trainer, one process per rollout replica, a scheduler for the registry;
+   services named in ``services.*`` are used as they are), or with ``--in-process``
+   builds every role inside this process instead.
+3. Runs :class:`rlfleet.scheduler.driver.PPOTrainer` ``init_workers()`` / ``fit()``.
+4. Stops every service it started on exit, on an error and on Ctrl-C / SIGTERM.
+
+Exit status: 0 done, 1 failed, 2 bad config, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+__all__ = ["add_arguments", "run"]
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="run config (YAML), e.g. examples/*.yaml")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key.path=value", help="dotted config overrides"
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every role in this process (no services, no sockets)",
+    )
+    parser.add_argument(
+        "--no-scheduler",
+        action="store_true",
+        help="do not start a scheduler (registry) process next to the services",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the driver's Prometheus metrics on this port (0: a free port)",
+    )
+    parser.add_argument(
+        "--start-timeout", type=float, default=300.0, help="seconds for the services to start"
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="--in-process: torch threads of this process (default: torch's choice)",
+    )
+    parser.add_argument("--log-level", default="WARNING", help="Python log level")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rlfleet.common.config import ConfigError, load_config, save_resolved
+
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    run_dir = config.run_dir()
+    save_resolved(config, run_dir)
+    print(f"run dir {run_dir} (config.yaml, metrics.jsonl, checkpoints/)", file=sys.stderr)
+    try:
+        summary = train(
+            config,
+            in_process=args.in_process,
+            scheduler=not args.no_scheduler,
+            metrics_port=args.metrics_port,
+            start_timeout_s=args.start_timeout,
+        )
+    except KeyboardInterrupt:
+        print("interrupted: services stopped", file=sys.stderr)
+        return 130
+    except Exception as e:  # the boundary: report, stop (done in train), exit non-zero
+        logger.debug("training failed", exc_info=True)
+        print(f"rlfleet train failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary))
+    return 0
+
+
+def train(
+    config: Any,
+    *,
+    in_process: bool = False,
+    scheduler: bool = True,
+    metrics_port: int | None = None,
+    start_timeout_s: float = 300.0,
+    on_step: Any = None,
+) -> dict[str, Any]:
+    """Run one PPO job; returns a summary (steps, validation scores, run dir)."""
+    from rlfleet.scheduler.driver import PPOTrainer
+    from rlfleet.scheduler.workers import remote_workers
+
+    run_dir = config.run_dir()
+    cluster: Any = None
+    mapping: Any = None
+    try:
+        if not in_process:
+            from rlfleet.scheduler.cluster import LocalCluster
+
+            cluster = LocalCluster(config, run_dir, scheduler=scheduler)
+            handle = cluster.start(timeout_s=start_timeout_s)
+            print(
+                f"services up ({handle.mode}): trainer {handle.trainer}, "
+                f"rollout {', '.join(handle.rollout)}, reward {handle.reward}",
+                file=sys.stderr,
+            )
+            mapping = remote_workers(handle.trainer, handle.rollout, handle.reward)
+        with PPOTrainer(
+            config, role_worker_mapping=mapping, metrics_port=metrics_port, on_step=on_step
+        ) as trainer:
+            if trainer.metrics_port:
+                print(f"metrics on 127.0.0.1:{trainer.metrics_port}/metrics", file=sys.stderr)
+            trainer.init_workers()
+            trainer.fit()
+            last = trainer.history[-1].metrics if trainer.history else {}
+            return {
+                "run_dir": str(run_dir),
+                "global_steps": trainer.global_steps,
+                "validation": [{"step": s, **v} for s, v in trainer.val_history],
+                "last_step": {
+                    k: v
+                    for k, v in last.items()
+                    if k.startswith(("critic/score", "timing_s/step", "staleness"))
+                },
+            }
+    finally:
+        if cluster is not None:
+            cluster.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlfleet train", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""PPO end to end with every service a real process over gRPC (LocalCluster).
+
+One cluster (reward, trainer, one rollout replica; CPU pools pinned to distinct
+cores) serves several driver runs in turn, as ``rlfleet up`` would: synchronous
+steps with validation, pipelined steps with bounded staleness, and a run stopped
+after step 3 that resumes from its step-2 checkpoint with the same data order and
+step count. A last test runs the ``rlfleet train`` entry point as a subprocess,
+SIGKILLs it mid-run and resumes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rlfleet.common.config import Config, config_from_dict
+from rlfleet.scheduler.data.preprocess import preprocess
+from rlfleet.scheduler.driver import PPOTrainer, StepRecord
+from rlfleet.scheduler.workers import remote_workers
+
+pytestmark = pytest.mark.slow
+
+
+def _raw(model: Path, data: Path, run_dir: Path) -> dict[str, object]:
+    return {
+        "data": {
+            "train_files": str(data / "train.parquet"),
+            "val_files": str(data / "test.parquet"),
+            "train_batch_size": 4,
+            "max_prompt_length": 64,
+            "max_response_length": 8,
+        },
+        "actor": {"model_path": str(model), "lr": 1e-4, "ppo_mini_batch_size": 2},
+        "rollout": {"n": 2},
+        "algorithm": {"adv_estimator": "grpo"},
+        "reward": {"num_workers": 1},
+        "trainer": {
+            "total_training_steps": 3,
+            "test_freq": -1,
+            "save_freq": -1,
+            "default_local_dir": str(run_dir),
+            "resume_mode": "disable",
+            "logger": ["jsonl"],
+            "val_before_train": False,
+        },
+        "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
+        "mapping": {"actor": "train_pool", "rollout": "rollout_pool"},
+    }
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("arith")
+    preprocess("arithmetic", None, out, n=64, n_test=8, digits=1, ops="+-*", seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tiny_model_dir: Path, data_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[dict[str, object], object]]:
+    from rlfleet.scheduler.cluster import LocalCluster
+
+    run_dir = tmp_path_factory.mktemp("cluster")
+    raw = _raw(tiny_model_dir, data_dir, run_dir)
+    with LocalCluster(config_from_dict(raw), run_dir, scheduler=False) as c:
+        handle = c.start(timeout_s=180)
+        yield raw, handle
+
+
+def _config(raw: dict[str, object], run_dir: Path, *overrides: str) -> Config:
+    return config_from_dict(raw, [f"trainer.default_local_dir={run_dir}", *overrides])
+
+
+def _mapping(handle: object) -> dict[object, object]:
+    return remote_workers(handle.trainer, handle.rollout, handle.reward)  # type: ignore[attr-defined]
+
+
+def test_sync_steps_over_grpc(cluster: tuple[dict[str, object], object], tmp_path: Path) -> None:
+    raw, handle = cluster
+    cfg = _config(raw, tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=2")
+    with PPOTrainer(config=cfg, role_worker_mapping=_mapping(handle)) as trainer:
+        records = trainer.fit()
+    assert [r.step for r in records] == [1, 2]
+    m = records[-1].metrics
+    assert m["staleness/max"] == 0.0
+    assert 0.0 <= m["val/test_score/rlfleet/arithmetic"] <= 1.0
+    for phase in ("gen", "old_log_prob", "update_actor", "weight_sync"):
+        assert m[f"timing_s/{phase}"] > 0.0
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+
+
+def test_pipelined_steps_over_grpc(
+    cluster: tuple[dict[str, object], object], tmp_path: Path
+) -> None:
+    raw, handle = cluster
+    cfg = _config(raw, tmp_path, "trainer.pipeline.enable=true")
+    with PPOTrainer(config=cfg, role_worker_mapping=_mapping(handle)) as trainer:
+        records = trainer.fit()
+    assert [r.metrics["staleness/max"] for r in records] == [0.0, 1.0, 1.0]
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_stopped_run_resumes_over_grpc(
+    cluster: tuple[dict[str, object], object], tmp_path: Path
+) -> None:
+    raw, handle = cluster
+    over = ("trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.resume_mode=auto")
+    cfg = _config(raw, tmp_path, *over)
+
+    def die_after_3(record: StepRecord) -> None:
+        if record.step == 3:
+            raise _Killed
+
+    with PPOTrainer(config=cfg, role_worker_mapping=_mapping(handle), on_step=die_after_3) as t:
+        with pytest.raises(_Killed):
+            t.fit()
+        first = [r.indices for r in t.history]
+    with PPOTrainer(config=cfg, role_worker_mapping=_mapping(handle)) as t:
+        second = t.fit()
+        expected = _loader_order(t, 4)
+    assert [r.step for r in second] == [3, 4]
+    assert first == expected[:3]
+    assert [r.indices for r in second] == expected[2:]
+
+
+def _loader_order(trainer: PPOTrainer, steps: int) -> list[list[int]]:
+    """The prompts of steps 1..steps, straight from a fresh loader with the same seed."""
+    from rlfleet.scheduler.data.sampler import PromptLoader
+
+    d = trainer.config.data
+    loader = PromptLoader(trainer.train_dataset, d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+    out: list[list[int]] = []
+    while len(out) < steps:
+        for batch in loader:
+            out.append([int(i) for i in batch["index"]])
+            if len(out) == steps:
+                break
+    return out
+
+
+def test_rlfleet_train_killed_and_resumed(
+    tiny_model_dir: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    import yaml
+
+    raw = _raw(tiny_model_dir, data_dir, tmp_path / "run")
+    raw["trainer"].update(  # type: ignore[attr-defined]
+        {"total_training_steps": 5, "save_freq": 1, "resume_mode": "auto"}
+    )
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text(yaml.safe_dump(raw))
+    cmd = [sys.executable, "-m", "rlfleet.scheduler.train", "--config", str(cfg_file)]
+    cmd.append("--no-scheduler")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+        os.kill(proc.pid, signal.SIGKILL)  # no clean-up: services die with their parent
+    finally:
+        proc.wait(timeout=60)
+    done = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert done[:2] == [1, 2]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["global_steps"] == 5
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    # The second run starts after the last checkpoint, never before step 2.
+    resumed = steps[len(done) :]
+    assert resumed[-1] == 5 and resumed[0] <= done[-1] + 1 and resumed[0] >= 3
