@@ -7,7 +7,7 @@ STAMP := $(VENV)/.stamp-setup
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint format protos protos-check bench clean setup-vllm test-vllm
+.PHONY: setup demo test test-compose lint format protos protos-check bench clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -28,10 +28,16 @@ demo: setup
 test: setup protos-check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Builds the images offline (debootstrap base, host wheelhouse), starts dockerd if
+# none runs, and runs a few PPO steps under Debian's docker-compose (minutes).
+test-compose: setup
+	RLFLEET_TEST_COMPOSE=1 $(PY) -m pytest -v -p no:cacheprovider tests/e2e/test_compose.py
+
 lint: setup
 	$(VENV)/bin/ruff check services tests bench tools examples
 	$(VENV)/bin/ruff format --check services tests bench tools examples
 	$(VENV)/bin/mypy
+	$(PY) tools/gen_dashboards.py --check
 
 format: setup
 	$(VENV)/bin/ruff check --fix services tests bench tools examples

@@ -89,6 +89,16 @@ class RewardMetrics:
         self._restarts = Counter(
             "rlfleet_reward_worker_restarts_total", "scoring workers replaced", registry=r
         )
+        # Known label values exist from the start at zero, so rate() over a short run
+        # sees the first request as an increase.
+        from rlfleet.reward.scorers import BUILTIN_SCORERS
+
+        for method in ("Score", "ScoreStream"):
+            self._latency.labels(method)
+        for scorer in BUILTIN_SCORERS:
+            self._scores.labels(scorer)
+            self._timeouts.labels(scorer)
+            self._errors.labels(scorer)
 
     def request(self, method: str, code: str, seconds: float) -> None:
         if self.enabled:

@@ -91,6 +91,11 @@ class RolloutMetrics:
         self.weight_update_bytes = prom.Counter(
             p + "weight_update_bytes", "weight bytes applied", ["transport"], registry=r
         )
+        # Known label values exist from the start at zero, so rate() sees the first
+        # update as an increase.
+        for transport in ("grpc", "tcp", "shm"):
+            self.weight_update_seconds.labels(transport)
+            self.weight_update_bytes.labels(transport)
 
 
 def start_metrics_server(metrics: RolloutMetrics, host: str, port: int) -> str | None:

@@ -510,6 +510,7 @@ class PPOTrainer:
             targets = [(r.replica_id, r.address or "") for r in replicas]
             outcome = self._w.trainer.push_weights(targets, version=version)
             if outcome.errors:
+                self.metrics.weight_sync_failures.inc()
                 raise RuntimeError(f"weight push of version {version} failed: {outcome.errors}")
         self._policy_version = version
         return time.perf_counter() - t0

@@ -33,6 +33,9 @@ __all__ = ["PHASES", "SchedulerMetrics", "Tracking", "start_metrics_server"]
 logger = logging.getLogger(__name__)
 
 #: The phases of one PPO step, as timed by the driver (``timing_s/<phase>``).
+# Trainer metric -> the `loss` label of rlfleet_scheduler_loss.
+_LOSSES = {"actor/pg_loss": "policy", "critic/vf_loss": "value", "actor/kl_loss": "kl"}
+
 PHASES: tuple[str, ...] = (
     "gen",
     "reward",
@@ -224,6 +227,10 @@ class SchedulerMetrics:
     global_step: Any
     val_score: Any
     samples: Any
+    actor_kl: Any
+    actor_entropy: Any
+    loss: Any
+    weight_sync_failures: Any
 
     def __init__(self) -> None:
         try:
@@ -234,6 +241,7 @@ class SchedulerMetrics:
             self.phase_seconds = self.step_seconds = self.tokens_per_second = noop
             self.reward_mean = self.staleness = self.global_step = noop
             self.val_score = self.samples = noop
+            self.actor_kl = self.actor_entropy = self.loss = self.weight_sync_failures = noop
             return
         r = prom.CollectorRegistry()
         self.registry = r
@@ -261,6 +269,24 @@ class SchedulerMetrics:
             p + "val_score", "mean validation score", ["data_source"], registry=r
         )
         self.samples = prom.Counter(p + "samples", "samples trained on", registry=r)
+        self.actor_kl = prom.Gauge(
+            p + "actor_kl", "approximate KL of the actor update (actor/ppo_kl), last step",
+            registry=r,
+        )  # fmt: skip
+        self.actor_entropy = prom.Gauge(
+            p + "actor_entropy", "mean token entropy of the policy, last step", registry=r
+        )
+        self.loss = prom.Gauge(p + "loss", "training losses, last step", ["loss"], registry=r)
+        self.weight_sync_failures = prom.Counter(
+            p + "weight_sync_failures", "weight pushes to the rollout replicas that failed",
+            registry=r,
+        )  # fmt: skip
+        # Every known label value exists from the start at zero, so that rate() over a
+        # short run sees the first observation as an increase.
+        for phase in PHASES:
+            self.phase_seconds.labels(phase)
+        for name in _LOSSES.values():
+            self.loss.labels(name)
 
     def record_step(self, metrics: Mapping[str, float], step: int, samples: int) -> None:
         for phase in PHASES:
@@ -275,6 +301,13 @@ class SchedulerMetrics:
             self.reward_mean.set(metrics["critic/score/mean"])
         if "staleness/mean" in metrics:
             self.staleness.set(metrics["staleness/mean"])
+        if "actor/ppo_kl" in metrics:
+            self.actor_kl.set(metrics["actor/ppo_kl"])
+        if "actor/entropy" in metrics:
+            self.actor_entropy.set(metrics["actor/entropy"])
+        for key, name in _LOSSES.items():
+            if key in metrics:
+                self.loss.labels(name).set(metrics[key])
         self.global_step.set(step)
         self.samples.inc(samples)
 
