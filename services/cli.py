@@ -42,14 +42,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only `command`'s module is imported (all of them when None), so a
+    slim install (say, reward only: no pyarrow, no torch) runs its own commands."""
     parser = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text)
         p.set_defaults(_module=module)
-        _load(module, "add_arguments")(p)
+        if name == command:
+            _load(module, "add_arguments")(p)
     return parser
 
 
@@ -65,7 +68,9 @@ def _load(module: str, attr: str) -> Callable[..., int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in SUBCOMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -1,7 +1,9 @@
-"""`rlfleet serve <service>`: run one service in the foreground.
+"""`rlfleet serve <service> [options]`: run one service in the foreground.
 
 Each service module provides `add_serve_arguments(parser)` and `serve_main(args) -> int`
-and keeps its heavy imports (torch, transformers) inside `serve_main`.
+and keeps its heavy imports (torch, transformers) inside `serve_main`. Only the chosen
+service's module is imported, so `rlfleet serve reward` runs in a reward-only install
+(no torch, no pyarrow).
 """
 
 from __future__ import annotations
@@ -32,13 +34,16 @@ def _attr(module: str, name: str) -> Callable[..., Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="service", metavar="SERVICE", required=True)
-    for name, (module, help_text) in SERVICES.items():
-        p = sub.add_parser(name, help=help_text)
-        p.set_defaults(_serve_module=module)
-        _attr(module, "add_serve_arguments")(p)
+    lines = "\n".join(f"  {name:<10} {help_text}" for name, (_, help_text) in SERVICES.items())
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = f"services:\n{lines}\n\n`rlfleet serve SERVICE --help` lists its options."
+    parser.add_argument("service", choices=sorted(SERVICES), metavar="SERVICE")
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="the service's own options")
 
 
 def run(args: argparse.Namespace) -> int:
-    code: int = _attr(args._serve_module, "serve_main")(args)
+    module, help_text = SERVICES[args.service]
+    parser = argparse.ArgumentParser(prog=f"rlfleet serve {args.service}", description=help_text)
+    _attr(module, "add_serve_arguments")(parser)
+    code: int = _attr(module, "serve_main")(parser.parse_args(args.options))
     return code

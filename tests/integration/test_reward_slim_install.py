@@ -6,6 +6,8 @@ the way a user who only wants the reward service would.
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
 import venv
@@ -42,6 +44,44 @@ def test_reward_extra_installs_without_torch(tmp_path: Path) -> None:
     )
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.strip() == "True", "torch got installed by the reward extra"
+    _serve_and_score(env_dir / "bin" / "rlfleet", tmp_path)
+
+
+def _serve_and_score(rlfleet: Path, tmp_path: Path) -> None:
+    """`rlfleet serve reward` and `rlfleet reward score` work in the torch-free install."""
+    rows = tmp_path / "responses.jsonl"
+    rows.write_text(
+        json.dumps(
+            {"data_source": "openai/gsm8k", "response": "2 + 3 = 5\n#### 5", "ground_truth": "5"}
+        )
+        + "\n"
+        + json.dumps({"data_source": "openai/gsm8k", "response": "#### 6", "ground_truth": "5"})
+        + "\n"
+    )
+    server = subprocess.Popen(
+        [str(rlfleet), "serve", "reward", "--port", "0", "--metrics-port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()  # the one-line JSON "serving" handshake
+        assert line, server.stderr.read() if server.stderr else ""
+        address = json.loads(line)["address"]
+        scored = subprocess.run(
+            [str(rlfleet), "reward", "score", "--addr", address, "--input", str(rows)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert scored.returncode == 0, scored.stderr
+        scores = [json.loads(x)["score"] for x in scored.stdout.splitlines()]
+        assert scores == [1.0, 0.0]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
 
 
 def test_reward_package_imports_with_torch_blocked() -> None:
