@@ -29,6 +29,15 @@ same prompts in the same order at the same step numbers.
 
 Generation seeds are ``trainer.seed`` mixed with the step and the replica, so a
 resumed run also samples the same responses (for a fixed replica count).
+
+**Rollout membership.** With a scheduler (``services.scheduler`` or the ``scheduler``
+argument) the driver refreshes its rollout replicas from the registry (alive ROLLOUT
+services) before every step: a newcomer first gets the current weights, at the
+current version, and only then takes work; a replica the registry lists no longer is
+dropped. Without a scheduler the replica set is the configured one. Either way, a
+replica that fails mid-generation (a recoverable error: UNAVAILABLE, a deadline) is
+dropped for the step and the prompts it had not finished are re-queued onto the
+others, so the step still trains on the full batch (``rollout/requeued_samples``).
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ import numpy as np
 import torch
 
 from rlfleet.common.config import Config, save_resolved
-from rlfleet.common.errors import NotFound
+from rlfleet.common.errors import NotFound, RlfleetError
 from rlfleet.rollout.engine import SampleOutput, SamplingParams
 from rlfleet.scheduler.tracking import SchedulerMetrics, Tracking, start_metrics_server
 from rlfleet.scheduler.workers import (
@@ -64,6 +73,8 @@ if TYPE_CHECKING:
     from rlfleet.reward.types import Sample
     from rlfleet.scheduler.data.dataset import RLHFDataset
     from rlfleet.scheduler.data.sampler import PromptLoader
+    from rlfleet.scheduler.registry import ServiceEntry
+    from rlfleet.scheduler.servicer import SchedulerClientProtocol
 
 __all__ = ["GeneratedBatch", "PPOTrainer", "Role", "StepRecord"]
 
@@ -87,6 +98,7 @@ class GeneratedBatch:
     scores: list[float]
     timing: dict[str, float]
     min_weight_version: int = 0
+    requeued_samples: int = 0  # samples re-generated after their replica failed
 
 
 @dataclass
@@ -120,6 +132,8 @@ class PPOTrainer:
             None: not served).
         on_step: called after every step with its :class:`StepRecord` (tests use it
             to stop a run; an exception raised there ends ``fit``).
+        scheduler: the scheduler's address or a client (``list_services``) to take
+            rollout membership from; None: ``services.scheduler``, else fixed replicas.
     """
 
     def __init__(
@@ -135,6 +149,7 @@ class PPOTrainer:
         val_dataset: RLHFDataset | None = None,
         metrics_port: int | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
+        scheduler: str | SchedulerClientProtocol | None = None,
     ) -> None:
         self.config = config
         if tokenizer is None:
@@ -166,6 +181,10 @@ class PPOTrainer:
         self._version_offset = 0
         self._policy_version = 0
         self._loader_iter: Iterator[Batch] | None = None
+        self._scheduler_spec = scheduler if scheduler is not None else config.services.scheduler
+        self._scheduler: SchedulerClientProtocol | None = None
+        self._registered: set[str] = set()  # rollout addresses the registry has listed
+        self._rollout_lock = threading.Lock()  # guards replacing ``workers.rollouts``
 
         self._build_data(train_dataset, val_dataset)
         t = config.trainer
@@ -226,6 +245,14 @@ class PPOTrainer:
                 "a remote trainer pushes weights to rollout addresses, but a rollout replica "
                 "has none: give the rollout replicas as addresses or RolloutReplica(address=...)"
             )
+        if isinstance(self._scheduler_spec, str):
+            from rlfleet.scheduler.servicer import SchedulerClient
+
+            client = SchedulerClient(self._scheduler_spec)
+            workers.owned.append(client)
+            self._scheduler = client
+        elif self._scheduler_spec is not None:
+            self._scheduler = self._scheduler_spec
         versions = [r.client.status().weight_version for r in workers.rollouts]
         self._policy_version = max(versions)
         logger.info(
@@ -317,43 +344,180 @@ class PPOTrainer:
         return out
 
     def _generate_stream(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, min_version: int
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        min_version: int,
+        stats: dict[str, int] | None = None,
     ) -> Iterator[SampleOutput]:
-        """Samples of all shards as they finish; ``prompt_index`` is global."""
-        shards = self._shards(len(prompts))
-        out: queue.SimpleQueue[SampleOutput | BaseException | None] = queue.SimpleQueue()
+        """Samples of all shards, a prompt's ``n`` samples together once all have finished;
+        ``prompt_index`` is global.
 
-        def run(shard: int, replica: RolloutReplica, lo: int, hi: int) -> None:
+        A shard whose replica fails with a recoverable error (UNAVAILABLE, a deadline:
+        the process died or the network failed) drops that replica, and the prompts it
+        had not finished (partial samples discarded) are re-queued over the remaining
+        replicas; ``stats["requeued_samples"]`` counts them. Other errors propagate.
+        """
+        n = params.n
+        out: queue.SimpleQueue[tuple[int, SampleOutput | BaseException | None]] = (
+            queue.SimpleQueue()
+        )
+        jobs: list[tuple[RolloutReplica, list[int]]] = []
+        got: dict[int, list[SampleOutput]] = {}  # prompt -> its samples so far
+        failed: set[int] = set()  # id() of the replicas dropped in this call
+
+        def run(job: int, replica: RolloutReplica, indices: list[int]) -> None:
             try:
                 p = params
                 if p.seed is not None:
-                    p = _replace_seed(p, (p.seed + shard * 7919) % (2**63))
-                for s in replica.client.generate(prompts[lo:hi], p, min_weight_version=min_version):
-                    s.prompt_index += lo
-                    out.put(s)
+                    p = _replace_seed(p, (p.seed + job * 7919) % (2**63))
+                batch = [prompts[i] for i in indices]
+                for s in replica.client.generate(batch, p, min_weight_version=min_version):
+                    s.prompt_index = indices[s.prompt_index]
+                    out.put((job, s))
             except BaseException as e:
-                out.put(e)
+                out.put((job, e))
             finally:
-                out.put(None)
+                out.put((job, None))
 
-        threads = [
-            threading.Thread(target=run, args=(j, r, lo, hi), daemon=True, name=f"gen-{j}")
-            for j, (r, lo, hi) in enumerate(shards)
-        ]
-        for t in threads:
-            t.start()
-        done = 0
+        def launch(replica: RolloutReplica, indices: list[int]) -> None:
+            job = len(jobs)
+            jobs.append((replica, indices))
+            name = f"gen-{job}"
+            threading.Thread(
+                target=run, args=(job, replica, indices), daemon=True, name=name
+            ).start()
+
+        for replica, lo, hi in self._shards(len(prompts)):
+            launch(replica, list(range(lo, hi)))
+        running = len(jobs)
+        errors: dict[int, BaseException] = {}
         error: BaseException | None = None
-        while done < len(threads):
-            item = out.get()
-            if item is None:
-                done += 1
-            elif isinstance(item, BaseException):
-                error = error or item
-            elif error is None:
-                yield item
+        requeued = 0
+        while running:
+            job, item = out.get()
+            if isinstance(item, SampleOutput):
+                if error is None and job not in errors:
+                    group = got.setdefault(item.prompt_index, [])
+                    group.append(item)
+                    if len(group) == n:
+                        yield from group
+                continue
+            if isinstance(item, BaseException):
+                errors[job] = item
+                continue
+            running -= 1  # the job ended
+            e = errors.pop(job, None)
+            if e is None or error is not None:
+                continue
+            if not (isinstance(e, RlfleetError) and e.recoverable):
+                error = e
+                continue
+            replica, indices = jobs[job]
+            failed.add(id(replica))
+            others = [r for r in self._drop_replica(replica) if id(r) not in failed]
+            if not others:
+                error = e
+                continue
+            unfinished = [i for i in indices if len(got.get(i, ())) < n]
+            for i in unfinished:
+                got.pop(i, None)
+            logger.warning(
+                "rollout replica %s (%s) failed mid-generation (%s): re-queuing %d unfinished "
+                "prompt(s) x %d samples onto %d other replica(s)",
+                replica.replica_id, replica.address, e, len(unfinished), n, len(others),
+            )  # fmt: skip
+            k = len(others)
+            for j, r in enumerate(others):
+                share = unfinished[j::k]
+                if share:
+                    launch(r, share)
+                    running += 1
+            requeued += len(unfinished) * n
+        if stats is not None:
+            stats["requeued_samples"] = stats.get("requeued_samples", 0) + requeued
         if error is not None:
             raise error
+
+    # ------------------------------------------------------------------ membership
+
+    def _drop_replica(self, replica: RolloutReplica) -> list[RolloutReplica]:
+        """Stop sending work to ``replica``; returns the replicas left."""
+        with self._rollout_lock:
+            left = [r for r in self._w.rollouts if r is not replica]
+            if len(left) < len(self._w.rollouts):
+                logger.warning(
+                    "dropping rollout replica %s (%s)", replica.replica_id, replica.address
+                )
+            if left:  # never empty the set: the caller reports the failure
+                self._w.rollouts = left
+            return left
+
+    def _refresh_rollouts(self) -> None:
+        """Take the rollout replicas from the scheduler's registry (no scheduler: no-op).
+
+        A replica the registry listed before and lists no longer (dead, deregistered)
+        is dropped; configured replicas it never listed are kept. A newcomer gets the
+        current weights at the current version before it is added.
+        """
+        if self._scheduler is None:
+            return
+        try:
+            entries = self._scheduler.list_services("rollout", alive_only=True)
+        except RlfleetError as e:  # keep the replicas we have; try again next step
+            logger.warning("scheduler: listing rollout replicas failed (%s); keeping %d", e,
+                           len(self._w.rollouts))  # fmt: skip
+            return
+        alive = {e.spec.address: e for e in entries if e.spec.address}
+        self._registered |= alive.keys()
+        with self._rollout_lock:
+            current = list(self._w.rollouts)
+        keep = [r for r in current if r.address not in self._registered or r.address in alive]
+        for r in current:
+            if r not in keep:
+                logger.info("rollout replica %s (%s) left the registry: dropped",
+                            r.replica_id, r.address)  # fmt: skip
+        known = {r.address for r in keep}
+        joined = [
+            r for e in alive.values() if e.spec.address not in known
+            if (r := self._adopt(e)) is not None
+        ]  # fmt: skip
+        if not keep and not joined:
+            raise RuntimeError(
+                f"no rollout replica left: the registry lists {sorted(alive)} alive, and "
+                f"{[r.address for r in current]} are gone"
+            )
+        with self._rollout_lock:
+            self._w.rollouts = keep + joined
+
+    def _adopt(self, entry: ServiceEntry) -> RolloutReplica | None:
+        """A replica for a newly registered rollout service, at the current weight
+        version; None (logged, retried next step) when it cannot be brought there."""
+        from rlfleet.rollout.client import RemoteRolloutClient
+
+        address = entry.spec.address
+        client = RemoteRolloutClient(address)
+        replica = RolloutReplica(entry.service_id or address, client, address)
+        try:
+            if client.status().weight_version != self._policy_version:
+                self._push_weights([replica], self._policy_version)
+            version = client.status().weight_version
+        except (RlfleetError, RuntimeError) as e:
+            logger.warning("rollout replica %s (%s) not adopted: %s", replica.replica_id,
+                           address, e)  # fmt: skip
+            client.close()
+            return None
+        if version != self._policy_version:
+            logger.warning(
+                "rollout replica %s (%s) not adopted: at weight version %d after the push, "
+                "not %d", replica.replica_id, address, version, self._policy_version,
+            )  # fmt: skip
+            client.close()
+            return None
+        self._w.owned.append(client)
+        logger.info("rollout replica %s (%s) joined at weight version %d",
+                    replica.replica_id, address, version)  # fmt: skip
+        return replica
 
     def _rollout_and_score(
         self,
@@ -362,6 +526,7 @@ class PPOTrainer:
         reward_fn: RewardFn,
         *,
         min_version: int = 0,
+        stats: dict[str, int] | None = None,
     ) -> tuple[list[SampleOutput], list[float], list[dict[str, Any]], dict[str, float]]:
         """Generate and score; scoring of finished samples overlaps generation.
 
@@ -384,7 +549,7 @@ class PPOTrainer:
 
         t0 = time.perf_counter()
         try:
-            for s in self._generate_stream(prompts, params, min_version):
+            for s in self._generate_stream(prompts, params, min_version, stats):
                 pending.append(s)
                 if len(pending) >= chunk:
                     flush()
@@ -452,10 +617,14 @@ class PPOTrainer:
         prompts, state, epoch = self._next_prompts()
         params = self._sampling(validate=False, step=step)
         assert self.reward_fn is not None
+        stats: dict[str, int] = {}
         samples, scores, _details, timing = self._rollout_and_score(
-            prompts, params, self.reward_fn, min_version=min_version
+            prompts, params, self.reward_fn, min_version=min_version, stats=stats
         )
-        return GeneratedBatch(step, prompts, state, epoch, samples, scores, timing, min_version)
+        requeued = stats.get("requeued_samples", 0)
+        return GeneratedBatch(
+            step, prompts, state, epoch, samples, scores, timing, min_version, requeued
+        )
 
     # ------------------------------------------------------------------ the trainer batch
 
@@ -498,7 +667,14 @@ class PPOTrainer:
         if version < self._policy_version:  # replicas never go back: renumber
             self._version_offset += self._policy_version - version
             version = self._policy_version
-        replicas = self._w.rollouts
+        with self._rollout_lock:
+            replicas = list(self._w.rollouts)
+        self._push_weights(replicas, version)
+        self._policy_version = version
+        return time.perf_counter() - t0
+
+    def _push_weights(self, replicas: Sequence[RolloutReplica], version: int) -> None:
+        """The trainer's current weights to ``replicas``, labelled ``version``."""
         if self._in_process_weights():
             trainer: Any = self._w.trainer
             core = trainer.core
@@ -512,8 +688,6 @@ class PPOTrainer:
             if outcome.errors:
                 self.metrics.weight_sync_failures.inc()
                 raise RuntimeError(f"weight push of version {version} failed: {outcome.errors}")
-        self._policy_version = version
-        return time.perf_counter() - t0
 
     def _sleep_rollouts(self) -> None:
         if self.colocated and self.config.rollout.free_cache_engine:
@@ -580,6 +754,8 @@ class PPOTrainer:
         metrics["perf/tokens_per_second"] = tokens / gen if gen > 0 else 0.0
         metrics["training/global_step"] = float(self.global_steps)
         metrics["training/epoch"] = float(gb.epoch)
+        metrics["rollout/requeued_samples"] = float(gb.requeued_samples)
+        metrics["rollout/replicas"] = float(len(self._w.rollouts))
         return metrics
 
     # ------------------------------------------------------------------ validation
@@ -700,6 +876,7 @@ class PPOTrainer:
         records = []
         while self.global_steps < self.total_training_steps:
             t0 = time.perf_counter()
+            self._refresh_rollouts()
             step = self.global_steps + 1
             gb = self._produce(step, self._policy_version)
             records.append(self._finish_step(gb, tracking, t0, wait_s=0.0))
@@ -729,12 +906,17 @@ class PPOTrainer:
             except BaseException as e:
                 out.put(e)
 
+        # Membership is refreshed on this thread, between trainer calls, so that a
+        # newcomer gets weights that match the version it is told.
+        self._refresh_rollouts()
         thread = threading.Thread(target=producer, name="rlfleet-pipeline", daemon=True)
         thread.start()
         records = []
         try:
             while self.global_steps < last:
                 t0 = time.perf_counter()
+                if self.global_steps >= first:
+                    self._refresh_rollouts()
                 item = out.get()
                 if isinstance(item, BaseException):
                     raise item

@@ -112,6 +112,7 @@ def train(
     run_dir = config.run_dir()
     cluster: Any = None
     mapping: Any = None
+    scheduler_address: str | None = None
     try:
         if not in_process:
             from rlfleet.scheduler.cluster import LocalCluster
@@ -124,8 +125,15 @@ def train(
                 file=sys.stderr,
             )
             mapping = remote_workers(handle.trainer, handle.rollout, handle.reward)
+            # Replicas that register later (`rlfleet serve rollout --scheduler ...`) join
+            # the run at the next step, with the current weights.
+            scheduler_address = handle.scheduler
         with PPOTrainer(
-            config, role_worker_mapping=mapping, metrics_port=metrics_port, on_step=on_step
+            config,
+            role_worker_mapping=mapping,
+            metrics_port=metrics_port,
+            on_step=on_step,
+            scheduler=scheduler_address,
         ) as trainer:
             if trainer.metrics_port:
                 print(f"metrics on 127.0.0.1:{trainer.metrics_port}/metrics", file=sys.stderr)
