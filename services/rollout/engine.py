@@ -22,6 +22,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
+from rlfleet.common.errors import InvalidArgument
+
 __all__ = [
     "DEFAULT_MAX_TOKENS",
     "Engine",
@@ -186,3 +190,48 @@ class Engine(Protocol):
     def info(self) -> EngineInfo:
         """Model, dtype, device, weight version, limits."""
         ...
+
+
+def validate_requests(requests: Sequence[GenerationRequest], vocab_size: int, max_len: int) -> None:
+    """Raise ``InvalidArgument`` naming the field of the first bad request: no prompts,
+    an empty prompt, token or stop ids outside ``[0, vocab_size)``, or a prompt that
+    with ``max_tokens`` would exceed the model's ``max_len``. Shared by every engine;
+    the id ranges are checked in numpy, not token by token."""
+    for r, req in enumerate(requests):
+        if not req.prompts:
+            raise InvalidArgument("no prompts", field=f"requests[{r}].prompts")
+        for i, p in enumerate(req.prompts):
+            if len(p) == 0:
+                raise InvalidArgument(
+                    "prompt has no tokens", field=f"prompts[{i}].token_ids", sample_index=i
+                )
+            bad = _out_of_vocab(p, vocab_size)
+            if bad:
+                raise InvalidArgument(
+                    f"token ids {bad} outside the vocabulary [0, {vocab_size})",
+                    field=f"prompts[{i}].token_ids",
+                    value=bad,
+                    sample_index=i,
+                )
+            total = len(p) + req.params.max_tokens
+            if total > max_len:
+                raise InvalidArgument(
+                    f"prompt of {len(p)} tokens + max_tokens {req.params.max_tokens} = "
+                    f"{total} exceeds the model's limit of {max_len} tokens",
+                    field="sampling.max_tokens",
+                    value=req.params.max_tokens,
+                    sample_index=i,
+                )
+        bad_stop = _out_of_vocab(req.params.stop_token_ids, vocab_size)
+        if bad_stop:
+            raise InvalidArgument(
+                f"stop ids {bad_stop} outside the vocabulary [0, {vocab_size})",
+                field="sampling.stop_token_ids",
+                value=bad_stop,
+            )
+
+
+def _out_of_vocab(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """Up to five ids outside ``[0, vocab_size)``, in order."""
+    a = np.asarray(ids, dtype=np.int64)
+    return [int(x) for x in a[(a < 0) | (a >= vocab_size)][:5]]

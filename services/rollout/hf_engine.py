@@ -36,6 +36,7 @@ from rlfleet.rollout.engine import (
     GenerationRequest,
     SampleCallback,
     SampleOutput,
+    validate_requests,
 )
 
 if TYPE_CHECKING:
@@ -143,38 +144,7 @@ class HFEngine:
 
     def validate(self, requests: Sequence[GenerationRequest]) -> None:
         """Raise ``InvalidArgument`` naming the field of the first bad request."""
-        for r, req in enumerate(requests):
-            if not req.prompts:
-                raise InvalidArgument("no prompts", field=f"requests[{r}].prompts")
-            for i, p in enumerate(req.prompts):
-                if len(p) == 0:
-                    raise InvalidArgument(
-                        "prompt has no tokens", field=f"prompts[{i}].token_ids", sample_index=i
-                    )
-                bad = [t for t in p if not 0 <= t < self._vocab]
-                if bad:
-                    raise InvalidArgument(
-                        f"token ids {bad[:5]} outside the vocabulary [0, {self._vocab})",
-                        field=f"prompts[{i}].token_ids",
-                        value=bad[:5],
-                        sample_index=i,
-                    )
-                total = len(p) + req.params.max_tokens
-                if total > self._max_len:
-                    raise InvalidArgument(
-                        f"prompt of {len(p)} tokens + max_tokens {req.params.max_tokens} = "
-                        f"{total} exceeds the model's limit of {self._max_len} tokens",
-                        field="sampling.max_tokens",
-                        value=req.params.max_tokens,
-                        sample_index=i,
-                    )
-            bad_stop = [t for t in req.params.stop_token_ids if not 0 <= t < self._vocab]
-            if bad_stop:
-                raise InvalidArgument(
-                    f"stop ids {bad_stop[:5]} outside the vocabulary [0, {self._vocab})",
-                    field="sampling.stop_token_ids",
-                    value=bad_stop[:5],
-                )
+        validate_requests(requests, self._vocab, self._max_len)
 
     def generate(
         self,

@@ -44,6 +44,7 @@ from rlfleet.rollout.engine import (
     GenerationRequest,
     SampleCallback,
     SampleOutput,
+    validate_requests,
 )
 
 __all__ = ["VLLMEngine", "WorkerWeightLoader"]
@@ -222,31 +223,8 @@ class VLLMEngine:
         )
 
     def validate(self, requests: Sequence[GenerationRequest]) -> None:
-        for r, req in enumerate(requests):
-            if not req.prompts:
-                raise InvalidArgument("no prompts", field=f"requests[{r}].prompts")
-            for i, p in enumerate(req.prompts):
-                if len(p) == 0:
-                    raise InvalidArgument(
-                        "prompt has no tokens", field=f"prompts[{i}].token_ids", sample_index=i
-                    )
-                bad = [t for t in p if not 0 <= t < self._vocab]
-                if bad:
-                    raise InvalidArgument(
-                        f"token ids {bad[:5]} outside the vocabulary [0, {self._vocab})",
-                        field=f"prompts[{i}].token_ids",
-                        value=bad[:5],
-                        sample_index=i,
-                    )
-                total = len(p) + req.params.max_tokens
-                if total > self._max_len:
-                    raise InvalidArgument(
-                        f"prompt of {len(p)} tokens + max_tokens {req.params.max_tokens} = "
-                        f"{total} exceeds the model's limit of {self._max_len} tokens",
-                        field="sampling.max_tokens",
-                        value=req.params.max_tokens,
-                        sample_index=i,
-                    )
+        """Raise ``InvalidArgument`` naming the field of the first bad request."""
+        validate_requests(requests, self._vocab, self._max_len)
 
     def generate(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -192,3 +193,27 @@ def test_update_weights_checks_names_shapes_dtypes(tiny_model_dir: Path) -> None
     del alias_only["model.embed_tokens.weight"]
     eng.update_weights(alias_only, 2)
     assert eng.info().weight_version == 2
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "field", "message"),
+    [
+        ([], {}, "requests[0].prompts", "no prompts"),
+        ([[1, 2], []], {}, "prompts[1].token_ids", "prompt has no tokens"),
+        ([[1, -3, 99, 7]], {}, "prompts[0].token_ids", r"token ids \[-3, 99\] outside"),
+        ([[1] * 10], {"max_tokens": 60}, "sampling.max_tokens", "= 70 exceeds .* 64 tokens"),
+        ([[1]], {"stop_token_ids": [5, 64]}, "sampling.stop_token_ids", r"stop ids \[64\]"),
+    ],
+)
+def test_validate_requests_names_the_field(
+    prompts: list[list[int]], params: dict[str, Any], field: str, message: str
+) -> None:
+    from rlfleet.rollout.engine import validate_requests
+
+    request = GenerationRequest(prompts=prompts, params=SamplingParams(**params))
+    with pytest.raises(InvalidArgument, match=message) as err:
+        validate_requests([request], vocab_size=64, max_len=64)
+    assert err.value.field == field
+    validate_requests(
+        [GenerationRequest(prompts=[[0, 63]], params=SamplingParams(max_tokens=62))], 64, 64
+    )
