@@ -129,11 +129,20 @@ class RemoteRolloutClient:
     ) -> None:
         if isinstance(address, str):
             self.channel = create_channel(address, auth_token=auth_token)
+            # Generate gets a channel without gRPC's retry policy: a stream that has not
+            # sent its first sample yet counts as uncommitted, and retrying it against a
+            # replica that died never ended (the driver then waited out the whole
+            # deadline). A generation should not be replayed silently anyway: the
+            # caller sees UNAVAILABLE at once and re-queues the prompts.
+            self._generate_channel = create_channel(
+                address, auth_token=auth_token, retry_unavailable=False
+            )
             self._own = True
         else:
-            self.channel = address
+            self.channel = self._generate_channel = address
             self._own = False
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
+        self._generate_stub = rollout_pb2_grpc.RolloutServiceStub(self._generate_channel)
         self._timeout_s = timeout_s
         self._generate_timeout_s = generate_timeout_s
 
@@ -155,7 +164,7 @@ class RemoteRolloutClient:
             sampling=serde.sampling_to_proto(params, detokenize=detokenize),
             min_weight_version=min_weight_version,
         )
-        stream = self.stub.Generate(request, timeout=self._generate_timeout_s)
+        stream = self._generate_stub.Generate(request, timeout=self._generate_timeout_s)
         try:
             for msg in stream:
                 yield serde.result_from_proto(msg)
@@ -198,6 +207,7 @@ class RemoteRolloutClient:
     def close(self) -> None:
         if self._own:
             self.channel.close()
+            self._generate_channel.close()
 
     def __enter__(self) -> RemoteRolloutClient:
         return self
