@@ -847,6 +847,11 @@ class ChunkView:
             PieceView(p.name, p.dtype, tuple(p.shape), p.nbytes, p.offset, p.data)
             for p in msg.pieces
         ]
+        return cls._with_pieces(msg, pieces)
+
+    @classmethod
+    def _with_pieces(cls, msg: common_pb2.TensorBatchChunk, pieces: list[PieceView]) -> ChunkView:
+        """The scalar fields, columns and meta of ``msg`` with the given pieces."""
         return cls(
             msg.stream_id,
             msg.seq,
@@ -942,18 +947,7 @@ def parse_chunk(data: bytes | bytearray | memoryview) -> ChunkView:
         msg = common_pb2.TensorBatchChunk.FromString(b"".join(rest))
     except DecodeError as exc:
         raise CodecError(f"malformed TensorBatchChunk: {exc}") from exc
-    return ChunkView(
-        msg.stream_id,
-        msg.seq,
-        msg.last,
-        pieces,
-        list(msg.columns),
-        dict(msg.meta),
-        msg.crc32c,
-        msg.total_bytes,
-        msg.num_chunks,
-        msg.digest,
-    )
+    return ChunkView._with_pieces(msg, pieces)
 
 
 def _parse_piece(buf: memoryview, begin: int, end: int) -> PieceView:
