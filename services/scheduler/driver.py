@@ -971,8 +971,7 @@ class PPOTrainer:
             metrics.update(val)
             self.val_history.append((self.global_steps, val))
             tracking.note(_val_line(self.global_steps, val))
-        if t.save_freq > 0 and (is_last or self.global_steps % t.save_freq == 0):
-            metrics["timing_s/checkpoint"] = self.save_checkpoint(gb.loader_state)
+        save = t.save_freq > 0 and (is_last or self.global_steps % t.save_freq == 0)
         step_s = time.perf_counter() - t0
         metrics["timing_s/step"] = step_s
         busy = sum(
@@ -980,7 +979,6 @@ class PPOTrainer:
             for p in ("old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
         )
         busy += wait_s + sync_s + swap_s + metrics.get("timing_s/validation", 0.0)
-        busy += metrics.get("timing_s/checkpoint", 0.0)
         if not self.pipelined:
             busy += gb.timing["gen"] + gb.timing["reward"]
         metrics["timing_s/scheduler"] = max(0.0, step_s - busy)
@@ -990,6 +988,11 @@ class PPOTrainer:
         self.history.append(record)
         self.metrics.record_step(metrics, self.global_steps, len(gb.samples))
         tracking.log(metrics, self.global_steps, kind="train", indices=indices)
+        # The step's line is written before its checkpoint: a run killed right after
+        # saving never resumes past a step that metrics.jsonl lacks. The checkpoint's
+        # time is therefore kept in the step record only, outside timing_s/step.
+        if save:
+            metrics["timing_s/checkpoint"] = self.save_checkpoint(gb.loader_state)
         if self.on_step is not None:
             self.on_step(record)
         return record
