@@ -202,57 +202,86 @@ def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
     return None
 
 
-def model_flops_per_token(model: Any, seq_len: int) -> float:
+def model_flops_per_token(config: Any, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: ``6 N`` for the matmuls of forward + backward (N the
     parameters outside the embedding lookup) plus ``12 L h s`` for attention scores
     and values (PaLM, arXiv:2204.02311, appendix B)."""
-    cfg = model.config
-    n = sum(p.numel() for p in model.parameters())
-    if not getattr(cfg, "tie_word_embeddings", False):
-        n -= model.get_input_embeddings().weight.numel()
-    return 6.0 * n + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+    n = n_params
+    if not getattr(config, "tie_word_embeddings", False):
+        n -= config.vocab_size * config.hidden_size
+    return 6.0 * n + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
-def bench_gpu(preset: str, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+#: The GPU run's default model: a Llama of ~0.8B parameters with random weights.
+GPU_ARCH = {
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
+
+
+def build_gpu_model(out: Path) -> Path:
+    """A random-weight Llama folder of :data:`GPU_ARCH` (no tokenizer: the benchmark
+    feeds token ids)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**GPU_ARCH, tie_word_embeddings=False, pad_token_id=0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def bench_gpu(
+    backend: str, model_dir: Path, workdir: Path, args: argparse.Namespace
+) -> dict[str, Any]:
     """The actor update on CUDA (bf16 mixed precision) in this process."""
-    from rlfleet.common.tiny_model import build_tiny_model
+    import gc
+
+    from transformers import AutoConfig
+
     from rlfleet.trainer.client import InProcessTrainerClient
     from rlfleet.trainer.core import TrainerCore
 
-    model_dir = Path(args.gpu_model) if args.gpu_model else None
-    if model_dir is None:
-        model_dir = build_tiny_model(workdir / f"gpu-{preset}", preset=preset, seed=0)
+    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     config = bench_config(
         model_dir,
-        workdir / "run-gpu",
+        workdir / f"run-gpu-{backend}",
         args,
         trainer={"device": "cuda"},
-        actor={"dtype": "bfloat16"},
+        actor={"dtype": "bfloat16", "backend": backend},
     )
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
     core = TrainerCore(config)
-    model = core.backend.models["actor"]
+    model = core.backend.models["actor"]  # type: ignore[attr-defined]
     n_params = sum(p.numel() for p in model.parameters())
-    batch = bench_batch(core, int(model.get_output_embeddings().weight.shape[0]), args)
+    batch = bench_batch(core, int(hf_config.vocab_size), args)
     tokens = int(batch["attention_mask"].sum()) * args.ppo_epochs
     client = InProcessTrainerClient(core)
     client.update_actor(dict(batch))  # warm-up: kernels, allocator, optimizer state
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     times = []
     for r in range(args.repeats):
         start = time.perf_counter()
         client.update_actor(dict(batch))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        log(f"  gpu round {r + 1}/{args.repeats}: {times[-1]:.3f}s")
+        log(f"  gpu {backend} round {r + 1}/{args.repeats}: {times[-1]:.3f}s")
     med = statistics.median(times)
     name = torch.cuda.get_device_name()
     peak = peak_flops(name, args.peak_tflops)
-    flops = model_flops_per_token(model, args.prompt_len + args.response_len) * tokens
+    flops = model_flops_per_token(hf_config, n_params, args.prompt_len + args.response_len) * tokens
     peak_bytes = torch.cuda.max_memory_allocated()
+    del client, core, model
+    gc.collect()
+    torch.cuda.empty_cache()
     return {
+        "backend": backend,
         "device": name,
-        "model": str(model_dir),
         "parameters": n_params,
         "dtype": "bfloat16 compute, float32 parameters and optimizer state",
         "tokens_per_call": tokens,
@@ -283,8 +312,14 @@ def main() -> None:
     ap.add_argument("--ppo-epochs", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--gpu-preset", default="small", help="model preset of the GPU run")
-    ap.add_argument("--gpu-model", default=None, help="a Hugging Face folder for the GPU run")
+    ap.add_argument(
+        "--gpu-model",
+        default=None,
+        help="a Hugging Face folder for the GPU run (default: GPU_ARCH)",
+    )
+    ap.add_argument("--gpu-backends", default="fsdp,megatron", help="comma list, GPU run")
+    ap.add_argument("--gpu-prompts", type=int, default=16, help="--prompts of the GPU run")
+    ap.add_argument("--gpu-len", type=int, default=512, help="prompt and response length, GPU")
     ap.add_argument("--peak-tflops", type=float, default=None, help="device peak, for MFU")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -308,7 +343,22 @@ def main() -> None:
             out["update_actor"].append(bench_service(preset, Path(tmp), args))
         if torch.cuda.is_available():
             log(f"update_actor on {torch.cuda.get_device_name()}")
-            out["gpu"] = bench_gpu(args.gpu_preset, Path(tmp), args)
+            model_dir = Path(args.gpu_model or build_gpu_model(Path(tmp) / "gpu-model"))
+            gpu_args = argparse.Namespace(**vars(args))
+            gpu_args.prompts = args.gpu_prompts
+            gpu_args.prompt_len = gpu_args.response_len = args.gpu_len
+            out["gpu_shape"] = {
+                "model": args.gpu_model or GPU_ARCH,
+                "samples": gpu_args.prompts * gpu_args.n,
+                "prompt_len": gpu_args.prompt_len,
+                "response_len": gpu_args.response_len,
+                "micro_batch": gpu_args.micro_batch,
+            }
+            out["gpu"] = [
+                bench_gpu(b, model_dir, Path(tmp), gpu_args)
+                for b in args.gpu_backends.split(",")
+                if b
+            ]
         else:
             out["gpu"] = None
             out["gpu_reason"] = (

@@ -37,11 +37,17 @@ class Backend(Protocol):
 
     name: str
     rank: int
-    world_size: int
+    world_size: int  # the data-parallel size: how many ways a mini-batch is split
     device: torch.device
 
     def has(self, role: ModelRole) -> bool:
         """Whether this backend holds the model of ``role``."""
+        ...
+
+    def data_layout(self) -> list[tuple[int, bool]]:
+        """For each global rank, in rank order: its data-parallel rank, and whether
+        its results count (one rank per data-parallel replica reports; the others of
+        that replica are its tensor / pipeline parallel peers)."""
         ...
 
     def forward(

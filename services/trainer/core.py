@@ -61,11 +61,9 @@ class TrainerState:
 def build_backend(config: Config, *, total_training_steps: int | None = None) -> Backend:
     """The backend named by ``actor.backend`` for this process (and its process group)."""
     if config.actor.backend == "megatron":
-        raise FailedPrecondition(
-            "actor.backend megatron is not implemented yet; use fsdp",
-            field="actor.backend",
-            value="megatron",
-        )
+        from rlfleet.trainer.megatron import MegatronBackend
+
+        return MegatronBackend(config, total_training_steps=total_training_steps)
     from rlfleet.trainer.fsdp import FSDPBackend
 
     return FSDPBackend(config, total_training_steps=total_training_steps)
@@ -107,6 +105,10 @@ class TrainerCore:
         self.ops = RankOps(self.worker)
         self.dispatcher = Dispatcher(self.ops)
         self.world_size = self.dispatcher.world_size
+        # Rows are split over data-parallel replicas; every rank of a replica (its TP /
+        # PP ranks) gets the replica's rows, and one rank per replica reports back.
+        self.layout = self.backend.data_layout()
+        self.dp_size = len({dp for dp, _ in self.layout})
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = core_algos.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.state = TrainerState(kl_coef=self.kl_ctrl.value)
@@ -156,18 +158,28 @@ class TrainerCore:
         """Split rows contiguously over the ranks (padding with copies of the last row so
         that every rank runs the same number of micro-batches), run, concatenate."""
         bs = B.batch_size(batch)
-        world = self.world_size
+        world = self.dp_size
         padded = -(-bs // world) * world
         if padded != bs:
             idx = torch.cat([torch.arange(bs), torch.full((padded - bs,), bs - 1)])
             batch = B.index_select(batch, idx)
         per = padded // world
         shards = [B.index_select(batch, torch.arange(r * per, (r + 1) * per)) for r in range(world)]
-        results = self._check(self.dispatcher.run(op, shards))
-        out = B.concat(results)
+        out = B.concat(self._run_dp(op, shards))
         if padded != bs:
             out = B.index_select(out, torch.arange(bs))
         return out
+
+    def _run_dp(self, op: str, shards: Sequence[Any], **kwargs: Any) -> list[Any]:
+        """Run ``op`` with ``shards[d]`` on every rank of data-parallel replica ``d``;
+        returns one result per replica, in replica order."""
+        per_rank = [shards[dp] for dp, _ in self.layout]
+        results = self._check(self.dispatcher.run(op, per_rank, **kwargs))
+        mine: dict[int, Any] = {}
+        for (dp, counts), res in zip(self.layout, results, strict=True):
+            if counts:
+                mine[dp] = res
+        return [mine[d] for d in range(self.dp_size)]
 
     def _check(self, results: list[Any]) -> list[Any]:
         for r, res in enumerate(results):
@@ -184,9 +196,10 @@ class TrainerCore:
                 field="input_ids",
                 value=bs,
             )
-        if mini % self.world_size:
+        if mini % self.dp_size:
             raise InvalidArgument(
-                f"{op}: mini-batch size {mini} does not split over {self.world_size} ranks",
+                f"{op}: mini-batch size {mini} does not split over {self.dp_size} "
+                "data-parallel ranks",
                 field="input_ids",
                 value=bs,
             )
@@ -194,12 +207,10 @@ class TrainerCore:
 
     def _update_on_ranks(self, op: str, batch: Batch, mini: int) -> dict[str, float]:
         bs = B.batch_size(batch)
-        order = B.interleave_for_minibatches(bs, mini, self.world_size)
+        order = B.interleave_for_minibatches(bs, mini, self.dp_size)
         shards = [B.index_select(batch, idx) for idx in order]
         seed = self.config.trainer.seed + self.global_step
-        results = self._check(
-            self.dispatcher.run(op, shards, mini_per_rank=mini // self.world_size, seed=seed)
-        )
+        results = self._run_dp(op, shards, mini_per_rank=mini // self.dp_size, seed=seed)
         metrics = _mean_metrics(results)
         for key in ("actor/skipped_steps", "critic/skipped_steps", "actor/lr", "critic/lr"):
             if key in results[0]:
@@ -363,19 +374,19 @@ class TrainerCore:
         batch = B.ensure_defaults(batch)
         view = {k: batch[k] for k in (*_MODEL_KEYS, "position_ids", "response_mask")}
         bs = B.batch_size(batch)
-        if bs % self.world_size:
+        if bs % self.dp_size:
             raise InvalidArgument(
-                f"sft_step: batch size {bs} does not split over {self.world_size} ranks",
+                f"sft_step: batch size {bs} does not split over {self.dp_size} data-parallel ranks",
                 field="input_ids",
                 value=bs,
             )
         with self.lock:
-            per = bs // self.world_size
+            per = bs // self.dp_size
             shards = [
                 B.index_select(view, torch.arange(r * per, (r + 1) * per))
-                for r in range(self.world_size)
+                for r in range(self.dp_size)
             ]
-            results = self._check(self.dispatcher.run("sft_step", shards))
+            results = self._run_dp("sft_step", shards)
             metrics = _mean_metrics(results)
             self.state.global_step += 1
             self.state.weight_version += 1

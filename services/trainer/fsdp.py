@@ -40,7 +40,7 @@ from rlfleet.trainer.models import (
     torch_dtype,
 )
 
-__all__ = ["FSDPBackend", "WarmupSchedule", "build_scheduler"]
+__all__ = ["FSDPBackend", "WarmupSchedule", "build_scheduler", "ensure_process_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,15 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
+def ensure_process_group(device: torch.device) -> None:
+    """A one-rank process group when none was started: FSDP2 on one GPU (for its
+    mixed-precision and offload policies) and megatron-core need one."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
 def _decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     return {type(m) for m in model.modules() if type(m).__name__ in names}
@@ -91,15 +100,16 @@ class FSDPBackend:
 
     def __init__(self, config: Config, *, total_training_steps: int | None = None) -> None:
         self.config = config
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world_size = dist.get_world_size() if self.distributed else 1
         if config.trainer.device == "cuda":
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)
             self.device = torch.device("cuda", local)
+            ensure_process_group(self.device)
         else:
             self.device = torch.device("cpu")
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
         self.sharded = self.distributed and (self.world_size > 1 or self.device.type == "cuda")
         total = total_training_steps or config.trainer.total_training_steps
         torch.manual_seed(config.trainer.seed)
@@ -185,6 +195,9 @@ class FSDPBackend:
 
     def has(self, role: ModelRole) -> bool:
         return role in self.models
+
+    def data_layout(self) -> list[tuple[int, bool]]:
+        return [(r, True) for r in range(self.world_size)]
 
     def _model(self, role: ModelRole) -> nn.Module:
         model = self.models.get(role)
