@@ -343,7 +343,7 @@ class CriticConfig(_Section):
     param_offload: bool = False
     optimizer_offload: bool = False
     dtype: DType = "float32"
-    backend: Backend = "fsdp"
+    backend: Backend | None = Field(default=None, description="None: the actor's backend")
     fsdp: FsdpConfig = Field(default_factory=FsdpConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
 
@@ -647,6 +647,12 @@ class Config(BaseModel):
             raise KeyError(f"role {role!r} has no pool in mapping")
         return self.resource_pools[pool]
 
+    def backend_of(self, role: Literal["actor", "critic"]) -> str:
+        """The training backend of ``role`` (the critic follows the actor unless set)."""
+        if role == "critic":
+            return self.critic.backend or self.actor.backend
+        return self.actor.backend
+
     def world_size(self, role: Role) -> int:
         """Ranks of a role: the devices of its pool on cuda, one per node on cpu.
 
@@ -655,7 +661,7 @@ class Config(BaseModel):
         nodes = self.pool_of(role)
         if role in ("actor", "critic"):
             section = self.actor if role == "actor" else self.critic
-            if section.backend == "fsdp" and section.fsdp.world_size is not None:
+            if self.backend_of(role) == "fsdp" and section.fsdp.world_size is not None:
                 return section.fsdp.world_size
         return len(nodes) if self.trainer.device == "cpu" else sum(nodes)
 
@@ -663,7 +669,7 @@ class Config(BaseModel):
         """Data-parallel size: how many ways a mini-batch is split."""
         section = self.actor if role == "actor" else self.critic
         world = self.world_size(role)
-        if section.backend == "fsdp":
+        if self.backend_of(role) == "fsdp":
             return max(1, world // section.fsdp.sequence_parallel_size)
         m = section.megatron
         if m.data_parallel_size is not None:
@@ -893,6 +899,47 @@ def _check_resume(cfg: Config) -> Iterator[ConfigIssue]:
         )
 
 
+@_check("actor.megatron", "critic.megatron", "critic.backend")
+def _check_megatron_features(cfg: Config) -> Iterator[ConfigIssue]:
+    """What the megatron backend does not offer (rlfleet.trainer.megatron)."""
+    if cfg.actor.backend != "megatron":
+        return
+    roles: list[Literal["actor", "critic"]] = ["actor"]
+    if cfg.critic_enabled():
+        roles.append("critic")
+        if cfg.backend_of("critic") != "megatron":
+            yield ConfigIssue(
+                "critic.backend", "must match actor.backend megatron", cfg.critic.backend
+            )
+    for role in roles:
+        section = cfg.actor if role == "actor" else cfg.critic
+        m = section.megatron
+        if m.context_parallel_size != 1:
+            yield ConfigIssue(
+                f"{role}.megatron.context_parallel_size",
+                "context parallelism is not available on the megatron backend",
+                m.context_parallel_size,
+            )
+        if m.sequence_parallel:
+            yield ConfigIssue(
+                f"{role}.megatron.sequence_parallel",
+                "sequence parallelism is not available on the megatron backend",
+                True,
+            )
+        if m.virtual_pipeline_model_parallel_size is not None:
+            yield ConfigIssue(
+                f"{role}.megatron.virtual_pipeline_model_parallel_size",
+                "virtual pipeline stages are not available on the megatron backend",
+                m.virtual_pipeline_model_parallel_size,
+            )
+        if section.param_offload or section.optimizer_offload:
+            yield ConfigIssue(
+                f"{role}.param_offload",
+                "offload is not available on the megatron backend",
+                True,
+            )
+
+
 @_check("trainer.device", "rollout.engine", "actor.backend", "critic.backend")
 def _check_device(cfg: Config) -> Iterator[ConfigIssue]:
     if cfg.trainer.device != "cpu":
@@ -900,7 +947,9 @@ def _check_device(cfg: Config) -> Iterator[ConfigIssue]:
     if cfg.rollout.engine == "vllm":
         yield ConfigIssue("rollout.engine", "vllm needs trainer.device cuda", "vllm")
     for role in ("actor", "critic"):
-        if getattr(cfg, role).backend == "megatron":
+        if role == "critic" and not cfg.critic_enabled():
+            continue
+        if cfg.backend_of(role) == "megatron":
             yield ConfigIssue(f"{role}.backend", "megatron needs trainer.device cuda", "megatron")
 
 
@@ -913,7 +962,7 @@ def _check_parallel_layout(cfg: Config) -> Iterator[ConfigIssue]:
         nodes = cfg.pool_of(role)
         capacity = sum(nodes)  # on cpu: at least one core per process
         world = cfg.world_size(role)
-        if section.backend == "fsdp":
+        if cfg.backend_of(role) == "fsdp":
             f = section.fsdp
             if f.world_size is not None and f.world_size > capacity:
                 yield ConfigIssue(
@@ -1018,6 +1067,7 @@ def _resolve(cfg: Config) -> None:
             "tokenizer_path": cfg.critic.tokenizer_path or actor.tokenizer_path,
             "ppo_mini_batch_size": cfg.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size,
             "ppo_epochs": cfg.critic.ppo_epochs or actor.ppo_epochs,
+            "backend": cfg.backend_of("critic"),
         }
     )
     cfg.ref = cfg.ref.model_copy(

@@ -355,6 +355,28 @@ CUDA_POOLS = [  # 8 training GPUs: a mini-batch of 8 prompts is one sample per G
             ],
             "actor.megatron.data_parallel_size",
         ),
+        ([*CUDA_POOLS, "actor.backend=megatron"], None),
+        (
+            [*CUDA_POOLS, "actor.backend=megatron", "actor.megatron.sequence_parallel=true"],
+            "actor.megatron.sequence_parallel",
+        ),
+        (
+            [*CUDA_POOLS, "actor.backend=megatron", "actor.megatron.context_parallel_size=2"],
+            "actor.megatron.context_parallel_size",
+        ),
+        (
+            [*CUDA_POOLS, "actor.backend=megatron", "actor.param_offload=true"],
+            "actor.param_offload",
+        ),
+        (
+            [
+                *CUDA_POOLS,
+                "actor.backend=megatron",
+                "critic.backend=fsdp",
+                "algorithm.adv_estimator=gae",
+            ],
+            "critic.backend",
+        ),
         ([*CUDA_POOLS, "actor.fsdp.world_size=16"], "actor.fsdp.world_size"),
         ([*CUDA_POOLS, "actor.fsdp.sequence_parallel_size=3"], "actor.fsdp.sequence_parallel_size"),
         ([*CUDA_POOLS, "actor.fsdp.fsdp_size=3"], "actor.fsdp.fsdp_size"),
