@@ -69,6 +69,35 @@ _SCRIPT = textwrap.dedent(
     out["same_names"] = sorted(weights) == sorted(hf)
     out["same_shapes"] = all(tuple(weights[k].shape) == tuple(v.shape) for k, v in hf.items())
     out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+
+    # the same core behind the gRPC service: a step, a checkpoint, a bucketed push
+    from rlfleet.common.rpc import create_server
+    from rlfleet.trainer.client import RemoteTrainerClient
+    from rlfleet.trainer.servicer import TrainerServicer
+    from rlfleet.trainer.testing import FakeRollout
+    from rlfleet.v1 import rollout_pb2_grpc, trainer_pb2_grpc
+
+    server = create_server(
+        [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(core))]
+    )
+    fake = FakeRollout({k: tuple(v.shape) for k, v in hf.items()})
+    replica = create_server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, fake)])
+    client = RemoteTrainerClient(server.address, timeout_s=300)
+    remote = client.train_step(scored_batch(3))
+    saved = client.save_checkpoint(step=core.global_step)
+    loaded = client.load_checkpoint(saved.path)
+    pushed = client.push_weights([("r0", replica.address)], bucket_bytes=64 * 1024)
+    weights = dict(core.iter_weights())
+    out["grpc_ok"] = (
+        all(v == v for v in remote.metrics.values())
+        and loaded.step == saved.step
+        and pushed.ok == {"r0": True}
+        and fake.buckets_seen[-1] > 1
+        and all(torch.equal(fake.weights[k], weights[k].to(fake.weights[k].dtype)) for k in weights)
+    )
+    client.close()
+    server.stop(0)
+    replica.stop(0)
     print("RESULT " + json.dumps(out))
     """
 )
@@ -119,3 +148,4 @@ def test_backend_on_cuda(
     assert float(r["logprob_max_diff"]) < tol  # type: ignore[arg-type]
     assert float(r["logprob_gain"]) > 0  # type: ignore[arg-type]
     assert r["finite"] and r["same_names"] and r["same_shapes"]
+    assert r["grpc_ok"]
