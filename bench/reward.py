@@ -3,7 +3,9 @@
 Prints one JSON object:
 
 * ``in_process``: the GSM8K scorer called in a loop in this process (one thread),
-  samples/s — the ceiling a caller gets without the service.
+  samples/s — the ceiling a caller gets without the service. Measured before and
+  after the service run; the faster of the two is the baseline, so a moment of
+  load from other work on the machine cannot flatter the ratio.
 * ``service``: ``--clients`` threads each sending batches of ``--batch-size``
   samples to a reward service started as a separate process (``rlfleet serve
   reward``, port 0), samples/s over all clients, and per-request latency p50/p99.
@@ -162,7 +164,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2, help="reward.num_workers")
     args = parser.parse_args()
     pairs, source = load_samples()
-    in_process = bench_in_process(pairs, args.batch_size, min(args.seconds, 3.0))
+    in_process_s = min(args.seconds, 3.0) / 2
+    before = bench_in_process(pairs, args.batch_size, in_process_s)
     proc, address = start_service(args.workers)
     try:
         service = bench_service(address, pairs, args.batch_size, args.clients, args.seconds)
@@ -172,6 +175,8 @@ def main() -> int:
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
+    after = bench_in_process(pairs, args.batch_size, in_process_s)
+    in_process = max(before, after)
     ratio = service["samples_per_s"] / in_process
     print(
         json.dumps(
@@ -183,6 +188,7 @@ def main() -> int:
                 "clients": args.clients,
                 "num_workers": args.workers,
                 "in_process_samples_per_s": round(in_process, 1),
+                "in_process_before_after": [round(before, 1), round(after, 1)],
                 "service_samples_per_s": round(service["samples_per_s"], 1),
                 "ratio": round(ratio, 3),
                 "latency_ms": {k: round(v, 2) for k, v in service["latency_ms"].items()},

@@ -19,6 +19,7 @@ __all__ = [
     "info_to_proto",
     "result_from_proto",
     "result_to_proto",
+    "results_to_proto",
     "sample_from_proto",
     "sample_to_proto",
     "samples_from_request",
@@ -98,19 +99,25 @@ def _fill_struct(struct: struct_pb2.Struct, data: dict[str, Any]) -> None:
 
 
 def sample_from_proto(msg: reward_pb2.RewardSample, index: int) -> Sample:
+    # Runs once per sample on the hot path: string ground truths and empty
+    # extra_info / prompt_messages (the common case) skip the general converters.
     try:
-        ground_truth = value_to_python(msg.ground_truth) if msg.HasField("ground_truth") else None
-        extra = struct_to_dict(msg.extra_info) if msg.HasField("extra_info") else {}
+        gt = msg.ground_truth
+        kind = gt.WhichOneof("kind")
+        ground_truth = gt.string_value if kind == "string_value" else value_to_python(gt)
+        extra = msg.extra_info
+        extra_info = struct_to_dict(extra) if extra.fields else {}
     except ValueError as exc:
         raise InvalidArgument(str(exc), field=f"samples[{index}]", sample_index=index) from exc
+    messages = msg.prompt_messages
     return Sample(
-        data_source=msg.data_source,
-        response=msg.response,
-        ground_truth=ground_truth,
-        prompt=msg.prompt,
-        prompt_messages=[ChatMessage(m.role, m.content) for m in msg.prompt_messages],
-        extra_info=extra,
-        id=msg.id,
+        msg.data_source,
+        msg.response,
+        ground_truth,
+        msg.prompt,
+        [ChatMessage(m.role, m.content) for m in messages] if messages else [],
+        extra_info,
+        msg.id,
     )
 
 
@@ -138,14 +145,29 @@ def result_to_proto(
     result: ScoreResult, out: reward_pb2.ScoreResult | None = None
 ) -> reward_pb2.ScoreResult:
     msg = out if out is not None else reward_pb2.ScoreResult()
-    msg.id = result.id
+    # Only non-default fields are set: each assignment costs on the hot path.
+    if result.id:
+        msg.id = result.id
     msg.index = result.index
     msg.score = result.score
     msg.scorer = result.scorer
-    msg.error = result.error
-    msg.timed_out = result.timed_out
+    if result.error:
+        msg.error = result.error
+    if result.timed_out:
+        msg.timed_out = True
     if result.details:
         _fill_struct(msg.details, result.details)
+    return msg
+
+
+def results_to_proto(
+    results: list[ScoreResult], out: reward_pb2.ScoreResponse | None = None
+) -> reward_pb2.ScoreResponse:
+    """A ``ScoreResponse`` holding ``results`` in order."""
+    msg = out if out is not None else reward_pb2.ScoreResponse()
+    add = msg.results.add
+    for result in results:
+        result_to_proto(result, add())
     return msg
 
 

@@ -1,8 +1,10 @@
 """RewardManager: the reward service's core (no sockets, no protobuf).
 
-Per sample it picks a scorer by ``data_source``, scores rule samples in the
-:class:`~rlfleet.reward.pool.ScoringPool` (per-sample time-out) and reward-model
-samples with the :class:`~rlfleet.reward.model.RewardModelScorer`, and returns
+Per sample it picks a scorer by ``data_source``, scores the cheap bounded
+built-in ones (gsm8k, multiple choice) in the caller's thread, the other rule
+and custom samples in the :class:`~rlfleet.reward.pool.ScoringPool` (per-sample
+time-out) and reward-model samples with the
+:class:`~rlfleet.reward.model.RewardModelScorer`, and returns
 per-sample :class:`ScoreResult` s; :meth:`RewardManager.score_batch` adds the
 token-level reward tensor (score on the last valid response token).
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +33,9 @@ from rlfleet.reward.scorers import (
     BUILTIN_SCORERS,
     CUSTOM,
     DATA_SOURCE_SCORERS,
+    INLINE_SCORERS,
     REWARD_MODEL,
+    error_outcome,
     scorer_for_data_source,
 )
 from rlfleet.reward.tensor import token_level_scores
@@ -77,6 +81,9 @@ class RewardManager:
         chunk_size: most samples per round trip to a worker.
         num_workers: overrides ``config.num_workers``; 0 scores inline in the
             caller's thread, with no time-out (tests, trusted scorers).
+        inline_scorers: built-in scorers run in the caller's thread rather than
+            the pool (no round trip, no time-out): only ones bounded by
+            construction (see :data:`~rlfleet.reward.scorers.INLINE_SCORERS`).
     """
 
     def __init__(
@@ -88,9 +95,11 @@ class RewardManager:
         reward_model: Any = None,
         chunk_size: int = 64,
         num_workers: int | None = None,
+        inline_scorers: Collection[str] = INLINE_SCORERS,
     ) -> None:
         self.config = config or RewardConfig()
         self.max_batch_size = max_batch_size
+        self.inline_scorers = frozenset(inline_scorers)
         self.metrics = metrics or RewardMetrics(enabled=False)
         cf = self.config.custom_function
         self.custom: tuple[str, str] | None = (cf.path, cf.name) if cf.path else None
@@ -168,6 +177,7 @@ class RewardManager:
                 value=len(samples),
             )
         scorers: list[str] = []
+        routes: dict[str, str | None] = {}  # per call: most batches hold one data source
         for i, sample in enumerate(samples):
             index = offset + i
             where = f"samples[{index}]"
@@ -182,7 +192,9 @@ class RewardManager:
                     value=sample.response,
                     sample_index=index,
                 )
-            scorer = self.scorer_for(sample.data_source)
+            scorer = routes.get(sample.data_source, "")
+            if scorer == "":
+                scorer = routes[sample.data_source] = self.scorer_for(sample.data_source)
             if scorer is None:
                 raise InvalidArgument(
                     f"unknown data source {sample.data_source!r} and no default scorer "
@@ -243,24 +255,34 @@ class RewardManager:
         if scorers is None:
             scorers = self.validate(samples, offset)
         results: list[ScoreResult | None] = [None] * len(samples)
-        rule_idx = [i for i, s in enumerate(scorers) if s != REWARD_MODEL]
-        model_idx = [i for i, s in enumerate(scorers) if s == REWARD_MODEL]
+        inline_idx: list[int] = []
+        pool_idx: list[int] = []
+        model_idx: list[int] = []
+        inline = self.inline_scorers
+        for i, scorer in enumerate(scorers):
+            if scorer in inline:
+                inline_idx.append(i)
+            elif scorer == REWARD_MODEL:
+                model_idx.append(i)
+            else:
+                pool_idx.append(i)
 
         def finish(i: int, outcome: ScoreOutcome) -> None:
-            sample = samples[i]
+            error = outcome.error
             result = ScoreResult(
-                index=offset + i,
-                score=0.0 if outcome.error else outcome.score,
-                scorer=scorers[i],
-                details=outcome.details,
-                error=outcome.error,
-                timed_out=outcome.timed_out,
-                id=sample.id,
+                offset + i,
+                0.0 if error else outcome.score,
+                scorers[i],
+                outcome.details,
+                error,
+                outcome.timed_out,
+                samples[i].id,
             )
             results[i] = result
             if on_result is not None:
                 on_result(result)
 
+        # Pool first, so its workers score while this thread does the rest.
         jobs: list[Job] = [
             (
                 scorers[i],
@@ -269,16 +291,26 @@ class RewardManager:
                 samples[i].ground_truth,
                 samples[i].extra_info,
             )
-            for i in rule_idx
+            for i in pool_idx
         ]
-        batch = self.pool.submit(jobs, lambda k, outcome: finish(rule_idx[k], outcome))
+        batch = self.pool.submit(jobs, lambda k, outcome: finish(pool_idx[k], outcome))
+        for i in inline_idx:
+            sample = samples[i]
+            try:
+                outcome = BUILTIN_SCORERS[scorers[i]](
+                    sample.data_source, sample.response, sample.ground_truth, sample.extra_info
+                )
+            except Exception as exc:  # a scorer bug fails this sample, not the call
+                outcome = error_outcome(exc)
+            finish(i, outcome)
         if model_idx:
             for i, outcome in zip(
                 model_idx, self._score_model([samples[i] for i in model_idx]), strict=True
             ):
                 finish(i, outcome)
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not batch.wait(remaining):
+        # Also when the pool had nothing to do: scoring here may have used up the time.
+        if not batch.wait(remaining) or (deadline is not None and time.monotonic() > deadline):
             batch.cancel()
             raise DeadlineExceeded(
                 f"scoring {len(samples)} samples did not finish within {timeout_s:g}s",

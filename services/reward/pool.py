@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlfleet.reward.scorers import BUILTIN_SCORERS, run_scorer
+from rlfleet.reward.scorers import BUILTIN_SCORERS, error_outcome, run_scorer
 from rlfleet.reward.types import ScoreOutcome
 
 __all__ = ["MAX_ATTEMPTS", "Batch", "Job", "PoolEvents", "ScoringPool"]
@@ -70,13 +70,6 @@ other scorers (custom functions) may hold at most ``num_workers - 1`` workers at
 time, so a flood of hanging custom samples cannot starve the built-in ones."""
 
 _IDLE = -1.0
-
-
-def _error_outcome(exc: BaseException) -> ScoreOutcome:
-    text = f"{type(exc).__name__}: {exc}"
-    if len(text) > 1000:
-        text = text[:985] + "...[truncated]"
-    return ScoreOutcome(0.0, {}, error=text)
 
 
 _READY = "ready"
@@ -124,7 +117,7 @@ def _worker_main(
             try:
                 outcome = run_scorer(*job, custom=custom)
             except (Exception, SystemExit) as exc:
-                outcome = _error_outcome(exc)
+                outcome = error_outcome(exc)
             out.append((outcome.score, outcome.details, outcome.error, outcome.timed_out))
         _PROGRESS.pack_into(progress, 0, _IDLE, time.monotonic())
         results.send((task_id, out, True))
@@ -301,7 +294,7 @@ class ScoringPool:
                 try:
                     outcome = run_scorer(*job, custom=self.custom)
                 except (Exception, SystemExit) as exc:
-                    outcome = _error_outcome(exc)
+                    outcome = error_outcome(exc)
                 batch._deliver(i, outcome)
             return batch
         n = len(jobs)

@@ -18,7 +18,12 @@ from typing import Any
 import grpc
 
 from rlfleet.common.errors import RlfleetError
-from rlfleet.reward.convert import info_to_proto, result_to_proto, samples_from_request
+from rlfleet.reward.convert import (
+    info_to_proto,
+    result_to_proto,
+    results_to_proto,
+    samples_from_request,
+)
 from rlfleet.reward.manager import RewardManager
 from rlfleet.reward.metrics import RewardMetrics
 from rlfleet.reward.types import ScoreResult
@@ -53,10 +58,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         try:
             samples = samples_from_request(request)
             results = self.manager.score(samples, timeout_s=_time_left(context))
-            response = reward_pb2.ScoreResponse()
-            add = response.results.add
-            for result in results:
-                result_to_proto(result, add())
+            response = results_to_proto(results)
             code = "OK"
             return response
         except RlfleetError as exc:

@@ -13,13 +13,13 @@ from typing import Any
 __all__ = ["ChatMessage", "RewardInfo", "Sample", "ScoreOutcome", "ScoreResult"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
     content: str
 
 
-@dataclass
+@dataclass(slots=True)
 class Sample:
     """One response to score.
 
@@ -44,7 +44,7 @@ class Sample:
     id: str = ""
 
 
-@dataclass
+@dataclass(slots=True)
 class ScoreOutcome:
     """What a scorer returns for one sample: the score and what it found."""
 
@@ -54,7 +54,7 @@ class ScoreOutcome:
     timed_out: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class ScoreResult:
     """One scored sample.
 

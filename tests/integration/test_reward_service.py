@@ -28,6 +28,7 @@ from rlfleet.common.config import CustomRewardFunction, RewardConfig
 from rlfleet.common.errors import DeadlineExceeded, InvalidArgument, Unauthenticated
 from rlfleet.common.rpc import create_channel, error_info
 from rlfleet.reward.client import RewardClient
+from rlfleet.reward.manager import RewardManager
 from rlfleet.reward.server import RewardService, start_reward_service
 from rlfleet.reward.types import Sample
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc
@@ -131,6 +132,65 @@ def test_wrong_type_unknown_source_and_oversized_batch(client: RewardClient) -> 
     with pytest.raises(InvalidArgument) as exc:
         list(client.score_stream([_gsm8k(2), [Sample("", "x", "1")]]))
     assert exc.value.field == "samples[2].data_source" and exc.value.sample_index == 2
+
+
+def _mixed_rule_batch(n: int) -> list[Sample]:
+    """Built-in rule samples: gsm8k and multiple choice scored inline, math in the pool."""
+    samples: list[Sample] = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            samples.append(Sample("openai/gsm8k", f"so\n#### {i:,}.", str(i), id=f"g{i}"))
+        elif kind == 1:
+            samples.append(Sample("gsm8k", f"#### {i + 1}", i, id=f"w{i}"))  # wrong number
+        elif kind == 2:
+            samples.append(
+                Sample("math500", rf"\boxed{{\dfrac{{{i}}}{{2}}}}", rf"\frac{{{i}}}{{2}}")
+            )
+        else:
+            samples.append(Sample("hellaswag", "Answer: (B)", 1, extra_info={"n": i}))
+    return samples
+
+
+def _gsm8k_errors(service: RewardService) -> float:
+    line = 'rlfleet_reward_sample_errors_total{scorer="gsm8k"} '
+    text = service.metrics.render()
+    return float(text.split(line, 1)[1].split()[0])
+
+
+def test_large_rule_batch_matches_the_in_process_scores(client: RewardClient) -> None:
+    samples = _mixed_rule_batch(300)
+    remote = client.score(samples)
+    with RewardManager(RewardConfig(), num_workers=0) as local:
+        expected = local.score(samples)
+    assert remote == expected
+    assert [r.index for r in remote] == list(range(300))
+    assert remote[0].details == {"extracted": "0", "format_ok": True}
+    assert {r.score for r in remote[1::4]} == {0.0} and {r.score for r in remote[::4]} == {1.0}
+
+
+def test_large_batch_problems_are_reported_like_small_ones(
+    service: RewardService, client: RewardClient
+) -> None:
+    # An invalid sample deep in a large batch: INVALID_ARGUMENT naming it.
+    samples = _gsm8k(200)
+    samples[150] = Sample("gsm8k", "#### 1", None)
+    with pytest.raises(InvalidArgument) as exc:
+        client.score(samples)
+    assert exc.value.field == "samples[150].ground_truth" and exc.value.sample_index == 150
+    # A scorer that raises on one sample (gsm8k: in the handler thread): that
+    # sample scores 0, flagged and counted; the others are unaffected.
+    errors_before = _gsm8k_errors(service)
+    samples = _gsm8k(200)
+    samples[7] = Sample("gsm8k", "#### 1", "not a number")
+    results = client.score(samples)
+    assert results[7].score == 0.0 and "ValueError" in results[7].error
+    assert all(r.score == 1.0 and not r.error for i, r in enumerate(results) if i != 7)
+    assert _gsm8k_errors(service) == errors_before + 1
+    # Inline, pooled and custom samples in one request.
+    results = client.score([*_mixed_rule_batch(100), Sample("other", "abc", "abc")])
+    assert [r.scorer for r in results[-3:]] == ["math", "multiple_choice", "custom"]
+    assert results[-1].score == 1.0 and [r.index for r in results] == list(range(101))
 
 
 def test_deadline_is_honoured(client: RewardClient) -> None:

@@ -183,3 +183,26 @@ def test_inline_pool_has_no_workers() -> None:
     with ScoringPool(0, 1.0) as pool:
         assert pool.worker_pids() == []
         assert pool.score([("gsm8k", "gsm8k", "#### 1", "1", {})])[0].score == 1.0
+
+
+def test_inline_scorer_errors_are_flagged_and_counted(manager: RewardManager) -> None:
+    # gsm8k is scored in the caller's thread; math-verify's time-out needs a worker.
+    assert "gsm8k" in manager.inline_scorers and "math" not in manager.inline_scorers
+
+    def errors() -> float:
+        line = 'rlfleet_reward_sample_errors_total{scorer="gsm8k"} '
+        return float(manager.metrics.render().split(line, 1)[1].split()[0])
+
+    before = errors()
+    results = manager.score(
+        [Sample("gsm8k", "#### 1", "not a number"), Sample("gsm8k", "#### 2", "2")]
+    )
+    assert results[0].score == 0.0 and results[0].error.startswith("ValueError: ground_truth")
+    assert results[1].score == 1.0 and not results[1].error
+    assert errors() == before + 1
+
+
+def test_deadline_counts_scoring_in_the_callers_thread(manager: RewardManager) -> None:
+    with pytest.raises(DeadlineExceeded):
+        manager.score([Sample("gsm8k", "#### 1", "1")] * 100, timeout_s=0.0)
+    assert manager.score([Sample("gsm8k", "#### 1", "1")], timeout_s=5.0)[0].score == 1.0

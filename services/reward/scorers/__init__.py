@@ -27,9 +27,11 @@ __all__ = [
     "BUILTIN_SCORERS",
     "CUSTOM",
     "DATA_SOURCE_SCORERS",
+    "INLINE_SCORERS",
     "REWARD_MODEL",
     "CustomFunction",
     "ScorerFn",
+    "error_outcome",
     "load_custom_function",
     "outcome_from_custom",
     "run_scorer",
@@ -71,6 +73,13 @@ BUILTIN_SCORERS: dict[str, ScorerFn] = {
     "math": _math_answer,
     "multiple_choice": _multiple_choice,
 }
+
+INLINE_SCORERS = frozenset({"gsm8k", "gsm8k_flexible", "multiple_choice"})
+"""Built-in scorers cheap and bounded enough to run in the caller's thread, with no
+worker round trip and no time-out: linear-time patterns over a clipped tail, a
+few microseconds a sample. ``math`` is not one of them: its math-verify fallback
+(sympy) is bounded only by a ``signal.alarm`` time-out, which works in a process's
+main thread (a pool worker), not in a gRPC handler thread."""
 
 # verl's data_source names (and short forms) -> scorer. Lookup is exact, then
 # case-insensitive.
@@ -161,6 +170,14 @@ def outcome_from_custom(value: Any) -> ScoreOutcome:
     if not _math.isfinite(score):
         raise ValueError(f"custom reward returned a non-finite score: {score}")
     return ScoreOutcome(score, details)
+
+
+def error_outcome(exc: BaseException) -> ScoreOutcome:
+    """Score 0 with the exception as the error (clipped to 1,000 characters)."""
+    text = f"{type(exc).__name__}: {exc}"
+    if len(text) > 1000:
+        text = text[:985] + "...[truncated]"
+    return ScoreOutcome(0.0, {}, error=text)
 
 
 def run_scorer(
