@@ -7,6 +7,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,11 +19,14 @@ from rlfleet.common.errors import (  # noqa: E402
     FailedPrecondition,
     InvalidArgument,
 )
+from rlfleet.rollout import transport as transport_mod  # noqa: E402
 from rlfleet.rollout.hf_engine import HFEngine  # noqa: E402
 from rlfleet.rollout.transport import (  # noqa: E402
     _SHM_HEADER,
+    CRC_RELEASES_GIL,
     BulkReceiver,
     TransferPlan,
+    crc32c_extend,
     make_offer,
     send_shm,
     send_tcp,
@@ -125,6 +130,39 @@ def test_bulk_transfer_is_bit_exact(engine: HFEngine, transport: str) -> None:
     assert crcs == tensor_crcs(w, offer.tensors)
     result = bulk.commit(plan.transfer_id, crcs)
     assert (result.version, result.transport) == (2, transport)
+    assert_weights(engine, w)
+    bulk.close()
+
+
+def test_gil_free_crc32c_matches_google_crc32c() -> None:
+    """The bulk plane's ``crc32c_extend`` (google-crc32c's C function through ctypes,
+    without the GIL) gives google-crc32c's values, extended block by block."""
+    data = np.random.default_rng(0).integers(0, 256, size=3 * 65_536 + 7, dtype=np.uint8)
+    assert crc32c_extend(0, data[:0]) == 0
+    assert crc32c_extend(0, data) == google_crc32c.value(data.tobytes())
+    crc = 0
+    for i in range(0, len(data), 1000):
+        crc = crc32c_extend(crc, data[i : i + 1000])
+    assert crc == google_crc32c.value(data.tobytes())
+    assert (google_crc32c.implementation == "c") == CRC_RELEASES_GIL
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_bulk_blocks_across_tensor_boundaries(
+    engine: HFEngine, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks smaller than the tensors and not aligned to them (sender and receiver
+    alike): each tensor's CRC-32C is still its own, and the update is bit-exact."""
+    monkeypatch.setattr(transport_mod, "_SEND_BLOCK", 4096 + 3)
+    monkeypatch.setattr(transport_mod, "_SHM_BLOCK", 4096 + 3)
+    monkeypatch.setattr(transport_mod, "_BLOCK", 1000)
+    bulk = BulkReceiver(WeightReceiver(engine), engine)
+    w = new_weights(engine, seed=7)
+    offer = make_offer(w, 3, [transport])
+    plan = bulk.open(offer)
+    crcs = send(transport, plan, w, offer.tensors)
+    assert crcs == tensor_crcs(w, offer.tensors)
+    assert bulk.commit(plan.transfer_id, crcs).version == 3
     assert_weights(engine, w)
     bulk.close()
 
