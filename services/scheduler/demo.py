@@ -110,6 +110,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fresh", action="store_true", help="rebuild model, data and warm start")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for the PPO runs, repeatable "
+        "(e.g. --set trainer.device=cuda --set actor.backend=megatron)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -224,7 +233,14 @@ def _sft_batch(prompts: list[list[int]], responses: list[list[int]], pad: int) -
 
 
 def _ppo(
-    example: str, model: Path, data: Path, out: Path, *, steps: int | None, services: bool
+    example: str,
+    model: Path,
+    data: Path,
+    out: Path,
+    *,
+    steps: int | None,
+    services: bool,
+    extra: list[str],
 ) -> dict[str, Any]:
     from rlfleet.common.config import load_config
     from rlfleet.scheduler.train import train
@@ -239,7 +255,7 @@ def _ppo(
     ]
     if steps is not None:
         overrides.append(f"trainer.total_training_steps={steps}")
-    cfg = load_config(EXAMPLES / example, overrides)
+    cfg = load_config(EXAMPLES / example, [*overrides, *extra])
     t0 = time.perf_counter()
     summary = train(cfg, in_process=not services, scheduler=False)
     summary["seconds"] = time.perf_counter() - t0
@@ -297,7 +313,10 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     for i, variant in enumerate(chosen):
         _say(f"[4/4] PPO ({variant}) from the warm start, run {i + 1}/{len(chosen)}")
-        summary = _ppo(runs[variant], sft, data, out, steps=args.ppo_steps, services=args.services)
+        summary = _ppo(
+            runs[variant], sft, data, out,
+            steps=args.ppo_steps, services=args.services, extra=args.overrides,
+        )  # fmt: skip
         vals = summary["validation"]
         before = vals[0]["val/test_score/mean"] if vals else float("nan")
         after = vals[-1]["val/test_score/mean"] if vals else float("nan")
