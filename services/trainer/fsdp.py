@@ -32,6 +32,7 @@ from torch import nn
 from rlfleet.common.config import ActorConfig, Config, CriticConfig
 from rlfleet.trainer.backend import LossFn, ModelRole, Outputs
 from rlfleet.trainer.models import (
+    batch_to_device,
     forward_log_prob,
     forward_values,
     load_actor,
@@ -205,14 +206,6 @@ class FSDPBackend:
             raise KeyError(f"this trainer has no {role} model (roles: {sorted(self.models)})")
         return model
 
-    def _to_device(self, mb: dict[str, Any]) -> dict[str, Any]:
-        if self.device.type == "cpu":
-            return mb
-        return {
-            k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-            for k, v in mb.items()
-        }
-
     def _outputs(
         self, role: ModelRole, model: nn.Module, mb: dict[str, Any], temp: float, ent: bool
     ) -> Outputs:
@@ -239,7 +232,9 @@ class FSDPBackend:
         try:
             with torch.no_grad():
                 for mb in micro_batches:
-                    out = self._outputs(role, model, self._to_device(mb), temperature, with_entropy)
+                    out = self._outputs(
+                        role, model, batch_to_device(mb, self.device), temperature, with_entropy
+                    )
                     results.append({k: v.float().cpu() for k, v in out.items()})
         finally:
             model.train(was_training)
@@ -258,7 +253,7 @@ class FSDPBackend:
         model.train()
         metrics: list[dict[str, float]] = []
         for mb in micro_batches:
-            mb_dev = self._to_device(mb)
+            mb_dev = batch_to_device(mb, self.device)
             out = self._outputs(role, model, mb_dev, temperature, with_entropy)
             loss, m = loss_fn(out, mb_dev)
             loss.backward()

@@ -63,7 +63,7 @@ from rlfleet.trainer.megatron_convert import (
     split,
     unshard,
 )
-from rlfleet.trainer.models import torch_dtype
+from rlfleet.trainer.models import batch_to_device, torch_dtype
 from rlfleet.trainer.ppo.core_algos import entropy_from_logits, logprobs_from_logits
 
 __all__ = ["MegatronBackend"]
@@ -507,14 +507,6 @@ class MegatronBackend:
             raise KeyError(f"this trainer has no {role} model (roles: {sorted(self.models)})")
         return model
 
-    def _to_device(self, mb: dict[str, Any]) -> dict[str, Any]:
-        if self.device.type == "cpu":
-            return mb
-        return {
-            k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-            for k, v in mb.items()
-        }
-
     def _inputs(self, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``input_ids``, ``position_ids`` and megatron's boolean attention mask
         ``(bs, 1, L, L)`` (True: masked) for causal attention over unpadded tokens;
@@ -583,7 +575,7 @@ class MegatronBackend:
             return loss, one, metrics
 
         def step(data: Iterator[dict[str, Any]], module: nn.Module) -> tuple[Any, Any]:
-            mb = self._to_device(next(data))
+            mb = batch_to_device(next(data), self.device)
             ids, pos, mask = self._inputs(mb)
             with self._autocast(role):
                 output = module(ids, pos, mask)

@@ -24,6 +24,7 @@ from torch import nn
 from rlfleet.trainer.ppo.core_algos import entropy_from_logits, logprobs_from_logits
 
 __all__ = [
+    "batch_to_device",
     "forward_log_prob",
     "forward_values",
     "load_actor",
@@ -121,6 +122,16 @@ def _value_head(model: nn.Module) -> nn.Linear:
     head = getattr(model, _head_name(model))
     assert isinstance(head, nn.Linear)
     return head
+
+
+def batch_to_device(mb: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The micro-batch's tensors on ``device`` (the same dict on CPU)."""
+    if device.type == "cpu":
+        return mb
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        for k, v in mb.items()
+    }
 
 
 def _model_inputs(mb: dict[str, Any]) -> dict[str, torch.Tensor]:
