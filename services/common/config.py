@@ -440,7 +440,15 @@ class RewardConfig(_Section):
     custom_function: CustomRewardFunction = Field(default_factory=CustomRewardFunction)
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     sample_timeout_s: float = Field(default=30.0, gt=0, description="per-sample scoring deadline")
-    num_workers: int = Field(default=4, ge=1, description="parallel rule-scoring workers")
+    num_workers: int = Field(
+        default=4, ge=1, description="parallel rule-scoring workers (per server process)"
+    )
+    num_processes: int = Field(
+        default=1,
+        ge=0,
+        description="server processes sharing the port (SO_REUSEPORT); 0: one per CPU core, "
+        "at most 32",
+    )
     default_scorer: str | None = Field(
         default=None,
         description="scorer for unknown data sources; None: an unknown source is an error",
@@ -888,6 +896,16 @@ def _check_reward_model(cfg: Config) -> Iterator[ConfigIssue]:
     rm = cfg.reward.reward_model
     if rm.enable and not rm.path:
         yield ConfigIssue("reward.reward_model.path", "required when reward_model.enable", rm.path)
+
+
+@_check("reward.reward_model.enable", "reward.num_processes")
+def _check_reward_processes(cfg: Config) -> Iterator[ConfigIssue]:
+    if cfg.reward.reward_model.enable and cfg.reward.num_processes != 1:
+        yield ConfigIssue(
+            "reward.num_processes",
+            "must be 1 with reward_model.enable (each process would load the model)",
+            cfg.reward.num_processes,
+        )
 
 
 @_check("trainer.resume_mode", "trainer.resume_from_path")

@@ -644,6 +644,7 @@ def create_server(
     map_errors: bool = True,
     serving: bool = True,
     options: Sequence[tuple[str, Any]] = (),
+    reuse_port: bool = False,
 ) -> Server:
     """Build, bind and start a thread-pool gRPC server.
 
@@ -651,7 +652,7 @@ def create_server(
         registrations: ``(add_XServicer_to_server, servicer)`` pairs.
         host: interface to bind; loopback by default, ``"0.0.0.0"`` to expose.
         port: port to bind; 0 picks a free one (read it from ``server.port``).
-            Binding a busy port fails (``SO_REUSEPORT`` is off).
+            Binding a busy port fails, unless ``reuse_port``.
         max_workers: handler threads; a streaming call holds one for its duration.
         max_concurrent_rpcs: calls beyond this fail with RESOURCE_EXHAUSTED (None: no cap).
         max_message_bytes: send and receive limit per message.
@@ -664,6 +665,10 @@ def create_server(
         serving: initial health status of ``""`` and every service; pass False and
             call ``set_serving`` once the service is ready (e.g. model loaded).
         options: more ``grpc.server`` channel arguments.
+        reuse_port: set ``SO_REUSEPORT``, so several processes (each with a server
+            of its own, created after any fork) listen on one port and the kernel
+            spreads connections over them. Off by default, so that a second server
+            on a busy port fails instead of silently taking half its connections.
 
     Returns:
         The started :class:`Server`.
@@ -677,7 +682,7 @@ def create_server(
     server_options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", _MIN_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 0),

@@ -145,6 +145,10 @@ class RewardClient:
         auth_token: bearer token, when the service requires one.
         tls: TLS material; None: plaintext.
         timeout_s: default per-call deadline.
+        options: more channel arguments. A service run with ``--processes N`` is
+            balanced per connection, and channels in one process with the same
+            arguments share one: ``[("grpc.use_local_subchannel_pool", 1)]`` gives
+            this client a connection of its own.
     """
 
     def __init__(
@@ -154,10 +158,11 @@ class RewardClient:
         auth_token: str | None = None,
         tls: TLSConfig | None = None,
         timeout_s: float = 60.0,
+        options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = create_channel(address, tls=tls, auth_token=auth_token)
+        self._channel = create_channel(address, tls=tls, auth_token=auth_token, options=options)
         self._stub = reward_pb2_grpc.RewardServiceStub(self._channel)
 
     def score(

@@ -14,6 +14,10 @@ Names (Prometheus conventions: ``_total`` counters, ``_seconds`` durations):
 * ``rlfleet_reward_sample_timeouts_total{scorer}``
 * ``rlfleet_reward_sample_errors_total{scorer}``
 * ``rlfleet_reward_worker_restarts_total``
+
+Served by several processes (``--processes N``), each process keeps its own
+registry and :func:`merge_expositions` joins them, every series labelled with the
+``process`` it came from.
 """
 
 from __future__ import annotations
@@ -27,11 +31,20 @@ from typing import Any
 
 from rlfleet.reward.types import ScoreResult
 
-__all__ = ["RewardMetrics", "prometheus_available", "start_metrics_server"]
+__all__ = [
+    "PROCESS_LABEL",
+    "RewardMetrics",
+    "merge_expositions",
+    "prometheus_available",
+    "start_metrics_server",
+]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _SCORE_BUCKETS = (-1.0, -0.5, 0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 2.0, 5.0)
 _MAX_LABEL_CHARS = 64
+
+PROCESS_LABEL = "process"
+"""Label :func:`merge_expositions` adds: the index of the server process (``"0"``...)."""
 
 
 def prometheus_available() -> bool:
@@ -226,3 +239,40 @@ def start_metrics_server(metrics: RewardMetrics, host: str, port: int) -> tuple[
 
     server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
     return server, int(server.server_address[1])
+
+
+def merge_expositions(texts: Sequence[str], label: str = PROCESS_LABEL) -> bytes:
+    """Several processes' ``/metrics`` texts as one, each series labelled with its source.
+
+    Series of text ``i`` get ``label="i"``; families of the same name are joined
+    (one ``HELP`` / ``TYPE``). Counters and histograms stay monotonic per process,
+    and ``sum by (...)`` over ``label`` gives the totals a single process would
+    report. Not summed here: a sum would go backwards if one process restarted.
+
+    Returns:
+        The text exposition format (what ``/metrics`` serves).
+    """
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Metric] = {}
+    for index, text in enumerate(texts):
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = Metric(family.name, family.documentation, family.type, family.unit)
+                families[family.name] = merged
+            for sample in family.samples:
+                if label in sample.labels:
+                    raise ValueError(f"series {sample.name} already has a {label!r} label")
+                merged.samples.append(sample._replace(labels={**sample.labels, label: str(index)}))
+
+    class _Merged:
+        def collect(self) -> Iterator[Any]:
+            yield from families.values()
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())
+    data: bytes = generate_latest(registry)
+    return data

@@ -1,13 +1,17 @@
 """`rlfleet serve reward`: the reward service as a process.
 
     rlfleet serve reward [--config FILE] [--host H] [--port N] [--metrics-port N]
-                         [--auth-token-env VAR] [--tls-cert F --tls-key F [--tls-ca F]]
-                         [-o reward.num_workers=8 ...]
+                         [--processes N] [--auth-token-env VAR]
+                         [--tls-cert F --tls-key F [--tls-ca F]] [-o reward.num_workers=8 ...]
 
 On start it prints one JSON line to stdout,
 ``{"event": "serving", "service": "reward", "address": "127.0.0.1:50053",
 "metrics_address": "127.0.0.1:9100" | null, "pid": ...}``, then serves until
 SIGTERM / SIGINT (graceful: health NOT_SERVING, in-flight calls finish).
+
+``--processes N`` (or ``reward.num_processes``; 0: one per CPU core) runs N server
+processes on the one port, a parent supervising them (:mod:`rlfleet.reward.processes`);
+its serving line adds ``"processes"`` and ``"process_pids"``.
 
 Everything here is torch-free unless the config enables a reward model.
 """
@@ -15,17 +19,21 @@ Everything here is torch-free unless the config enables a reward model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
-from rlfleet.common.config import RewardConfig, load_config
+from rlfleet.common.config import ConfigError, RewardConfig, load_config
 from rlfleet.common.rpc import Server, TLSConfig, create_server
 from rlfleet.reward.manager import DEFAULT_MAX_BATCH_SIZE, RewardManager
 from rlfleet.reward.metrics import RewardMetrics, start_metrics_server
+from rlfleet.reward.processes import MAX_AUTO_PROCESSES, resolve_processes, serve_processes
 from rlfleet.reward.servicer import RewardServicer
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc
 
@@ -85,10 +93,12 @@ def start_reward_service(
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
     max_grpc_workers: int = 32,
     manager: RewardManager | None = None,
+    reuse_port: bool = False,
 ) -> RewardService:
     """Build the core, start the gRPC server (and ``/metrics`` when ``metrics_port`` is set).
 
     ``port=0`` / ``metrics_port=0`` pick free ports (read ``address`` / ``metrics_port``).
+    ``reuse_port``: share the port with other processes (``SO_REUSEPORT``).
     """
     metrics = manager.metrics if manager is not None else RewardMetrics()
     if manager is None:
@@ -101,6 +111,7 @@ def start_reward_service(
             max_workers=max_grpc_workers,
             tls=tls,
             auth_token=auth_token,
+            reuse_port=reuse_port,
         )
     except Exception:
         manager.close()
@@ -150,15 +161,69 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, help="samples per request"
     )
     parser.add_argument("--grpc-workers", type=int, default=32, help="gRPC handler threads")
+    parser.add_argument(
+        "--processes",
+        type=_processes,
+        default=None,
+        metavar="N",
+        help="server processes sharing --port (SO_REUSEPORT), each with its own GIL and "
+        f"reward.num_workers workers; 0: one per CPU core, at most {MAX_AUTO_PROCESSES}; "
+        "default: reward.num_processes (1)",
+    )
+    # Set by the parent of --processes N on each child it starts.
+    parser.add_argument("--process-index", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="INFO")
+
+
+def _processes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 0 (0: one per CPU core, at most {MAX_AUTO_PROCESSES}), "
+            f"got {text!r}"
+        )
+    return value
+
+
+def _stop_when_stdin_closes() -> None:
+    """A child of ``--processes N``: stop (as on SIGTERM) once the parent is gone.
+
+    Its stdin is a pipe from the parent, which closes it only after the child has
+    exited; an end of file sooner means the parent died.
+    """
+
+    def watch() -> None:
+        # os.read, not sys.stdin: a daemon thread blocked inside a buffered reader's
+        # lock makes the interpreter abort at exit.
+        with contextlib.suppress(OSError):
+            while os.read(0, 4096):
+                pass
+        logger.warning("parent process gone (stdin closed): stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="rlfleet-parent-watch", daemon=True).start()
 
 
 def serve_main(args: argparse.Namespace) -> int:
     """Run the reward service until SIGTERM / SIGINT. Returns the exit code."""
+    child = args.process_index is not None
+    where = f" [process {args.process_index}]" if child else ""
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s{where} %(name)s: %(message)s",
     )
-    config = load_config(args.config, args.override).reward
+    overrides = list(args.override)
+    if args.processes is not None:
+        overrides.append(f"reward.num_processes={args.processes}")
+    try:
+        config = load_config(args.config, overrides).reward
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    processes = resolve_processes(config.num_processes)
     token = None
     if args.auth_token_env:
         token = os.environ.get(args.auth_token_env)
@@ -176,6 +241,8 @@ def serve_main(args: argparse.Namespace) -> int:
             ca=args.tls_ca,
             require_client_cert=args.tls_ca is not None,
         )
+    if processes > 1 and not child:
+        return serve_processes(args, processes, tls=tls)
     service = start_reward_service(
         config,
         host=args.host,
@@ -186,8 +253,11 @@ def serve_main(args: argparse.Namespace) -> int:
         tls=tls,
         max_batch_size=args.max_batch_size,
         max_grpc_workers=args.grpc_workers,
+        reuse_port=child,
     )
     service.server.install_signal_handlers()
+    if child:
+        _stop_when_stdin_closes()
     metrics_address = (
         None
         if service.metrics_port is None

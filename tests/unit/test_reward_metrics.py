@@ -59,3 +59,49 @@ def test_batch_counts_per_label() -> None:
     assert 'rlfleet_reward_sample_errors_total{scorer="gsm8k"} 1.0' in text
     assert 'rlfleet_reward_sample_errors_total{scorer="custom"} 1.0' in text
     assert 'rlfleet_reward_sample_timeouts_total{scorer="custom"} 1.0' in text
+
+
+def test_merged_expositions_label_each_process_and_add_up() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from rlfleet.reward.metrics import merge_expositions
+
+    a, b = RewardMetrics(), RewardMetrics()
+    a.request("Score", "OK", 0.01)
+    a.request("Score", "OK", 0.2)
+    b.request("Score", "OK", 0.02)
+    b.request("Score", "INVALID_ARGUMENT", 0.001)
+    a.samples(["gsm8k"] * 3, [ScoreResult(i, 1.0, "gsm8k") for i in range(3)])
+    b.samples(["gsm8k"] * 2, [ScoreResult(i, 0.0, "gsm8k") for i in range(2)])
+    text = merge_expositions([a.render(), b.render()]).decode()
+
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    # One HELP / TYPE per family, the merged series keep their types.
+    assert text.count("# TYPE rlfleet_reward_requests_total counter") == 1
+    assert families["rlfleet_reward_request_duration_seconds"].type == "histogram"
+    requests = {
+        (s.labels["process"], s.labels["code"]): s.value
+        for s in families["rlfleet_reward_requests"].samples
+        if s.name.endswith("_total")
+    }
+    assert requests == {("0", "OK"): 2.0, ("1", "OK"): 1.0, ("1", "INVALID_ARGUMENT"): 1.0}
+    counts = {
+        s.labels["process"]: s.value
+        for s in families["rlfleet_reward_request_duration_seconds"].samples
+        if s.name.endswith("_count") and s.labels["method"] == "Score"
+    }
+    assert counts == {"0": 2.0, "1": 2.0}
+    scored = {
+        s.labels["process"]: s.value
+        for s in families["rlfleet_reward_score"].samples
+        if s.name.endswith("_count") and s.labels["scorer"] == "gsm8k"
+    }
+    assert scored == {"0": 3.0, "1": 2.0}
+
+
+def test_merging_refuses_a_series_that_has_the_label_already() -> None:
+    from rlfleet.reward.metrics import merge_expositions
+
+    text = '# TYPE x_total counter\nx_total{process="7"} 1.0\n'
+    with pytest.raises(ValueError, match="already has a 'process' label"):
+        merge_expositions([text])
