@@ -204,11 +204,13 @@ class StateEngine:
     checks and applies updates as ``HFEngine`` does (validate everything, then
     ``copy_`` into the held tensors under a lock), and cannot generate."""
 
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], *, adopt: bool = True) -> None:
         self.state = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
         self.version = 0
         self.apply_s: dict[int, float] = {}  # version -> seconds of the copy into the state
         self._lock = threading.Lock()
+        self.adopt = adopt
+        self._release: Callable[[], None] | None = None
 
     def validate(self, requests: Any) -> None:
         raise FailedPrecondition("the benchmark engine does not generate")
@@ -216,7 +218,9 @@ class StateEngine:
     def generate(self, requests: Any, on_sample: Any = None) -> list[list[SampleOutput]]:
         raise FailedPrecondition("the benchmark engine does not generate")
 
-    def check_weights(self, specs: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+    def check_weights(
+        self, specs: Mapping[str, tuple[str, tuple[int, ...]]], *, complete: bool = True
+    ) -> None:
         for name, (dtype, shape) in specs.items():
             held = self.state.get(name)
             if held is None:
@@ -227,22 +231,46 @@ class StateEngine:
                     field=name,
                 )
         missing = set(self.state) - set(specs)
-        if missing:
+        if missing and complete:
             raise InvalidArgument(f"missing {len(missing)} tensors", field="weights")
 
-    def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, Any],
+        version: int,
+        *,
+        on_release: Callable[[], None] | None = None,
+    ) -> bool:
         self.check_weights(
             {
                 n: (str(t.dtype).removeprefix("torch."), tuple(t.shape))
                 for n, t in named_tensors.items()
             }
         )
+        # As HFEngine on CPU: with ``on_release`` (bulk TCP) the staged tensors become
+        # the state (no copy) and the previously adopted ones are released; else copy.
+        adopt = on_release is not None and (
+            self.adopt
+            and all(
+                t.is_contiguous() and t.data_ptr() % t.element_size() == 0
+                for t in named_tensors.values()
+            )
+        )
+        released = None
         start = time.perf_counter()
         with self._lock, torch.no_grad():
             for name, t in named_tensors.items():
-                self.state[name].copy_(t)
+                if adopt:
+                    self.state[name] = t
+                else:
+                    self.state[name].copy_(t)
+            if adopt:
+                released, self._release = self._release, on_release
             self.version = version
+        if released is not None:
+            released()
         self.apply_s[version] = time.perf_counter() - start
+        return adopt
 
     def sleep(self, level: int = 1) -> int:
         return 0
@@ -285,13 +313,15 @@ def _raw_tcp_receiver(listener: socket.socket, total: int, runs: int) -> None:
                 conn.sendall(b"k")
 
 
-def _receiver_process(conn: Connection, shapes: dict[str, tuple[int, ...]]) -> None:
+def _receiver_process(
+    conn: Connection, shapes: dict[str, tuple[int, ...]], adopt: bool = True
+) -> None:
     """A rollout replica of its own (core + gRPC server) holding a ``StateEngine``, plus
     a raw TCP receiver; driven by commands over ``conn``."""
     from rlfleet.rollout.core import RolloutCore
     from rlfleet.rollout.server import start_rollout_server
 
-    engine = StateEngine(shapes)
+    engine = StateEngine(shapes, adopt=adopt)
     core = RolloutCore(engine, replica_id="bench-receiver", transfer_timeout_s=TIMEOUT_S)
     server = start_rollout_server(core, host="127.0.0.1", port=0)
     conn.send(server.address)
@@ -349,7 +379,7 @@ class PhaseTimer:
         rollout_client.send_shm = self._wrap("move", rollout_client.send_shm)
 
 
-def bench_weights(n_params: int, repeats: int) -> dict[str, Any]:
+def bench_weights(n_params: int, repeats: int, adopt: bool = True) -> dict[str, Any]:
     shapes = weight_shapes(n_params)
     log(f"(b) building {sum(r * c for r, c in shapes.values()) / 1e6:.0f}M bf16 parameters")
     gen = torch.Generator().manual_seed(0)
@@ -366,7 +396,9 @@ def bench_weights(n_params: int, repeats: int) -> dict[str, Any]:
 
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=_receiver_process, args=(child_conn, dict(shapes)), daemon=True)
+    proc = ctx.Process(
+        target=_receiver_process, args=(child_conn, dict(shapes), adopt), daemon=True
+    )
     proc.start()
     timer = PhaseTimer()
     timer.install()
@@ -442,6 +474,7 @@ def bench_weights(n_params: int, repeats: int) -> dict[str, Any]:
         "tensors": len(state),
         "dtype": "bfloat16",
         "receiver": "RolloutCore + gRPC server in a separate process, StateEngine",
+        "apply": "adopts the staged tensors (TCP)" if adopt else "copies (--copy-apply)",
         "median_s": {k: round(v, 4) for k, v in med.items()},
         "GBps": {k: round(v, 3) for k, v in gbps.items()},
         "best_GBps": {k: round(size / 1e9 / min(v), 3) for k, v in times.items()},
@@ -484,6 +517,12 @@ def main() -> None:
         default=1,
         help="torch intra-op threads, here and in the service process (see BENCHMARKS.md)",
     )
+    ap.add_argument(
+        "--copy-apply",
+        action="store_true",
+        help="(b): the engine copies every update into its state, as before it adopted "
+        "the staged tensors of a TCP transfer (an A/B baseline in the same code)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -507,7 +546,9 @@ def main() -> None:
                 log(f"(a) generation, {preset} model")
                 out["generation"].append(bench_generation(preset, Path(tmp), args))
     if args.params > 0:
-        out["weight_update"] = bench_weights(int(args.params), max(1, args.weight_repeats))
+        out["weight_update"] = bench_weights(
+            int(args.params), max(1, args.weight_repeats), adopt=not args.copy_apply
+        )
     out["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(out, indent=2))
 

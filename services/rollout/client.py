@@ -31,6 +31,7 @@ from rlfleet.rollout.weights import UpdateResult
 from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc
 
 __all__ = [
+    "BulkUpdate",
     "InProcessRolloutClient",
     "RemoteRolloutClient",
     "RolloutClient",
@@ -232,6 +233,80 @@ def _weight_chunk_bytes(version: int, chunk: bytes) -> bytes:
     return head + b"\x12" + _varint(len(chunk)) + chunk
 
 
+class BulkUpdate:
+    """One weight update to one replica over the bulk data plane, one transfer per
+    bucket (``OpenWeightTransfer`` -> move the bytes -> ``CommitWeightTransfer``).
+
+    A model in one bucket is one ``send(..., final=True)``: a whole update, as any
+    replica takes it. Several buckets: ``send(bucket, final=False)`` for each but
+    the last; the replica stages each one (verified, not applied) and applies the
+    union when the final bucket commits (see :mod:`rlfleet.rollout.transport`).
+
+    Args:
+        stub: the replica's ``RolloutService`` stub.
+        transports: preference order; ``grpc`` lets the replica refuse the bulk plane.
+    """
+
+    def __init__(
+        self,
+        stub: rollout_pb2_grpc.RolloutServiceStub,
+        version: int,
+        transports: Sequence[str] = TRANSPORTS,
+        *,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self._stub = stub
+        self.version = version
+        self._transports = list(transports)
+        self._timeout_s = timeout_s
+        self.update_id = ""
+        self.buckets = 0  # buckets committed
+        self.transport = ""  # of the last bucket
+
+    def send(self, named_tensors: Mapping[str, Any], *, final: bool) -> UpdateResult | None:
+        """Move one bucket and commit it. Returns the replica's report (``staged``
+        for a bucket before the final one), or None when the replica chose the gRPC
+        stream for bucket 0 (nothing was sent: send the whole update there).
+
+        Raises:
+            RlfleetError: as the replica raised it (a refused offer, ``DataLoss`` at
+                commit); the replica then dropped every bucket it staged.
+            OSError: the socket or the shared-memory segment failed.
+        """
+        offer = make_offer(
+            named_tensors,
+            self.version,
+            self._transports,
+            bucket=self.buckets,
+            final=final,
+            update_id=self.update_id,
+        )
+        try:
+            plan = serde.plan_from_proto(
+                self._stub.OpenWeightTransfer(serde.offer_to_proto(offer), timeout=self._timeout_s)
+            )
+            if plan.transport not in ("tcp", "shm"):
+                if self.buckets:
+                    raise RuntimeError(
+                        f"the replica answered {plan.transport!r} for bucket {self.buckets}"
+                    )
+                return None
+            if plan.transport == "tcp":
+                crcs = send_tcp(plan, named_tensors, offer.tensors, timeout_s=self._timeout_s)
+            else:
+                crcs = send_shm(plan, named_tensors, offer.tensors)
+            msg = self._stub.CommitWeightTransfer(
+                rollout_pb2.WeightTransferCommit(transfer_id=plan.transfer_id, crc32c=crcs),
+                timeout=self._timeout_s,
+            )
+        except grpc.RpcError as e:
+            raise _error(e) from e
+        self.update_id = plan.update_id or self.update_id
+        self.buckets += 1
+        self.transport = plan.transport
+        return serde.update_from_proto(msg, plan.transport)
+
+
 def push_weights(
     target: str | grpc.Channel,
     named_tensors: Mapping[str, Any],
@@ -242,11 +317,13 @@ def push_weights(
     timeout_s: float = 600.0,
     auth_token: str | None = None,
 ) -> UpdateResult:
-    """Send ``named_tensors`` as weight ``version`` to a rollout replica.
+    """Send ``named_tensors`` as weight ``version`` to a rollout replica, in one piece.
 
     Tries the bulk data plane when ``transports`` name ``shm`` or ``tcp`` (the
     replica picks the first it can serve; ``shm`` only on the same host), and the
-    gRPC chunk stream when the list is only ``grpc`` or the replica chose it.
+    gRPC chunk stream when the list is only ``grpc`` or the replica chose it. (The
+    trainer's bucketed push, :func:`rlfleet.trainer.weights.push_weights`, sends
+    larger models bucket by bucket through :class:`BulkUpdate`.)
 
     Returns:
         The replica's report (version now serving, bytes, tensors, seconds); its
@@ -257,46 +334,50 @@ def push_weights(
         DataLoss: the bytes arrived corrupted; the old weights keep serving.
         FailedPrecondition: ``version`` is older than the one serving.
     """
+    check_transports(transports)
+    channel = (
+        target if not isinstance(target, str) else create_channel(target, auth_token=auth_token)
+    )
+    try:
+        if any(t != "grpc" for t in transports):
+            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+            bulk = BulkUpdate(stub, version, transports, timeout_s=timeout_s)
+            result = bulk.send(named_tensors, final=True)
+            if result is not None:
+                return result
+        return stream_weights(channel, named_tensors, version, max_chunk_bytes, timeout_s)
+    finally:
+        if isinstance(target, str):
+            with contextlib.suppress(Exception):
+                channel.close()
+
+
+def check_transports(transports: Sequence[str]) -> None:
     unknown = [t for t in transports if t not in ("shm", "tcp", "grpc")]
     if unknown or not transports:
         raise ValueError(
             f"transports must be a non-empty subset of shm, tcp, grpc; got {transports}"
         )
-    channel = (
-        target if not isinstance(target, str) else create_channel(target, auth_token=auth_token)
+
+
+def stream_weights(
+    channel: grpc.Channel,
+    named_tensors: Mapping[str, Any],
+    version: int,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    timeout_s: float = 600.0,
+) -> UpdateResult:
+    """The whole update as one codec stream over ``UpdateWeights`` (the portable path)."""
+    update = channel.stream_unary(
+        _UPDATE_WEIGHTS,
+        request_serializer=serialize_chunk,
+        response_deserializer=rollout_pb2.UpdateWeightsResponse.FromString,
+    )
+    chunks = (
+        _weight_chunk_bytes(version, c)
+        for c in iter_chunk_bytes(dict(named_tensors), max_chunk_bytes=max_chunk_bytes)
     )
     try:
-        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-        bulk = [t for t in transports if t != "grpc"]
-        try:
-            if bulk:
-                offer = make_offer(named_tensors, version, transports)
-                plan = serde.plan_from_proto(
-                    stub.OpenWeightTransfer(serde.offer_to_proto(offer), timeout=timeout_s)
-                )
-                if plan.transport in ("tcp", "shm"):
-                    if plan.transport == "tcp":
-                        crcs = send_tcp(plan, named_tensors, offer.tensors, timeout_s=timeout_s)
-                    else:
-                        crcs = send_shm(plan, named_tensors, offer.tensors)
-                    msg = stub.CommitWeightTransfer(
-                        rollout_pb2.WeightTransferCommit(transfer_id=plan.transfer_id, crc32c=crcs),
-                        timeout=timeout_s,
-                    )
-                    return serde.update_from_proto(msg, plan.transport)
-            update = channel.stream_unary(
-                _UPDATE_WEIGHTS,
-                request_serializer=serialize_chunk,
-                response_deserializer=rollout_pb2.UpdateWeightsResponse.FromString,
-            )
-            chunks = (
-                _weight_chunk_bytes(version, c)
-                for c in iter_chunk_bytes(dict(named_tensors), max_chunk_bytes=max_chunk_bytes)
-            )
-            return serde.update_from_proto(update(chunks, timeout=timeout_s), "grpc")
-        except grpc.RpcError as e:
-            raise _error(e) from e
-    finally:
-        if isinstance(target, str):
-            with contextlib.suppress(Exception):
-                channel.close()
+        return serde.update_from_proto(update(chunks, timeout=timeout_s), "grpc")
+    except grpc.RpcError as e:
+        raise _error(e) from e

@@ -275,6 +275,8 @@ class RolloutCore:
     # ------------------------------------------------------------------ weights
 
     def _record(self, result: UpdateResult) -> UpdateResult:
+        if result.staged:  # a bucket of a bucketed update: counted once, when it applies
+            return result
         self.metrics.weight_version.set(result.version)
         self.metrics.weight_update_seconds.labels(result.transport).observe(result.seconds)
         self.metrics.weight_update_bytes.labels(result.transport).inc(result.bytes)
@@ -292,7 +294,8 @@ class RolloutCore:
         return self._bulk.open(offer)
 
     def commit_transfer(self, transfer_id: str, crc32c: Sequence[int]) -> UpdateResult:
-        """Verify a bulk transfer against the sender's per-tensor CRC-32Cs and apply it."""
+        """Verify a bulk transfer against the sender's per-tensor CRC-32Cs and apply it
+        (a bucket that is not its update's last is staged instead)."""
         return self._record(self._bulk.commit(transfer_id, crc32c))
 
     # ------------------------------------------------------------------ sleep / status

@@ -165,17 +165,32 @@ class Engine(Protocol):
         """
         ...
 
-    def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, Any],
+        version: int,
+        *,
+        on_release: Callable[[], None] | None = None,
+    ) -> bool:
         """Replace the weights; all-or-nothing. Raises ``InvalidArgument`` naming the
         first tensor whose name, shape or dtype does not match the model.
 
-        The tensors may view a staging buffer that the next update reuses: copy
-        them, never keep references to them."""
+        Without ``on_release`` the tensors may view a staging buffer that the next
+        update reuses: copy them, never keep references to them. With it, the caller
+        hands them over: the engine may *adopt* them as its weights (no copy) and
+        return True; it then calls ``on_release()`` once, when it stops using them (a
+        later adopted update replaced them, or ``sleep(2)`` dropped them), and the
+        caller reuses their memory only after that. An engine that copies returns
+        False and never calls it."""
         ...
 
-    def check_weights(self, specs: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+    def check_weights(
+        self, specs: Mapping[str, tuple[str, tuple[int, ...]]], *, complete: bool = True
+    ) -> None:
         """Validate ``name -> (torch dtype name, shape)`` against the model without
-        applying anything (lets a receiver refuse a transfer before the bytes move)."""
+        applying anything (lets a receiver refuse a transfer before the bytes move).
+        ``complete=False`` skips the coverage check (``MISSING_TENSORS``): one bucket
+        of a bucketed update names only part of the model."""
         ...
 
     def sleep(self, level: int = 1) -> int:

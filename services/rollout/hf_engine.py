@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,6 +97,9 @@ class HFEngine:
         self._lock = threading.RLock()
         self._sleep_level = 0
         self._weights_dropped = False
+        # Set while the parameters are tensors adopted from a weight update: tells
+        # their owner when they are no longer used (see ``update_weights``).
+        self._release: Callable[[], None] | None = None
         cfg = model.config
         gen = getattr(model, "generation_config", None)
         eos: Any = getattr(gen, "eos_token_id", None)
@@ -292,7 +295,9 @@ class HFEngine:
 
     # ------------------------------------------------------------------ weights
 
-    def check_weights(self, specs: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+    def check_weights(
+        self, specs: Mapping[str, tuple[str, tuple[int, ...]]], *, complete: bool = True
+    ) -> None:
         covered: set[int] = set()
         for name, (dtype, shape) in specs.items():
             p = self._params.get(name)
@@ -322,7 +327,7 @@ class HFEngine:
                 )
             covered.add(id(p))
         missing = [n for n in self._canonical if id(self._params[n]) not in covered]
-        if missing:
+        if missing and complete:
             raise InvalidArgument(
                 f"update is missing {len(missing)} of {len(self._canonical)} parameters: "
                 f"{missing[:5]}{' ...' if len(missing) > 5 else ''}",
@@ -331,24 +336,56 @@ class HFEngine:
                 code="MISSING_TENSORS",
             )
 
-    def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, Any],
+        version: int,
+        *,
+        on_release: Callable[[], None] | None = None,
+    ) -> bool:
+        """Check, then swap under the lock (between two generation batches).
+
+        With ``on_release`` on CPU, the verified staging tensors *become* the
+        parameters (``p.data = t``: no copy) when every one is a contiguous CPU
+        tensor of the parameter's dtype, aligned to its element size; the tensors
+        adopted by the previous such update are then released to their owner (the
+        bulk receiver reuses them as the next staging buffer). Otherwise the values
+        are copied into the parameters (``copy_``). Returns whether it adopted."""
         torch = self._torch
         specs = {
             name: (str(t.dtype).removeprefix("torch."), tuple(int(d) for d in t.shape))
             for name, t in named_tensors.items()
         }
         self.check_weights(specs)
+        adopt = (
+            on_release is not None
+            and self._device.type == "cpu"
+            and all(_adoptable(t, self._params[n].dtype) for n, t in named_tensors.items())
+        )
+        released: Callable[[], None] | None = None
         with self._lock, torch.no_grad():
             # Validated above: nothing below can fail half-way on a mismatch.
             for name, t in named_tensors.items():
                 p = self._params[name]
-                if self._weights_dropped:
+                if adopt:
+                    p.data = t
+                elif self._weights_dropped:
                     p.data = t.to(p.device, copy=True).reshape(self._shapes[name])
                 else:
-                    p.copy_(t)
+                    p.copy_(t)  # into the adopted tensors too, if the parameters are those
+            if adopt:
+                released, self._release = self._release, on_release
             self._weights_dropped = False
             self._version = version
-        logger.info("weights updated to version %d (%d tensors)", version, len(named_tensors))
+        if released is not None:  # no parameter views them any more
+            released()
+        logger.info(
+            "weights updated to version %d (%d tensors%s)",
+            version,
+            len(named_tensors),
+            ", adopted" if adopt else "",
+        )
+        return adopt
 
     # ------------------------------------------------------------------ sleep
 
@@ -376,6 +413,9 @@ class HFEngine:
             if level == 2:
                 self._weights_dropped = True
                 freed = nbytes
+                released, self._release = self._release, None
+                if released is not None:  # the adopted tensors are no parameters now
+                    released()
             elif self._device.type != "cpu":
                 freed = nbytes
             if self._device.type == "cuda":
@@ -393,6 +433,19 @@ class HFEngine:
                     for p in {id(p): p for p in self._params.values()}.values():
                         p.data = p.data.to(self._device)
             self._sleep_level = 0
+
+
+def _adoptable(t: Any, dtype: torch.dtype) -> bool:
+    """Whether ``t`` can serve as a parameter's storage as it is."""
+    import torch
+
+    return (
+        isinstance(t, torch.Tensor)
+        and t.device.type == "cpu"
+        and t.dtype == dtype
+        and t.is_contiguous()
+        and t.data_ptr() % t.element_size() == 0
+    )
 
 
 def _sample_step(

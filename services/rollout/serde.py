@@ -115,7 +115,7 @@ def result_from_proto(msg: rollout_pb2.GenerateResult) -> SampleOutput:
 
 def update_to_proto(r: UpdateResult) -> rollout_pb2.UpdateWeightsResponse:
     return rollout_pb2.UpdateWeightsResponse(
-        version=r.version, bytes=r.bytes, tensors=r.tensors, seconds=r.seconds
+        version=r.version, bytes=r.bytes, tensors=r.tensors, seconds=r.seconds, staged=r.staged
     )
 
 
@@ -128,6 +128,7 @@ def update_from_proto(
         tensors=msg.tensors,
         seconds=msg.seconds,
         transport=transport,
+        staged=msg.staged,
     )
 
 
@@ -140,6 +141,9 @@ def offer_to_proto(o: TransferOffer) -> rollout_pb2.WeightTransferOffer:
         total_bytes=o.total_bytes,
         transports=[_TRANSPORT_CODES[t] for t in o.transports],
         sender_host=o.sender_host,
+        bucket=o.bucket,
+        more_buckets=not o.final,
+        update_id=o.update_id,
     )
 
 
@@ -166,6 +170,9 @@ def offer_from_proto(msg: rollout_pb2.WeightTransferOffer) -> TransferOffer:
         total_bytes=msg.total_bytes,
         transports=[TRANSPORT_NAMES[c] for c in msg.transports],
         sender_host=msg.sender_host,
+        bucket=msg.bucket,
+        final=not msg.more_buckets,
+        update_id=msg.update_id,
     )
 
 
@@ -175,6 +182,7 @@ def plan_to_proto(p: TransferPlan) -> rollout_pb2.WeightTransferPlan:
         transport=_TRANSPORT_CODES[p.transport],
         endpoint=p.endpoint,
         token=p.token,
+        update_id=p.update_id,
     )
 
 
@@ -184,6 +192,7 @@ def plan_from_proto(msg: rollout_pb2.WeightTransferPlan) -> TransferPlan:
         transport=TRANSPORT_NAMES.get(msg.transport, "grpc"),
         endpoint=msg.endpoint,
         token=msg.token,
+        update_id=msg.update_id,
     )
 
 

@@ -28,11 +28,22 @@ Protocol (``OpenWeightTransfer`` -> move bytes -> ``CommitWeightTransfer``):
    the tensor otherwise), views its buffer as tensors without a copy and hands them
    to :meth:`WeightReceiver.apply`, which swaps them in atomically.
 
+**Buckets.** A model larger than one transfer moves as several, one per bucket of
+one update (``TransferOffer.bucket`` / ``final`` / ``update_id``): bucket 0 opens the
+update (its plan names the ``update_id``), each later bucket names it and the next
+index. Each offer is checked against the model without the coverage check and
+against the earlier buckets (version, order, no tensor twice); the final offer
+also for the union's coverage. A committed bucket before the final one is
+*staged*: verified, kept in its buffer, nothing applied. The final commit applies
+the union in one :meth:`WeightReceiver.apply`. Any failure drops every staged
+bucket of the update; so does ``timeout_s`` without an offer or commit (a reaper
+thread checks, so a dead pusher's buckets do not wait for more traffic).
+
 **Staging buffers are reused.** First-touching a fresh 1 GiB buffer costs seconds
 of page faults on a small VM against ~0.1 s for a warm copy, so a finished
-transfer's buffer (TCP) or segment (SHM) is kept and handed to the next transfer
-that fits in it. The replica thus holds one staging buffer of the last update's
-size per transport between updates. A buffer goes back to the pool only once
+update's buffers (TCP) or segments (SHM), one per bucket, are kept and each new
+transfer gets the smallest that fits. The replica thus holds one update's staging
+(the last update's size) per transport between updates. A buffer goes back to the pool only once
 nothing can write into it any more (its receive thread ended, or the sender
 committed) and the apply, which copies out of it, returned: engines must not keep
 references to the tensors they are given. Concurrent transfers each get their own
@@ -120,6 +131,17 @@ class TransferOffer:
     total_bytes: int
     transports: list[str]
     sender_host: str = ""
+    # A bucketed update (several transfers): this bucket's index, whether it is the
+    # last, and the update's id (from bucket 0's plan). The defaults, bucket 0 and
+    # final with no id, are a whole update in one transfer.
+    bucket: int = 0
+    final: bool = True
+    update_id: str = ""
+
+    @property
+    def whole(self) -> bool:
+        """One transfer that is the whole update (not a bucket of a larger one)."""
+        return self.final and self.bucket == 0 and not self.update_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +152,7 @@ class TransferPlan:
     transport: str
     endpoint: str = ""
     token: str = ""
+    update_id: str = ""  # a bucketed update's id, for its later buckets' offers
 
 
 def _torch_dtype_name(code: int) -> str:
@@ -239,9 +262,17 @@ class _CrcThread:
 
 
 def make_offer(
-    named_tensors: Mapping[str, Any], version: int, transports: Sequence[str] = TRANSPORTS
+    named_tensors: Mapping[str, Any],
+    version: int,
+    transports: Sequence[str] = TRANSPORTS,
+    *,
+    bucket: int = 0,
+    final: bool = True,
+    update_id: str = "",
 ) -> TransferOffer:
-    """The offer for ``named_tensors``: layout only, no pass over the bytes."""
+    """The offer for ``named_tensors``: layout only, no pass over the bytes. The
+    defaults offer a whole update; ``bucket`` / ``final`` / ``update_id`` one bucket
+    of a bucketed update (the module docstring)."""
     specs = tensor_specs(named_tensors, align=1)
     total = specs[-1].offset + specs[-1].nbytes if specs else 0
     return TransferOffer(
@@ -250,6 +281,9 @@ def make_offer(
         total_bytes=total,
         transports=list(transports),
         sender_host=socket.gethostname(),
+        bucket=bucket,
+        final=final,
+        update_id=update_id,
     )
 
 
@@ -380,6 +414,22 @@ class _Transfer:
     crcs: _TensorCrcs | None = None
     received: int = 0
     error: str = ""
+    update: _Update | None = None  # the bucketed update this transfer is a bucket of
+
+
+@dataclass
+class _Update:
+    """A bucketed update being staged: each committed bucket keeps its buffer (and the
+    verified tensors viewing it) until the final bucket commits or the update drops."""
+
+    id: str
+    version: int
+    created: float
+    touched: float  # last offer or commit of one of its buckets (expiry)
+    specs: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # offered so far
+    tensors: dict[str, Any] = field(default_factory=dict)  # verified, of the staged buckets
+    staged: list[_Transfer] = field(default_factory=list)  # committed buckets, in order
+    open: _Transfer | None = None  # the bucket in flight
 
 
 class BulkReceiver:
@@ -389,7 +439,8 @@ class BulkReceiver:
         receiver: applies verified tensors (shared with the gRPC chunk path).
         engine: checks the offered names / dtypes / shapes before bytes move.
         host: interface the TCP listeners bind (the replica's advertised host).
-        timeout_s: an open transfer not committed within this is dropped.
+        timeout_s: an open transfer not committed within this is dropped, and so is
+            a bucketed update with no offer or commit for this long (its pusher died).
     """
 
     def __init__(
@@ -407,25 +458,81 @@ class BulkReceiver:
         self._node = socket.gethostname()
         self._lock = threading.Lock()
         self._transfers: dict[str, _Transfer] = {}
-        # One spare staging buffer per transport, from the last finished transfer.
-        self._spare_array: np.ndarray | None = None
-        self._spare_shm: shared_memory.SharedMemory | None = None
+        self._updates: dict[str, _Update] = {}
+        # Spare staging buffers per transport: those of the last finished update.
+        self._spare_arrays: list[np.ndarray] = []
+        self._spare_shms: list[shared_memory.SharedMemory] = []
+        # Expiry also runs without traffic, so that the buckets a dead pusher staged
+        # do not hold their memory until the next offer.
+        self._closed = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="rlfleet-bulk-reaper", daemon=True)
+        self._reaper.start()
 
     def open(self, offer: TransferOffer) -> TransferPlan:
+        """Check an offer against the model and plan its transfer (module docstring).
+
+        A bucket of a bucketed update is checked against the buckets before it
+        (version, order, no tensor twice) and the final one for the union's coverage
+        of the model; any failure drops the update's staged buckets."""
         self._expire()
-        self._receiver.check_version(offer.version)
+        update: _Update | None = None
+        if offer.update_id:
+            with self._lock:
+                update = self._updates.get(offer.update_id)
+            if update is None:
+                raise NotFound(
+                    f"no bucketed weight update {offer.update_id!r} (unknown, failed, "
+                    f"applied or expired); bucket {offer.bucket} refused",
+                    field="update_id",
+                    value=offer.update_id,
+                )
+        try:
+            return self._open(offer, update)
+        except BaseException:
+            if update is not None:
+                self._drop_update(update, "its bucket's offer was refused")
+            raise
+
+    def _open(self, offer: TransferOffer, update: _Update | None) -> TransferPlan:
         self._check_layout(offer)
-        self._engine.check_weights(
-            {s.name: (_torch_dtype_name(s.dtype), s.shape) for s in offer.tensors}
-        )
+        self._receiver.check_version(offer.version)
+        specs = {s.name: (_torch_dtype_name(s.dtype), s.shape) for s in offer.tensors}
+        if update is None:
+            if offer.bucket != 0:
+                raise InvalidArgument(
+                    f"bucket {offer.bucket} offered without an update_id (bucket 0 opens "
+                    "a bucketed update and its plan names it)",
+                    field="update_id",
+                )
+            self._engine.check_weights(specs, complete=offer.final)
+        else:
+            self._check_bucket(update, offer, specs)
         transport = self._choose(offer)
-        t = _Transfer(uuid.uuid4().hex, offer, transport, time.monotonic())
+        # Bucket 0 may be refused (the sender then streams the whole update over
+        # gRPC); a later bucket must stay on the bulk plane.
+        if update is not None and transport not in ("tcp", "shm"):
+            raise InvalidArgument(
+                f"bucket {offer.bucket} of update {update.id}: no bulk transport among "
+                f"{offer.transports}",
+                field="transports",
+                value=offer.transports,
+            )
+        now = time.monotonic()
+        t = _Transfer(uuid.uuid4().hex, offer, transport, now)
+        if not offer.whole and transport != "grpc" and update is None:
+            update = _Update(uuid.uuid4().hex, offer.version, now, now)
+        t.update = update
         if transport == "tcp":
             self._open_tcp(t)
         elif transport == "shm":
             self._open_shm(t)
         with self._lock:
             self._transfers[t.id] = t
+            if update is not None:
+                self._updates[update.id] = update
+                update.open = t
+                update.specs.update(specs)
+                update.touched = now
         endpoint = ""
         if t.listener is not None:
             host, port = t.listener.getsockname()[:2]
@@ -433,16 +540,49 @@ class BulkReceiver:
         elif t.shm is not None:
             endpoint = t.shm.name
         logger.info(
-            "weight transfer %s: version %d, %d bytes over %s",
+            "weight transfer %s: version %d, %d bytes over %s%s",
             t.id,
             offer.version,
             offer.total_bytes,
             transport,
+            "" if update is None else f", bucket {offer.bucket} of update {update.id}",
         )
-        return TransferPlan(t.id, transport, endpoint, t.token)
+        return TransferPlan(t.id, transport, endpoint, t.token, update.id if update else "")
+
+    def _check_bucket(
+        self, u: _Update, offer: TransferOffer, specs: Mapping[str, tuple[str, tuple[int, ...]]]
+    ) -> None:
+        """A later bucket against the update's earlier ones; the final one for coverage."""
+        where = f"update {u.id} (version {u.version})"
+        if offer.version != u.version:
+            raise InvalidArgument(
+                f"bucket {offer.bucket} says version {offer.version}, {where} began with "
+                f"{u.version}",
+                field="version",
+                value=offer.version,
+            )
+        if u.open is not None or offer.bucket != len(u.staged):
+            raise InvalidArgument(
+                f"bucket {offer.bucket} offered to {where}, which has {len(u.staged)} staged "
+                f"buckets{' and one still open' if u.open is not None else ''}: buckets go "
+                "one at a time, in order",
+                field="bucket",
+                value=offer.bucket,
+            )
+        dup = sorted(set(specs) & set(u.specs))
+        if dup:
+            raise InvalidArgument(
+                f"bucket {offer.bucket} of {where} repeats tensors of earlier buckets: {dup[:3]}",
+                field="tensors",
+                value=dup[:3],
+            )
+        self._engine.check_weights(specs, complete=False)
+        if offer.final:  # the union must cover the model, checked before the last bytes move
+            self._engine.check_weights({**u.specs, **specs}, complete=True)
 
     def commit(self, transfer_id: str, crc32c: Sequence[int]) -> UpdateResult:
-        """Verify the transfer against the sender's per-tensor CRC-32Cs and apply it."""
+        """Verify the transfer against the sender's per-tensor CRC-32Cs and apply it; a
+        bucket of a bucketed update is staged, and its final bucket applies the union."""
         with self._lock:
             t = self._transfers.pop(transfer_id, None)
         if t is None:
@@ -451,17 +591,102 @@ class BulkReceiver:
                 field="transfer_id",
                 value=transfer_id,
             )
+        u = t.update
+        if u is None:
+            try:
+                return self._verify_and_apply(t, crc32c)
+            finally:
+                # The sender committed, so it no longer writes: the buffer can be reused
+                # once its receive / checksum thread has ended (and, if the engine
+                # adopted the tensors, once it released them: then this is a no-op).
+                self._recycle([t])
         try:
-            return self._verify_and_apply(t, crc32c)
-        finally:
-            # The sender committed, so it no longer writes: the buffer can be reused
-            # once its receive / checksum thread has ended.
-            self._release(t, reuse=True)
+            return self._commit_bucket(t, u, crc32c)
+        except BaseException:
+            self._drop_update(u, f"bucket {t.offer.bucket} failed at commit", committed=t)
+            raise
+
+    def staged_updates(self) -> dict[str, int]:
+        """Bucketed updates being staged: id -> buckets committed so far."""
+        with self._lock:
+            return {k: len(u.staged) for k, u in self._updates.items()}
 
     def _verify_and_apply(self, t: _Transfer, crc32c: Sequence[int]) -> UpdateResult:
         # A function of its own so that the tensor views into the buffer are gone
         # before the caller releases it (a shared-memory segment cannot close while
         # views of it exist).
+        tensors = self._verify(t, crc32c)
+        return self._apply([t], tensors, t.offer.version, t.created)
+
+    def _apply(
+        self, transfers: list[_Transfer], tensors: dict[str, Any], version: int, start: float
+    ) -> UpdateResult:
+        """Apply an update's verified tensors. Over TCP the tensors are handed over: an
+        engine that adopts them as its weights keeps the buffers (taken from the
+        transfers here, so they are not recycled) until it releases them, and they
+        become spares then. Shared-memory segments are never adopted: the sender
+        maps them, and live weights must not be writable from outside."""
+        if not all(t.transport == "tcp" and t.done.is_set() for t in transfers):
+            return self._receiver.apply(
+                tensors, version, start=start, transport=transfers[-1].transport
+            )
+        buffers = [self._free(t, reuse=True) for t in transfers]  # the tensors keep them alive
+        result: UpdateResult | None = None
+        try:
+            result = self._receiver.apply(
+                tensors,
+                version,
+                start=start,
+                transport="tcp",
+                on_release=lambda: self._pool(buffers),
+            )
+            return result
+        finally:
+            if result is None or not result.adopted:
+                del tensors
+                self._pool(buffers)
+
+    def _commit_bucket(self, t: _Transfer, u: _Update, crc32c: Sequence[int]) -> UpdateResult:
+        tensors = self._verify(t, crc32c)
+        if not t.offer.final:
+            with self._lock:
+                if self._updates.get(u.id) is not u:
+                    raise NotFound(f"update {u.id} was dropped (expired)", field="update_id")
+                u.tensors.update(tensors)
+                u.staged.append(t)
+                u.open = None
+                u.touched = time.monotonic()
+            logger.info(
+                "weight update %s: bucket %d staged (%d bytes)",
+                u.id,
+                t.offer.bucket,
+                t.offer.total_bytes,
+            )
+            return UpdateResult(
+                version=self._receiver.version,
+                bytes=t.offer.total_bytes,
+                tensors=len(tensors),
+                seconds=time.perf_counter() - t.created,
+                transport=t.transport,
+                staged=True,
+            )
+        with self._lock:
+            if self._updates.pop(u.id, None) is not u:
+                raise NotFound(f"update {u.id} was dropped (expired)", field="update_id")
+            u.staged.append(t)
+            u.open = None
+            tensors = {**u.tensors, **tensors}
+            u.tensors.clear()
+        staged, u.staged = u.staged, []
+        try:
+            return self._apply(staged, tensors, u.version, u.created)
+        finally:
+            del tensors
+            self._recycle(staged)  # a no-op for the buffers an engine adopted
+
+    def _verify(self, t: _Transfer, crc32c: Sequence[int]) -> dict[str, Any]:
+        """Wait for the bytes, compare the CRC-32Cs; the verified tensors viewing the
+        transfer's buffer (no copy)."""
         if t.transport == "grpc":
             raise InvalidArgument(
                 "this transfer was planned for the gRPC chunk stream: use UpdateWeights",
@@ -514,26 +739,30 @@ class BulkReceiver:
             names = ", ".join(repr(specs[i].name) for i in bad[:3])
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
             i = bad[0]
+            bucket = "" if t.update is None else f", bucket {t.offer.bucket}"
             raise DataLoss(
-                f"transfer {t.id} ({t.transport}): CRC-32C mismatch in {len(bad)} of "
+                f"transfer {t.id} ({t.transport}{bucket}): CRC-32C mismatch in {len(bad)} of "
                 f"{len(specs)} tensors ({names}{more}; first: received {got[i]:#010x}, "
                 f"sender sent {crc32c[i]:#010x}); nothing applied",
                 code="CHECKSUM_MISMATCH",
             )
-        tensors = unpack(t.buffer, specs, to="torch", copy=False)
-        return self._receiver.apply(
-            tensors, t.offer.version, start=t.created, transport=t.transport
-        )
+        tensors: dict[str, Any] = unpack(t.buffer, specs, to="torch", copy=False)
+        return tensors
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             transfers, self._transfers = list(self._transfers.values()), {}
+            updates, self._updates = list(self._updates.values()), {}
+        for u in updates:
+            u.tensors.clear()
+            transfers.extend(u.staged)
         for t in transfers:
-            self._release(t, reuse=False)
+            self._free(t, reuse=False)
         with self._lock:
-            spare_shm, self._spare_shm, self._spare_array = self._spare_shm, None, None
-        if spare_shm is not None:
-            _destroy_shm(spare_shm)
+            spare_shms, self._spare_shms, self._spare_arrays = self._spare_shms, [], []
+        for shm in spare_shms:
+            _destroy_shm(shm)
 
     # ------------------------------------------------------------------ internals
 
@@ -569,9 +798,9 @@ class BulkReceiver:
             value=offer.transports,
         )
 
-    def _release(self, t: _Transfer, *, reuse: bool) -> None:
-        """Free ``t``'s listener and buffer; with ``reuse``, keep the buffer as the
-        spare when no thread can still write into it or checksum it."""
+    def _free(self, t: _Transfer, *, reuse: bool) -> np.ndarray | shared_memory.SharedMemory | None:
+        """Free ``t``'s listener and views; with ``reuse``, return its buffer (array or
+        segment) when no thread can still write into it or checksum it, else destroy it."""
         if t.listener is not None:
             with contextlib.suppress(OSError):
                 t.listener.close()
@@ -585,39 +814,83 @@ class BulkReceiver:
         t.buffer = None
         t.crcs = None
         storage, t.storage = t.storage, None
-        if storage is not None and reuse and t.done.is_set():
-            with self._lock:
-                if self._spare_array is None or self._spare_array.nbytes <= storage.nbytes:
-                    self._spare_array = storage
+        if storage is not None:
+            return storage if reuse and t.done.is_set() else None
         shm, t.shm = t.shm, None
         if shm is None:
-            return
+            return None
         checker_done = t.checker is None or not t.checker.is_alive()
         if reuse and checker_done and views_gone:
-            with self._lock:
-                old = self._spare_shm
-                if old is None or old.size <= shm.size:
-                    self._spare_shm, shm = shm, old  # destroy the smaller one
-        if shm is not None:
+            return shm
+        _destroy_shm(shm)
+        return None
+
+    def _recycle(self, transfers: Sequence[_Transfer]) -> None:
+        """Free the transfers of one finished update (committed: nothing writes any
+        more); their reusable buffers become the spares of their transport, replacing
+        the spares left over (so the spares never outgrow one update's staging)."""
+        self._pool([self._free(t, reuse=True) for t in transfers])
+
+    def _pool(self, buffers: Sequence[np.ndarray | shared_memory.SharedMemory | None]) -> None:
+        """Make ``buffers`` the spares of their transport (module docstring)."""
+        arrays: list[np.ndarray] = []
+        shms: list[shared_memory.SharedMemory] = []
+        for buf in buffers:
+            if isinstance(buf, np.ndarray):
+                arrays.append(buf)
+            elif buf is not None:
+                shms.append(buf)
+        old_shms: list[shared_memory.SharedMemory] = []
+        with self._lock:
+            if arrays:
+                self._spare_arrays = arrays
+            if shms:
+                old_shms, self._spare_shms = self._spare_shms, shms
+        for shm in old_shms:
             _destroy_shm(shm)
+
+    def _drop_update(self, u: _Update, reason: str, *, committed: _Transfer | None = None) -> None:
+        """Drop a bucketed update and every bucket it staged; nothing was applied."""
+        with self._lock:
+            if self._updates.get(u.id) is u:
+                del self._updates[u.id]
+            open_t, u.open = u.open, None
+            if open_t is not None and open_t is not committed:
+                self._transfers.pop(open_t.id, None)
+            staged, u.staged = u.staged, []
+            u.tensors.clear()
+        logger.warning(
+            "weight update %s (version %d) dropped with %d staged buckets: %s",
+            u.id,
+            u.version,
+            len(staged),
+            reason,
+        )
+        if committed is not None:
+            staged.append(committed)
+        self._recycle(staged)
+        if open_t is not None and open_t is not committed:
+            self._free(open_t, reuse=False)  # a sender may still be writing into it
 
     def _take_array(self, nbytes: int) -> np.ndarray:
         with self._lock:
-            spare, self._spare_array = self._spare_array, None
-        if spare is not None and spare.nbytes >= nbytes:
+            spare = _take_smallest(self._spare_arrays, nbytes, lambda a: a.nbytes)
+        if spare is not None:
             return spare
-        # None spare (or a concurrent transfer holds it): a fresh one; a spare too
-        # small is dropped first, so its memory goes before the new one is touched.
-        del spare
+        # None fits (or a concurrent transfer holds them): a fresh one; a spare too
+        # small was dropped first, so its memory goes before the new one is touched.
         return np.empty(nbytes, dtype=np.uint8)
 
     def _take_shm(self, nbytes: int) -> shared_memory.SharedMemory:
         with self._lock:
-            spare, self._spare_shm = self._spare_shm, None
+            spare = _take_smallest(self._spare_shms, nbytes, lambda s: s.size)
+            too_small = None
+            if spare is None and self._spare_shms:
+                too_small = self._spare_shms.pop()
         if spare is not None:
-            if spare.size >= nbytes:
-                return spare
-            _destroy_shm(spare)
+            return spare
+        if too_small is not None:
+            _destroy_shm(too_small)
         return shared_memory.SharedMemory(
             name=f"rlfleet_{uuid.uuid4().hex[:16]}", create=True, size=nbytes
         )
@@ -716,9 +989,36 @@ class BulkReceiver:
         with self._lock:
             old = [k for k, t in self._transfers.items() if now - t.created > self._timeout_s]
             dropped = [self._transfers.pop(k) for k in old]
+            idle = [u for u in self._updates.values() if now - u.touched > self._timeout_s]
         for t in dropped:
             logger.warning("weight transfer %s expired uncommitted", t.id)
-            self._release(t, reuse=False)
+            if t.update is not None:
+                self._drop_update(t.update, f"bucket {t.offer.bucket} expired uncommitted")
+            self._free(t, reuse=False)
+        for u in idle:
+            self._drop_update(u, f"no bucket offered or committed for {self._timeout_s}s")
+
+    def _reap(self) -> None:
+        interval = min(30.0, max(0.05, self._timeout_s / 4))
+        while not self._closed.wait(interval):
+            try:
+                self._expire()
+            except Exception:  # a reaper that dies would leak every later dead update
+                logger.exception("weight transfer expiry failed")
+
+
+def _take_smallest(pool: list[Any], nbytes: int, size: Callable[[Any], int]) -> Any:
+    """Remove and return the smallest item of ``pool`` of at least ``nbytes``; if none
+    fits, drop the largest (its memory goes before a fresh one is touched) and return
+    None."""
+    fits = [x for x in pool if size(x) >= nbytes]
+    if fits:
+        best = min(fits, key=size)
+        pool.remove(best)
+        return best
+    if pool:
+        pool.remove(max(pool, key=size))
+    return None
 
 
 def _destroy_shm(shm: shared_memory.SharedMemory) -> None:

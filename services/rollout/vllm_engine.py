@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -287,7 +287,9 @@ class VLLMEngine:
                     on_sample(r, sample)
         return results
 
-    def check_weights(self, specs: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+    def check_weights(
+        self, specs: Mapping[str, tuple[str, tuple[int, ...]]], *, complete: bool = True
+    ) -> None:
         covered: set[int] = set()
         for name, (dtype, shape) in specs.items():
             want = self._specs.get(name)
@@ -314,7 +316,7 @@ class VLLMEngine:
                 )
             covered.add(self._ids[name])
         missing = [n for n in self._canonical if self._ids[n] not in covered]
-        if missing:
+        if missing and complete:
             raise InvalidArgument(
                 f"update is missing {len(missing)} of {len(self._canonical)} parameters: "
                 f"{missing[:5]}",
@@ -323,7 +325,15 @@ class VLLMEngine:
                 code="MISSING_TENSORS",
             )
 
-    def update_weights(self, named_tensors: Mapping[str, Any], version: int) -> None:
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, Any],
+        version: int,
+        *,
+        on_release: Callable[[], None] | None = None,
+    ) -> bool:
+        """Copies (through the workers' ``load_weights``): never adopts, so
+        ``on_release`` is never called."""
         self.check_weights(
             {
                 n: (str(t.dtype).removeprefix("torch."), tuple(int(d) for d in t.shape))
@@ -335,6 +345,7 @@ class VLLMEngine:
             self.llm.collective_rpc("rlfleet_load_weights", args=(wire,))
             self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
             self._version = version
+        return False
 
     def close(self) -> None:
         """Stop vLLM's engine-core and worker processes (also done at interpreter exit,

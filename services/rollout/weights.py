@@ -13,7 +13,9 @@ plane in :mod:`rlfleet.rollout.transport`) ends in :meth:`WeightReceiver.apply`:
 3. **check**: every name, dtype and shape against the model, and that every
    parameter is covered (``InvalidArgument`` naming the tensor);
 4. **swap**: copy into the parameters under the engine's lock, between two
-   generation batches, and bump the version.
+   generation batches, and bump the version; or, for a bulk TCP update on an
+   engine that can (the HF engine on CPU), make the verified staging tensors the
+   parameters (no copy; the old ones become the next staging buffer).
 
 Until step 4 the old weights keep serving; a failed update leaves no trace.
 Versions may repeat (a re-sync) but never go back: an older version is refused
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +47,11 @@ class UpdateResult:
     tensors: int
     seconds: float  # from the first byte staged to the swap done
     transport: str = "grpc"
+    # A bulk bucket that is not its update's last: verified and staged, nothing
+    # applied (``version`` is the one still serving; bytes / tensors the bucket's).
+    staged: bool = False
+    # The engine took the staged tensors as its weights, no copy (``Engine.update_weights``).
+    adopted: bool = False
 
 
 class WeightReceiver:
@@ -88,12 +95,16 @@ class WeightReceiver:
         *,
         start: float | None = None,
         transport: str = "grpc",
+        on_release: Callable[[], None] | None = None,
     ) -> UpdateResult:
-        """Check verified tensors against the model and swap them in (all or nothing)."""
+        """Check verified tensors against the model and swap them in (all or nothing).
+
+        ``on_release``: the caller hands the tensors over, and the engine may adopt
+        them as its weights (``UpdateResult.adopted``); see ``Engine.update_weights``."""
         start = time.perf_counter() if start is None else start
         with self._lock:
             self.check_version(version)
-            self._engine.update_weights(tensors, version)
+            adopted = bool(self._engine.update_weights(tensors, version, on_release=on_release))
             nbytes = sum(int(t.numel()) * int(t.element_size()) for t in tensors.values())
             result = UpdateResult(
                 version=version,
@@ -101,6 +112,7 @@ class WeightReceiver:
                 tensors=len(tensors),
                 seconds=time.perf_counter() - start,
                 transport=transport,
+                adopted=adopted,
             )
             self.updates += 1
             self.last = result

@@ -7,26 +7,26 @@ its own). The parameters are in Hugging Face names and the rollout's dtype. A mo
 that fits one bucket is exactly one codec stream, which any plain ``ChunkAssembler``
 receiver accepts.
 
-Bulk data plane: when ``transports`` name ``tcp`` or ``shm`` and the whole model fits
-in one bucket, the bucket goes through the rollout's negotiated data plane
-(:func:`rlfleet.rollout.client.push_weights`: shared memory on the same host, else a
-raw TCP stream; the replica may still answer ``grpc``). A model of several buckets
-always takes the gRPC stream: a bulk transfer (``OpenWeightTransfer``) is one whole,
-self-contained update, checked against the model's full parameter list before any
-byte moves, so it has no notion of a partial bucket to stage until the last one
-arrives. Carrying buckets there needs a bucket index / final flag in
-``WeightTransferOffer`` and a staging area across transfers on the replica (see
-docs/rollout.md); until then, set ``bucket_bytes`` above the model size to use it.
+Bulk data plane: when ``transports`` name ``tcp`` or ``shm``, every bucket goes
+through the rollout's negotiated data plane (shared memory on the same host, else a
+raw TCP stream), one transfer per bucket (:class:`rlfleet.rollout.client.BulkUpdate`).
+A one-bucket model is one whole-update transfer; with several buckets, bucket 0
+opens a bucketed update on the replica, which stages each verified bucket and
+applies the union atomically when the final bucket commits (a failed bucket, or a
+pusher that stops, drops the staged ones; see docs/rollout.md). A replica that
+answers ``grpc`` for bucket 0 (it refuses the bulk plane) gets the gRPC stream
+instead, fed with the same buckets.
 
 Memory: buckets are gathered (from FSDP shards) and encoded one at a time, and every
 chunk is encoded once and handed to all replicas' senders through small bounded
 queues; the next bucket is gathered only after every replica took the chunks of this
-one. Extra memory is one bucket plus a few chunks, whatever the model size.
+one (bulk: after every replica committed it; the replicas' transfers of a bucket run
+in parallel, reading the same tensors). Extra memory is one bucket plus a few chunks,
+whatever the model size.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -40,7 +40,6 @@ import grpc
 import torch
 
 from rlfleet.common.codec import iter_chunks
-from rlfleet.common.errors import RlfleetError
 from rlfleet.common.rpc import create_channel, to_rlfleet_error
 from rlfleet.common.weight_stream import bucket_meta
 from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc
@@ -163,8 +162,8 @@ def push_weights(
     ``named`` is consumed lazily, one bucket at a time (see the module docstring). A
     failing replica is reported in its :class:`ReplicaResult`; the others go on.
     ``on_bucket(nbytes)`` is called with each bucket's size once it is gathered.
-    ``transports`` (names ``shm``, ``tcp``, ``grpc``, preference order) lets a
-    one-bucket model take the bulk data plane; several buckets always go over gRPC.
+    ``transports`` (names ``shm``, ``tcp``, ``grpc``, preference order) lets the
+    buckets take the bulk data plane; a replica that refuses it gets the gRPC stream.
     """
     unknown = [t for t in transports if t not in _TRANSPORTS]
     if unknown or not transports:
@@ -173,18 +172,7 @@ def push_weights(
         )
     buckets = iter_buckets(named, bucket_bytes)
     if any(t in _BULK for t in transports):
-        first, final = next(buckets)
-        if final:
-            return _push_bulk(
-                dict(first), targets, version, transports, timeout_s, auth_token, on_bucket
-            )
-        logger.info(
-            "weight push %d: the model is more than one bucket of %d bytes; the bulk data "
-            "plane takes whole updates only, using the gRPC stream",
-            version,
-            bucket_bytes,
-        )
-        buckets = itertools.chain([(first, final)], buckets)
+        return _push_bulk(buckets, targets, version, transports, timeout_s, auth_token, on_bucket)
     return _push_stream(buckets, targets, version, timeout_s, auth_token, on_bucket)
 
 
@@ -196,27 +184,35 @@ def iter_weight_chunks(
 ) -> Iterator[rollout_pb2.WeightChunk]:
     """The ``UpdateWeights`` messages of one bucketed update, lazily (the gRPC stream
     :func:`push_weights` sends to every replica)."""
-    return _encode(iter_buckets(named, bucket_bytes), version, PushSummary(version), None)
-
-
-def _encode(
-    buckets: Iterable[tuple[list[tuple[str, torch.Tensor]], bool]],
-    version: int,
-    summary: PushSummary,
-    on_bucket: Callable[[int], None] | None,
-) -> Iterator[rollout_pb2.WeightChunk]:
-    for index, (bucket, final) in enumerate(buckets):
-        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-        if on_bucket is not None:
-            on_bucket(nbytes)
-        summary.bytes += nbytes
-        summary.tensors += len(bucket)
-        summary.max_bucket_bytes = max(summary.max_bucket_bytes, nbytes)
-        summary.buckets = index + 1
-        meta = bucket_meta(version, index, final=final, tensors=summary.tensors)
-        for chunk in iter_chunks(dict(bucket), meta):
-            yield rollout_pb2.WeightChunk(version=version, chunk=chunk)
+    summary = PushSummary(version)
+    for index, (bucket, final) in enumerate(iter_buckets(named, bucket_bytes)):
+        tensors = dict(bucket)
         del bucket
+        _count(summary, tensors, index, None)
+        yield from _bucket_chunks(tensors, version, index, final, summary.tensors)
+
+
+def _count(
+    summary: PushSummary,
+    tensors: dict[str, torch.Tensor],
+    index: int,
+    on_bucket: Callable[[int], None] | None,
+) -> None:
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if on_bucket is not None:
+        on_bucket(nbytes)
+    summary.bytes += nbytes
+    summary.tensors += len(tensors)
+    summary.max_bucket_bytes = max(summary.max_bucket_bytes, nbytes)
+    summary.buckets = index + 1
+
+
+def _bucket_chunks(
+    tensors: dict[str, torch.Tensor], version: int, index: int, final: bool, total_tensors: int
+) -> Iterator[rollout_pb2.WeightChunk]:
+    meta = bucket_meta(version, index, final=final, tensors=total_tensors)
+    for chunk in iter_chunks(tensors, meta):
+        yield rollout_pb2.WeightChunk(version=version, chunk=chunk)
 
 
 def _push_stream(
@@ -232,9 +228,14 @@ def _push_stream(
     for s in senders:
         s.thread.start()
     try:
-        for msg in _encode(buckets, version, summary, on_bucket):
-            for s in senders:
-                s.put(msg)
+        for index, (bucket, final) in enumerate(buckets):
+            tensors = dict(bucket)
+            del bucket
+            _count(summary, tensors, index, on_bucket)
+            for msg in _bucket_chunks(tensors, version, index, final, summary.tensors):
+                for s in senders:
+                    s.put(msg)
+            del tensors
     finally:
         for s in senders:
             s.put(_Sender._END)
@@ -244,8 +245,65 @@ def _push_stream(
     return summary
 
 
+class _BulkTarget:
+    """One replica's update over the bulk data plane, a transfer per bucket; or its
+    gRPC stream, when the replica refused the bulk plane for bucket 0."""
+
+    def __init__(
+        self,
+        replica_id: str,
+        address: str,
+        version: int,
+        transports: Sequence[str],
+        timeout_s: float,
+        token: str | None,
+    ) -> None:
+        # Deferred: the rollout client pulls in the rollout package, which a trainer
+        # that only streams over gRPC does not need.
+        from rlfleet.rollout.client import BulkUpdate
+
+        self.result = ReplicaResult(replica_id, address)
+        self._timeout_s, self._token = timeout_s, token
+        self._start = time.perf_counter()
+        self.channel = create_channel(address, auth_token=token)
+        stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
+        self.update = BulkUpdate(stub, version, transports, timeout_s=timeout_s)
+        self.stream: _Sender | None = None
+        self.failed = False
+
+    def send(self, tensors: dict[str, torch.Tensor], final: bool) -> bool:
+        """Move and commit one bucket; False when the replica chose the gRPC stream
+        (bucket 0 only; nothing was sent). A failure is recorded, not raised."""
+        try:
+            if self.update.send(tensors, final=final) is None:
+                return False
+            if final:
+                self.result.ok, self.result.transport = True, self.update.transport
+        except Exception as e:  # reported per replica; the push to the others goes on
+            self.failed = True
+            where = f"bucket {self.update.buckets}"
+            self.result.error = f"{type(e).__name__} ({where}): {e}"
+        self.result.seconds = time.perf_counter() - self._start
+        return True
+
+    def fall_back(self) -> _Sender:
+        self.stream = _Sender(
+            self.result.replica_id, self.result.address, self._timeout_s, self._token
+        )
+        self.stream.thread.start()
+        return self.stream
+
+    def finish(self) -> ReplicaResult:
+        if self.stream is not None:
+            self.stream.put(_Sender._END)
+            self.stream.thread.join()
+            self.result = self.stream.result
+        self.channel.close()
+        return self.result
+
+
 def _push_bulk(
-    tensors: dict[str, torch.Tensor],
+    buckets: Iterator[tuple[list[tuple[str, torch.Tensor]], bool]],
     targets: Sequence[tuple[str, str]],
     version: int,
     transports: Sequence[str],
@@ -253,38 +311,39 @@ def _push_bulk(
     auth_token: str | None,
     on_bucket: Callable[[int], None] | None,
 ) -> PushSummary:
-    """The whole model (one bucket) to every replica over the negotiated data plane."""
-    # Deferred: the rollout client pulls in the rollout package, which a trainer that
-    # only streams over gRPC does not need.
-    from rlfleet.rollout.client import push_weights as push_to_replica
+    """Every bucket to every replica over the negotiated data plane (module docstring).
 
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    if on_bucket is not None:
-        on_bucket(nbytes)
-    summary = PushSummary(
-        version=version, bytes=nbytes, tensors=len(tensors), buckets=1, max_bucket_bytes=nbytes
-    )
-
-    def one(rid: str, address: str) -> ReplicaResult:
-        result = ReplicaResult(rid, address)
-        start = time.perf_counter()
-        try:
-            update = push_to_replica(
-                address,
-                tensors,
-                version,
-                transports=transports,
-                timeout_s=timeout_s,
-                auth_token=auth_token,
-            )
-            result.ok, result.transport = True, update.transport
-        except RlfleetError as e:  # reported per replica; the push to the others goes on
-            result.error = f"{type(e).__name__}: {e}"
-        except (OSError, ValueError) as e:  # a socket or shared-memory failure
-            result.error = f"{type(e).__name__}: {e}"
-        result.seconds = time.perf_counter() - start
-        return result
-
-    with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
-        summary.results = list(pool.map(lambda t: one(*t), targets))
+    Per bucket: the replicas' transfers run in parallel from the same tensors, the
+    gRPC streams of replicas that refused the bulk plane are fed meanwhile, and the
+    next bucket is gathered once all of them are done with this one."""
+    summary = PushSummary(version=version)
+    replicas = [
+        _BulkTarget(rid, addr, version, transports, timeout_s, auth_token) for rid, addr in targets
+    ]
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, len(replicas))) as pool:
+            for index, (bucket, final) in enumerate(buckets):
+                tensors = dict(bucket)
+                del bucket
+                _count(summary, tensors, index, on_bucket)
+                live = [r for r in replicas if r.stream is None and not r.failed]
+                moving = [(r, pool.submit(r.send, tensors, final)) for r in live]
+                streams = [r.stream for r in replicas if r.stream is not None]
+                if streams:
+                    _feed(streams, _bucket_chunks(tensors, version, index, final, summary.tensors))
+                refused = [r for r, f in moving if not f.result()]
+                if refused:  # bucket 0: these replicas take the gRPC stream
+                    _feed(
+                        [r.fall_back() for r in refused],
+                        _bucket_chunks(tensors, version, index, final, summary.tensors),
+                    )
+                del tensors, moving
+    finally:
+        summary.results = [r.finish() for r in replicas]
     return summary
+
+
+def _feed(senders: Sequence[_Sender], chunks: Iterable[rollout_pb2.WeightChunk]) -> None:
+    for msg in chunks:
+        for s in senders:
+            s.put(msg)

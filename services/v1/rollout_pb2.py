@@ -26,17 +26,17 @@ _sym_db = _symbol_database.Default()
 from rlfleet.v1 import common_pb2 as rlfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/rollout.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/common.proto\"\xd0\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x12\n\ndetokenize\x18\t \x01(\x08\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\x07\n\x05_seed\"\'\n\x06Prompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x94\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x07prompts\x18\x02 \x03(\x0b\x32\x12.rlfleet.v1.Prompt\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12\x1a\n\x12min_weight_version\x18\x04 \x01(\x04\"\xdf\x01\n\x0eGenerateResult\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x14\n\x0cprompt_index\x18\x02 \x01(\r\x12\x14\n\x0csample_index\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x0c\n\x04text\x18\x06 \x01(\t\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.rlfleet.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x08 \x01(\x04\x12\x12\n\nreplica_id\x18\t \x01(\t\"K\n\x0bWeightChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1c.rlfleet.v1.TensorBatchChunk\"Y\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07tensors\x18\x03 \x01(\r\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"K\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.rlfleet.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xb8\x01\n\x13WeightTransferOffer\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.rlfleet.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12/\n\ntransports\x18\x05 \x03(\x0e\x32\x1b.rlfleet.v1.WeightTransport\x12\x13\n\x0bsender_host\x18\x06 \x01(\tJ\x04\x08\x04\x10\x05R\x06sha256\"z\n\x12WeightTransferPlan\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12.\n\ttransport\x18\x02 \x01(\x0e\x32\x1b.rlfleet.v1.WeightTransport\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\t\";\n\x14WeightTransferCommit\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63rc32c\x18\x02 \x03(\x07\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\"$\n\rSleepResponse\x12\x13\n\x0b\x66reed_bytes\x18\x01 \x01(\x04\"\x0f\n\rWakeUpRequest\"\x10\n\x0eWakeUpResponse\"\x19\n\x17GetRolloutStatusRequest\"\xdb\x01\n\rRolloutStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x16\n\x0eweight_version\x18\x06 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x07 \x01(\r\x12\x19\n\x11tokens_per_second\x18\x08 \x01(\x01\x12\x10\n\x08sleeping\x18\t \x01(\x08\x12\x1e\n\x16generated_tokens_total\x18\n \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xbc\x01\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12\x19\n\x15WEIGHT_TRANSPORT_GRPC\x10\x01\x12\x18\n\x14WEIGHT_TRANSPORT_TCP\x10\x02\x12\x18\n\x14WEIGHT_TRANSPORT_SHM\x10\x03\x12\x19\n\x15WEIGHT_TRANSPORT_NCCL\x10\x04\x12\x1d\n\x19WEIGHT_TRANSPORT_CUDA_IPC\x10\x05\x32\xa6\x04\n\x0eRolloutService\x12\x45\n\x08Generate\x12\x1b.rlfleet.v1.GenerateRequest\x1a\x1a.rlfleet.v1.GenerateResult0\x01\x12M\n\rUpdateWeights\x12\x17.rlfleet.v1.WeightChunk\x1a!.rlfleet.v1.UpdateWeightsResponse(\x01\x12U\n\x12OpenWeightTransfer\x12\x1f.rlfleet.v1.WeightTransferOffer\x1a\x1e.rlfleet.v1.WeightTransferPlan\x12[\n\x14\x43ommitWeightTransfer\x12 .rlfleet.v1.WeightTransferCommit\x1a!.rlfleet.v1.UpdateWeightsResponse\x12<\n\x05Sleep\x12\x18.rlfleet.v1.SleepRequest\x1a\x19.rlfleet.v1.SleepResponse\x12?\n\x06WakeUp\x12\x19.rlfleet.v1.WakeUpRequest\x1a\x1a.rlfleet.v1.WakeUpResponse\x12K\n\tGetStatus\x12#.rlfleet.v1.GetRolloutStatusRequest\x1a\x19.rlfleet.v1.RolloutStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/rollout.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/common.proto\"\xd0\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x12\n\ndetokenize\x18\t \x01(\x08\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\x07\n\x05_seed\"\'\n\x06Prompt\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x94\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x07prompts\x18\x02 \x03(\x0b\x32\x12.rlfleet.v1.Prompt\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12\x1a\n\x12min_weight_version\x18\x04 \x01(\x04\"\xdf\x01\n\x0eGenerateResult\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x14\n\x0cprompt_index\x18\x02 \x01(\r\x12\x14\n\x0csample_index\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x0c\n\x04text\x18\x06 \x01(\t\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.rlfleet.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x08 \x01(\x04\x12\x12\n\nreplica_id\x18\t \x01(\t\"K\n\x0bWeightChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1c.rlfleet.v1.TensorBatchChunk\"i\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07tensors\x18\x03 \x01(\r\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x0e\n\x06staged\x18\x05 \x01(\x08\"K\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.rlfleet.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xf1\x01\n\x13WeightTransferOffer\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.rlfleet.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12/\n\ntransports\x18\x05 \x03(\x0e\x32\x1b.rlfleet.v1.WeightTransport\x12\x13\n\x0bsender_host\x18\x06 \x01(\t\x12\x0e\n\x06\x62ucket\x18\x07 \x01(\r\x12\x14\n\x0cmore_buckets\x18\x08 \x01(\x08\x12\x11\n\tupdate_id\x18\t \x01(\tJ\x04\x08\x04\x10\x05R\x06sha256\"\x8d\x01\n\x12WeightTransferPlan\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12.\n\ttransport\x18\x02 \x01(\x0e\x32\x1b.rlfleet.v1.WeightTransport\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\t\x12\x11\n\tupdate_id\x18\x05 \x01(\t\";\n\x14WeightTransferCommit\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63rc32c\x18\x02 \x03(\x07\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\"$\n\rSleepResponse\x12\x13\n\x0b\x66reed_bytes\x18\x01 \x01(\x04\"\x0f\n\rWakeUpRequest\"\x10\n\x0eWakeUpResponse\"\x19\n\x17GetRolloutStatusRequest\"\xdb\x01\n\rRolloutStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x16\n\x0eweight_version\x18\x06 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x07 \x01(\r\x12\x19\n\x11tokens_per_second\x18\x08 \x01(\x01\x12\x10\n\x08sleeping\x18\t \x01(\x08\x12\x1e\n\x16generated_tokens_total\x18\n \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xbc\x01\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12\x19\n\x15WEIGHT_TRANSPORT_GRPC\x10\x01\x12\x18\n\x14WEIGHT_TRANSPORT_TCP\x10\x02\x12\x18\n\x14WEIGHT_TRANSPORT_SHM\x10\x03\x12\x19\n\x15WEIGHT_TRANSPORT_NCCL\x10\x04\x12\x1d\n\x19WEIGHT_TRANSPORT_CUDA_IPC\x10\x05\x32\xa6\x04\n\x0eRolloutService\x12\x45\n\x08Generate\x12\x1b.rlfleet.v1.GenerateRequest\x1a\x1a.rlfleet.v1.GenerateResult0\x01\x12M\n\rUpdateWeights\x12\x17.rlfleet.v1.WeightChunk\x1a!.rlfleet.v1.UpdateWeightsResponse(\x01\x12U\n\x12OpenWeightTransfer\x12\x1f.rlfleet.v1.WeightTransferOffer\x1a\x1e.rlfleet.v1.WeightTransferPlan\x12[\n\x14\x43ommitWeightTransfer\x12 .rlfleet.v1.WeightTransferCommit\x1a!.rlfleet.v1.UpdateWeightsResponse\x12<\n\x05Sleep\x12\x18.rlfleet.v1.SleepRequest\x1a\x19.rlfleet.v1.SleepResponse\x12?\n\x06WakeUp\x12\x19.rlfleet.v1.WakeUpRequest\x1a\x1a.rlfleet.v1.WakeUpResponse\x12K\n\tGetStatus\x12#.rlfleet.v1.GetRolloutStatusRequest\x1a\x19.rlfleet.v1.RolloutStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1664
-  _globals['_FINISHREASON']._serialized_end=1784
-  _globals['_WEIGHTTRANSPORT']._serialized_start=1787
-  _globals['_WEIGHTTRANSPORT']._serialized_end=1975
+  _globals['_FINISHREASON']._serialized_start=1757
+  _globals['_FINISHREASON']._serialized_end=1877
+  _globals['_WEIGHTTRANSPORT']._serialized_start=1880
+  _globals['_WEIGHTTRANSPORT']._serialized_end=2068
   _globals['_SAMPLINGPARAMS']._serialized_start=66
   _globals['_SAMPLINGPARAMS']._serialized_end=274
   _globals['_PROMPT']._serialized_start=276
@@ -48,27 +48,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WEIGHTCHUNK']._serialized_start=694
   _globals['_WEIGHTCHUNK']._serialized_end=769
   _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=771
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=860
-  _globals['_TENSORSPEC']._serialized_start=862
-  _globals['_TENSORSPEC']._serialized_end=937
-  _globals['_WEIGHTTRANSFEROFFER']._serialized_start=940
-  _globals['_WEIGHTTRANSFEROFFER']._serialized_end=1124
-  _globals['_WEIGHTTRANSFERPLAN']._serialized_start=1126
-  _globals['_WEIGHTTRANSFERPLAN']._serialized_end=1248
-  _globals['_WEIGHTTRANSFERCOMMIT']._serialized_start=1250
-  _globals['_WEIGHTTRANSFERCOMMIT']._serialized_end=1309
-  _globals['_SLEEPREQUEST']._serialized_start=1311
-  _globals['_SLEEPREQUEST']._serialized_end=1340
-  _globals['_SLEEPRESPONSE']._serialized_start=1342
-  _globals['_SLEEPRESPONSE']._serialized_end=1378
-  _globals['_WAKEUPREQUEST']._serialized_start=1380
-  _globals['_WAKEUPREQUEST']._serialized_end=1395
-  _globals['_WAKEUPRESPONSE']._serialized_start=1397
-  _globals['_WAKEUPRESPONSE']._serialized_end=1413
-  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_start=1415
-  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_end=1440
-  _globals['_ROLLOUTSTATUS']._serialized_start=1443
-  _globals['_ROLLOUTSTATUS']._serialized_end=1662
-  _globals['_ROLLOUTSERVICE']._serialized_start=1978
-  _globals['_ROLLOUTSERVICE']._serialized_end=2528
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=876
+  _globals['_TENSORSPEC']._serialized_start=878
+  _globals['_TENSORSPEC']._serialized_end=953
+  _globals['_WEIGHTTRANSFEROFFER']._serialized_start=956
+  _globals['_WEIGHTTRANSFEROFFER']._serialized_end=1197
+  _globals['_WEIGHTTRANSFERPLAN']._serialized_start=1200
+  _globals['_WEIGHTTRANSFERPLAN']._serialized_end=1341
+  _globals['_WEIGHTTRANSFERCOMMIT']._serialized_start=1343
+  _globals['_WEIGHTTRANSFERCOMMIT']._serialized_end=1402
+  _globals['_SLEEPREQUEST']._serialized_start=1404
+  _globals['_SLEEPREQUEST']._serialized_end=1433
+  _globals['_SLEEPRESPONSE']._serialized_start=1435
+  _globals['_SLEEPRESPONSE']._serialized_end=1471
+  _globals['_WAKEUPREQUEST']._serialized_start=1473
+  _globals['_WAKEUPREQUEST']._serialized_end=1488
+  _globals['_WAKEUPRESPONSE']._serialized_start=1490
+  _globals['_WAKEUPRESPONSE']._serialized_end=1506
+  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_start=1508
+  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_end=1533
+  _globals['_ROLLOUTSTATUS']._serialized_start=1536
+  _globals['_ROLLOUTSTATUS']._serialized_end=1755
+  _globals['_ROLLOUTSERVICE']._serialized_start=2071
+  _globals['_ROLLOUTSERVICE']._serialized_end=2621
 # @@protoc_insertion_point(module_scope)

@@ -110,16 +110,18 @@ class WeightChunk(_message.Message):
     def __init__(self, version: _Optional[int] = ..., chunk: _Optional[_Union[_common_pb2.TensorBatchChunk, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("version", "bytes", "tensors", "seconds")
+    __slots__ = ("version", "bytes", "tensors", "seconds", "staged")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     version: int
     bytes: int
     tensors: int
     seconds: float
-    def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., tensors: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    staged: bool
+    def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., tensors: _Optional[int] = ..., seconds: _Optional[float] = ..., staged: _Optional[bool] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -132,30 +134,38 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WeightTransferOffer(_message.Message):
-    __slots__ = ("version", "tensors", "total_bytes", "transports", "sender_host")
+    __slots__ = ("version", "tensors", "total_bytes", "transports", "sender_host", "bucket", "more_buckets", "update_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     SENDER_HOST_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    MORE_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
     transports: _containers.RepeatedScalarFieldContainer[WeightTransport]
     sender_host: str
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., transports: _Optional[_Iterable[_Union[WeightTransport, str]]] = ..., sender_host: _Optional[str] = ...) -> None: ...
+    bucket: int
+    more_buckets: bool
+    update_id: str
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., transports: _Optional[_Iterable[_Union[WeightTransport, str]]] = ..., sender_host: _Optional[str] = ..., bucket: _Optional[int] = ..., more_buckets: _Optional[bool] = ..., update_id: _Optional[str] = ...) -> None: ...
 
 class WeightTransferPlan(_message.Message):
-    __slots__ = ("transfer_id", "transport", "endpoint", "token")
+    __slots__ = ("transfer_id", "transport", "endpoint", "token", "update_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     transport: WeightTransport
     endpoint: str
     token: str
-    def __init__(self, transfer_id: _Optional[str] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+    update_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., endpoint: _Optional[str] = ..., token: _Optional[str] = ..., update_id: _Optional[str] = ...) -> None: ...
 
 class WeightTransferCommit(_message.Message):
     __slots__ = ("transfer_id", "crc32c")

@@ -1,10 +1,17 @@
 """The trainer's bucketed weight push into a real rollout service (HF engine, tiny model,
 gRPC on 127.0.0.1 port 0): several buckets in one ``UpdateWeights`` call arrive whole,
-a corrupt, missing or truncated bucket changes nothing, and a one-bucket model takes
-the bulk data plane when asked."""
+a corrupt, missing or truncated bucket changes nothing; over the bulk data plane
+(TCP, shared memory) a one-bucket model and a many-bucket one arrive whole and once,
+a corrupt middle bucket or a pusher killed between buckets changes nothing, and a
+replica that refuses the bulk plane gets the gRPC stream."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,15 +20,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from rlfleet.rollout import client as rollout_client  # noqa: E402
 from rlfleet.rollout.client import RemoteRolloutClient  # noqa: E402
 from rlfleet.rollout.core import RolloutCore  # noqa: E402
 from rlfleet.rollout.engine import SamplingParams  # noqa: E402
 from rlfleet.rollout.hf_engine import HFEngine  # noqa: E402
 from rlfleet.rollout.server import start_rollout_server  # noqa: E402
+from rlfleet.rollout.transport import tensor_crcs  # noqa: E402
 from rlfleet.trainer.client import InProcessTrainerClient  # noqa: E402
 from rlfleet.trainer.core import TrainerCore  # noqa: E402
 from rlfleet.trainer.testing import make_batch, make_config  # noqa: E402
-from rlfleet.trainer.weights import iter_weight_chunks  # noqa: E402
+from rlfleet.trainer.weights import iter_buckets, iter_weight_chunks  # noqa: E402
 from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -172,8 +181,175 @@ def test_one_bucket_model_takes_the_bulk_plane(
     ours = dict(trainer.iter_weights())
     assert all(torch.equal(p, ours[n]) for n, p in _params(engine).items())
     assert engine.info().weight_version == 2
-    # Several buckets: the bulk plane takes whole updates only, so the gRPC stream.
-    out = client.push_weights(
-        [("r0", address)], version=3, bucket_bytes=BUCKET, transports=[transport]
+
+
+@pytest.fixture(params=[60.0])
+def replica(
+    tiny_model_dir: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[RolloutCore, HFEngine, str]]:
+    """A replica whose uncommitted transfers and idle bucketed updates expire after
+    ``request.param`` seconds."""
+    engine = HFEngine(tiny_model_dir)
+    core = RolloutCore(engine, replica_id="r0", transfer_timeout_s=request.param)
+    server = start_rollout_server(core)
+    try:
+        yield core, engine, server.address
+    finally:
+        server.stop(0)
+        core.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_bucketed_model_takes_the_bulk_plane(
+    trainer: TrainerCore, replica: tuple[RolloutCore, HFEngine, str], transport: str
+) -> None:
+    """Seven+ buckets, one transfer each, into a real replica next to an unreachable
+    one: bit-exact, applied once, the failing target reported on its own."""
+    core, engine, address = replica
+    before = _generate(address)
+    out = InProcessTrainerClient(trainer).push_weights(
+        [("r0", address), ("gone", "127.0.0.1:1")],
+        version=6,
+        bucket_bytes=BUCKET,
+        transports=[transport],
     )
-    assert out.transports == {"r0": "grpc"} and engine.info().weight_version == 3
+    assert out.ok == {"r0": True, "gone": False}
+    assert "gone" in out.errors and "r0" not in out.errors
+    assert out.transports == {"r0": transport}
+    ours = dict(trainer.iter_weights())
+    theirs = _params(engine)
+    assert set(theirs) == set(ours) and all(torch.equal(theirs[n], ours[n]) for n in ours)
+    assert engine.info().weight_version == 6
+    assert core._weights.updates == 1  # one swap for all the buckets
+    assert core._bulk.staged_updates() == {}
+    after = _generate(address)
+    assert {v for *_, v in after} == {6} and after != before
+    # One transfer per bucket, each with its buffer. Shared memory: copied, so its
+    # segments are now the spares. TCP: the engine adopted the buffers as its weights
+    # and releases them (as the spares) when the next update replaces them.
+    buckets = len(list(iter_buckets(trainer.iter_weights(), BUCKET)))
+    assert buckets >= 3
+    assert core._weights.last is not None
+    assert core._weights.last.adopted is (transport == "tcp")
+    if transport == "tcp":
+        assert core._bulk._spare_arrays == []
+        again = InProcessTrainerClient(trainer).push_weights(
+            [("r0", address)], version=7, bucket_bytes=BUCKET, transports=[transport]
+        )
+        assert again.ok == {"r0": True}, again.errors
+        assert all(torch.equal(p, ours[n]) for n, p in _params(engine).items())
+    spares = core._bulk._spare_arrays if transport == "tcp" else core._bulk._spare_shms
+    assert len(spares) == buckets
+
+
+def test_bucketed_push_falls_back_to_grpc_when_the_bulk_plane_is_refused(
+    trainer: TrainerCore, replica: tuple[RolloutCore, HFEngine, str]
+) -> None:
+    core, engine, address = replica
+    core._bulk._node = "another-host"  # shared memory cannot be served to this sender
+    out = InProcessTrainerClient(trainer).push_weights(
+        [("r0", address)], version=3, bucket_bytes=BUCKET, transports=["shm", "grpc"]
+    )
+    assert out.ok == {"r0": True}, out.errors
+    assert out.transports == {"r0": "grpc"}
+    ours = dict(trainer.iter_weights())
+    assert all(torch.equal(p, ours[n]) for n, p in _params(engine).items())
+    assert engine.info().weight_version == 3 and core._bulk.staged_updates() == {}
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_corrupt_middle_bucket_over_the_bulk_plane_changes_nothing(
+    trainer: TrainerCore,
+    replica: tuple[RolloutCore, HFEngine, str],
+    transport: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bucket 1's bytes are damaged on the way (the sender commits the CRC-32Cs of the
+    true bytes): DATA_LOSS, the staged bucket 0 is dropped, the old weights serve."""
+    core, engine, address = replica
+    old, before = _params(engine), _generate(address)
+    real = getattr(rollout_client, f"send_{transport}")
+    calls = []
+
+    def damaged(plan, named, specs, **kw):  # type: ignore[no-untyped-def]
+        calls.append(len(calls))
+        if len(calls) == 2:
+            name = specs[len(specs) // 2].name
+            bad = dict(named)
+            bad[name] = named[name].clone()
+            bad[name].view(-1)[0] += 1.0
+            real(plan, bad, specs, **kw)
+            return tensor_crcs(named, specs)
+        return real(plan, named, specs, **kw)
+
+    monkeypatch.setattr(rollout_client, f"send_{transport}", damaged)
+    out = InProcessTrainerClient(trainer).push_weights(
+        [("r0", address)], version=7, bucket_bytes=BUCKET, transports=[transport]
+    )
+    assert out.ok == {"r0": False}
+    assert "DataLoss" in out.errors["r0"] and "CRC-32C mismatch" in out.errors["r0"]
+    assert len(calls) == 2  # nothing sent after the failed bucket
+    assert core._bulk.staged_updates() == {}
+    assert engine.info().weight_version == 0
+    assert all(torch.equal(p, old[n]) for n, p in _params(engine).items())
+    assert _generate(address) == before
+
+
+_PUSHER = """
+import sys, time
+import torch
+from rlfleet.trainer.weights import push_weights
+
+address, path, bucket_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+weights = torch.load(path)
+gathered = []
+
+def on_bucket(nbytes):
+    gathered.append(nbytes)
+    if len(gathered) == 3:  # buckets 0 and 1 committed, bucket 2 about to move
+        print("stalled", flush=True)
+        time.sleep(600)
+
+push_weights(weights.items(), [("r0", address)], 8, bucket_bytes=bucket_bytes,
+             transports=["tcp"], on_bucket=on_bucket)
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("replica", [2.0], indirect=True)
+def test_pusher_killed_between_buckets_leaves_the_old_weights(
+    trainer: TrainerCore, replica: tuple[RolloutCore, HFEngine, str], tmp_path: Path
+) -> None:
+    """A pusher process killed (SIGKILL) after two committed buckets: the replica keeps
+    serving the old weights, drops the staged buckets when the update expires, and
+    takes the next push whole."""
+    core, engine, address = replica
+    old, before = _params(engine), _generate(address)
+    torch.save(dict(trainer.iter_weights()), tmp_path / "weights.pt")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PUSHER, address, str(tmp_path / "weights.pt"), str(BUCKET)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "stalled"
+        assert list(core._bulk.staged_updates().values()) == [2]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert engine.info().weight_version == 0
+    assert _generate(address) == before
+    deadline = time.monotonic() + 20
+    while core._bulk.staged_updates() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert core._bulk.staged_updates() == {}  # expired (2 s without a bucket)
+    assert all(torch.equal(p, old[n]) for n, p in _params(engine).items())
+
+    out = InProcessTrainerClient(trainer).push_weights(
+        [("r0", address)], version=8, bucket_bytes=BUCKET, transports=["tcp"]
+    )
+    assert out.ok == {"r0": True}, out.errors
+    ours = dict(trainer.iter_weights())
+    assert all(torch.equal(p, ours[n]) for n, p in _params(engine).items())
+    assert engine.info().weight_version == 8

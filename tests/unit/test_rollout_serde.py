@@ -9,6 +9,7 @@ from rlfleet.common.errors import InvalidArgument
 from rlfleet.rollout import serde
 from rlfleet.rollout.engine import SamplingParams
 from rlfleet.rollout.transport import TransferOffer, TransferPlan
+from rlfleet.rollout.weights import UpdateResult
 from rlfleet.v1 import common_pb2, rollout_pb2
 
 
@@ -43,8 +44,37 @@ def test_offer_and_plan_round_trip() -> None:
         serde.offer_to_proto(offer).SerializeToString()
     )
     assert serde.offer_from_proto(wire) == offer
+    assert offer.whole and not wire.more_buckets  # the default: one whole update
     plan = TransferPlan("id", "tcp", "127.0.0.1:5", "tok")
     assert serde.plan_from_proto(serde.plan_to_proto(plan)) == plan
+
+
+@pytest.mark.parametrize(("bucket", "final"), [(0, False), (2, False), (3, True)])
+def test_bucket_offer_plan_and_staged_result_round_trip(bucket: int, final: bool) -> None:
+    bf16 = common_pb2.DType.Value("BFLOAT16")
+    offer = TransferOffer(
+        version=9,
+        tensors=[TensorSpec("a", bf16, (2, 3), 12, 0)],
+        total_bytes=12,
+        transports=["tcp"],
+        sender_host="h",
+        bucket=bucket,
+        final=final,
+        update_id="" if bucket == 0 else "u1",
+    )
+    wire = rollout_pb2.WeightTransferOffer.FromString(
+        serde.offer_to_proto(offer).SerializeToString()
+    )
+    assert (wire.bucket, wire.more_buckets) == (bucket, not final)
+    assert serde.offer_from_proto(wire) == offer
+    assert not offer.whole
+    plan = TransferPlan("id", "shm", "seg", "", update_id="u1")
+    assert serde.plan_from_proto(serde.plan_to_proto(plan)) == plan
+    staged = UpdateResult(version=3, bytes=12, tensors=1, seconds=0.5, transport="tcp", staged=True)
+    back = rollout_pb2.UpdateWeightsResponse.FromString(
+        serde.update_to_proto(staged).SerializeToString()
+    )
+    assert serde.update_from_proto(back, "tcp") == staged
 
 
 def test_offer_with_unknown_transport_is_refused() -> None:

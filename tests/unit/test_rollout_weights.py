@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from rlfleet.common.errors import (  # noqa: E402
     DataLoss,
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
 )
 from rlfleet.rollout import transport as transport_mod  # noqa: E402
 from rlfleet.rollout.hf_engine import HFEngine  # noqa: E402
@@ -180,8 +182,8 @@ def test_bulk_staging_buffer_is_reused(engine: HFEngine, transport: str) -> None
         endpoints.append(plan.endpoint)
         bulk.commit(plan.transfer_id, send(transport, plan, w, offer.tensors))
         assert_weights(engine, w)
-    spare = bulk._spare_array if transport == "tcp" else bulk._spare_shm
-    assert spare is not None
+    spares = bulk._spare_arrays if transport == "tcp" else bulk._spare_shms
+    assert len(spares) == 1
     if transport == "shm":  # the same segment every time
         assert len(set(endpoints)) == 1
     # Two transfers open at once: the second cannot share the first's buffer.
@@ -279,4 +281,204 @@ def test_bulk_offer_checked_before_bytes_move(engine: HFEngine) -> None:
     other_host = make_offer(new_weights(engine), 1, ["shm", "tcp"])
     object.__setattr__(other_host, "sender_host", "elsewhere")
     assert bulk.open(other_host).transport == "tcp"
+    bulk.close()
+
+
+# ------------------------------------------------------------- bucketed bulk updates
+
+
+def split(w: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+    """``w`` in ``n`` buckets of consecutive tensors."""
+    names = list(w)
+    step = -(-len(names) // n)
+    return [{k: w[k] for k in names[i : i + step]} for i in range(0, len(names), step)]
+
+
+def send_bucket(
+    bulk: BulkReceiver,
+    transport: str,
+    bucket: dict[str, torch.Tensor],
+    version: int,
+    index: int,
+    final: bool,
+    update_id: str,
+    *,
+    tamper: bool = False,
+) -> tuple[str, list[int], str]:
+    """Offer, move (tampered: one value changed, the true CRC-32Cs returned); returns
+    ``(transfer_id, crcs, update_id)``."""
+    offer = make_offer(bucket, version, [transport], bucket=index, final=final, update_id=update_id)
+    plan = bulk.open(offer)
+    assert plan.transport == transport and plan.update_id
+    assert update_id in ("", plan.update_id)
+    sent = bucket
+    if tamper:
+        name = next(iter(bucket))
+        sent = {**bucket, name: bucket[name].clone()}
+        sent[name].view(-1)[0] += 1.0
+    send(transport, plan, sent, offer.tensors)
+    return plan.transfer_id, tensor_crcs(bucket, offer.tensors), plan.update_id
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_bucketed_bulk_update_applies_once_after_the_final_bucket(
+    engine: HFEngine, transport: str
+) -> None:
+    old = snapshot(engine)
+    bulk = BulkReceiver(WeightReceiver(engine), engine)
+    serving = 0
+    for version in (3, 4):  # twice: the second update reuses the first one's buffers
+        w = new_weights(engine, seed=version)
+        buckets = split(w, 4)
+        assert len(buckets) >= 3
+        update_id = ""
+        for i, b in enumerate(buckets):
+            final = i == len(buckets) - 1
+            tid, crcs, update_id = send_bucket(bulk, transport, b, version, i, final, update_id)
+            result = bulk.commit(tid, crcs)
+            if not final:
+                assert result.staged and result.version == serving
+                assert bulk.staged_updates() == {update_id: i + 1}
+                assert_weights(engine, old)  # nothing applied before the final bucket
+            else:
+                assert not result.staged and result.version == version
+                assert (result.tensors, result.bytes) == (
+                    len(w),
+                    sum(t.numel() * t.element_size() for t in w.values()),
+                )
+        assert_weights(engine, w)
+        assert bulk.staged_updates() == {}
+        old, serving = w, version
+    spares = bulk._spare_arrays if transport == "tcp" else bulk._spare_shms
+    assert len(spares) == len(buckets)  # one update's buffers, kept for the next
+    bulk.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_corrupt_middle_bucket_drops_the_staged_update(engine: HFEngine, transport: str) -> None:
+    old = snapshot(engine)
+    bulk = BulkReceiver(WeightReceiver(engine), engine)
+    buckets = split(new_weights(engine), 3)
+    tid, crcs, uid = send_bucket(bulk, transport, buckets[0], 1, 0, False, "")
+    bulk.commit(tid, crcs)
+    tid, crcs, _ = send_bucket(bulk, transport, buckets[1], 1, 1, False, uid, tamper=True)
+    with pytest.raises(DataLoss, match=r"bucket 1.*CRC-32C mismatch"):
+        bulk.commit(tid, crcs)
+    assert bulk.staged_updates() == {}
+    with pytest.raises(NotFound, match="no bucketed weight update"):
+        bulk.open(make_offer(buckets[2], 1, [transport], bucket=2, update_id=uid))
+    assert_weights(engine, old)
+    assert engine.info().weight_version == 0
+    bulk.close()
+
+
+def test_bucket_offers_are_checked_against_the_earlier_buckets(engine: HFEngine) -> None:
+    """Out of order, a tensor twice, or a final bucket that leaves the model
+    uncovered: refused before any byte moves, and the staged buckets are dropped."""
+    bulk = BulkReceiver(WeightReceiver(engine), engine)
+    w = new_weights(engine)
+    b0, b1, b2 = split(w, 3)
+
+    def staged_update() -> str:
+        tid, crcs, uid = send_bucket(bulk, "tcp", b0, 1, 0, False, "")
+        bulk.commit(tid, crcs)
+        return uid
+
+    for offer, match in [
+        (lambda u: make_offer(b2, 1, ["tcp"], bucket=2, final=False, update_id=u), "in order"),
+        (lambda u: make_offer(b0, 1, ["tcp"], bucket=1, final=False, update_id=u), "repeats"),
+        (lambda u: make_offer(b1, 1, ["tcp"], bucket=1, final=True, update_id=u), "missing"),
+        (lambda u: make_offer(b1, 2, ["tcp"], bucket=1, final=False, update_id=u), "version 2"),
+    ]:
+        uid = staged_update()
+        with pytest.raises(InvalidArgument, match=match):
+            bulk.open(offer(uid))
+        assert bulk.staged_updates() == {}
+    with pytest.raises(InvalidArgument, match="without an update_id"):
+        bulk.open(make_offer(b1, 1, ["tcp"], bucket=1, final=False))
+    with pytest.raises(InvalidArgument, match="missing"):  # one "final" bucket 0 is whole
+        bulk.open(make_offer(b0, 1, ["tcp"]))
+    assert engine.info().weight_version == 0
+    bulk.close()
+
+
+def test_an_abandoned_bucketed_update_expires(engine: HFEngine) -> None:
+    """The pusher stops after bucket 0: the reaper drops the staged bucket after the
+    time-out, with no further traffic; nothing was applied."""
+    old = snapshot(engine)
+    bulk = BulkReceiver(WeightReceiver(engine), engine, timeout_s=0.5)
+    b0 = split(new_weights(engine), 3)[0]
+    tid, crcs, uid = send_bucket(bulk, "shm", b0, 1, 0, False, "")
+    bulk.commit(tid, crcs)
+    assert bulk.staged_updates() == {uid: 1}
+    deadline = time.monotonic() + 10
+    while bulk.staged_updates() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert bulk.staged_updates() == {}
+    assert_weights(engine, old)
+    bulk.close()
+
+
+# ------------------------------------------------- adopted staging tensors (no apply copy)
+
+
+def buffer_start(engine: HFEngine) -> int:
+    """Where the parameters' bytes start, checking they lie in one packed buffer."""
+    params = list(engine.model.parameters())
+    start = min(p.data_ptr() for p in params)
+    total = sum(p.numel() * p.element_size() for p in params)
+    assert all(start <= p.data_ptr() < start + total for p in params)
+    return start
+
+
+def push_bulk(bulk: BulkReceiver, w: dict[str, torch.Tensor], version: int, transport: str) -> Any:
+    offer = make_offer(w, version, [transport])
+    plan = bulk.open(offer)
+    return bulk.commit(plan.transfer_id, send(transport, plan, w, offer.tensors))
+
+
+def test_tcp_update_adopts_the_staging_buffer_and_recycles_the_old_one(engine: HFEngine) -> None:
+    """The HF engine on CPU takes a TCP transfer's verified tensors as its parameters
+    (no copy); the buffer it held before becomes the next transfer's staging buffer,
+    and filling that one leaves the weights serving untouched."""
+    bulk = BulkReceiver(WeightReceiver(engine), engine)
+    w1, w2, w3 = (new_weights(engine, seed=s) for s in (1, 2, 3))
+    assert push_bulk(bulk, w1, 1, "tcp").adopted
+    assert_weights(engine, w1)
+    a = buffer_start(engine)  # every parameter views the one staging buffer
+    assert bulk._spare_arrays == []  # the engine holds it
+    assert push_bulk(bulk, w2, 2, "tcp").adopted
+    assert_weights(engine, w2)
+    b = buffer_start(engine)
+    assert b != a and [x.ctypes.data for x in bulk._spare_arrays] == [a]
+    # Update 3 lands in buffer a while w2 (in b) serves; a corrupt commit changes nothing.
+    offer = make_offer(w3, 3, ["tcp"])
+    plan = bulk.open(offer)
+    tampered = {**w3, "model.norm.weight": w3["model.norm.weight"] + 1}
+    send_tcp(plan, tampered, offer.tensors)
+    with pytest.raises(DataLoss):
+        bulk.commit(plan.transfer_id, tensor_crcs(w3, offer.tensors))
+    assert_weights(engine, w2)
+    assert push_bulk(bulk, w3, 3, "tcp").adopted
+    assert_weights(engine, w3)
+    assert buffer_start(engine) == a  # ping-pong: two buffers, no fresh one
+    # The gRPC stream copies into the adopted tensors; sleep(2) releases them.
+    w4 = new_weights(engine, seed=4)
+    assert not WeightReceiver(engine).receive_chunks(chunks(w4, 4)).adopted
+    assert_weights(engine, w4)
+    assert buffer_start(engine) == a
+    engine.sleep(level=2)
+    assert sorted(x.ctypes.data for x in bulk._spare_arrays) == [a]
+    engine.wake_up()
+    bulk.close()
+
+
+def test_shared_memory_is_never_adopted(engine: HFEngine) -> None:
+    """A segment stays writable by the sender's process: its tensors are copied."""
+    bulk = BulkReceiver(WeightReceiver(engine), engine)
+    w = new_weights(engine)
+    result = push_bulk(bulk, w, 1, "shm")
+    assert not result.adopted
+    assert_weights(engine, w)
+    assert len(bulk._spare_shms) == 1
     bulk.close()
