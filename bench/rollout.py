@@ -88,12 +88,14 @@ def interleaved(
 # --------------------------------------------------------------------------- (a)
 
 
-def _start_service(model_dir: Path, threads: int) -> tuple[subprocess.Popen[str], str]:
-    """``python -m rlfleet.rollout.server`` on port 0 with ``--torch-threads threads``;
-    returns it and its address."""
+def _start_service(
+    model_dir: Path, threads: int, device: str = "cpu"
+) -> tuple[subprocess.Popen[str], str]:
+    """``python -m rlfleet.rollout.server`` on port 0 with ``--torch-threads threads``
+    on ``device``; returns it and its address."""
     cmd = [sys.executable, "-m", "rlfleet.rollout.server", "--model", str(model_dir)]
     cmd += ["--engine", "hf", "--port", "0", "--metrics-port", "-1", "--log-level", "WARNING"]
-    cmd += ["--torch-threads", str(threads)]
+    cmd += ["--torch-threads", str(threads), "--device", device]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + 120
@@ -135,7 +137,7 @@ def bench_generation(preset: str, workdir: Path, args: argparse.Namespace) -> di
     from rlfleet.rollout.hf_engine import HFEngine
 
     model_dir = build_tiny_model(workdir / preset, preset=preset, seed=0)
-    engine = HFEngine(model_dir)
+    engine = HFEngine(model_dir, device=args.device)
     vocab = int(engine.model.get_output_embeddings().weight.shape[0])
     n_params = sum(p.numel() for p in engine.model.parameters())
     gen = torch.Generator().manual_seed(0)
@@ -146,7 +148,7 @@ def bench_generation(preset: str, workdir: Path, args: argparse.Namespace) -> di
     )
     core = RolloutCore(engine, replica_id="bench-inprocess")
     local = InProcessRolloutClient(core)
-    proc, address = _start_service(model_dir, args.threads)
+    proc, address = _start_service(model_dir, args.threads, args.device)
     remote = RemoteRolloutClient(address, generate_timeout_s=TIMEOUT_S)
     try:
         methods: dict[str, Callable[[], list[SampleOutput]]] = {
@@ -164,6 +166,7 @@ def bench_generation(preset: str, workdir: Path, args: argparse.Namespace) -> di
     base = tps["engine_inprocess"]
     return {
         "preset": preset,
+        "device": str(engine.info().device),
         "parameters": n_params,
         "rows": args.prompts * args.n,
         "prompt_tokens": args.prompt_len,
@@ -503,6 +506,7 @@ def main() -> None:
     )
     ap.add_argument("--presets", default="tiny,small", help="comma list; '' skips (a)")
     ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--device", default="cpu", help="(a): the HF engine's device (cpu, cuda)")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
