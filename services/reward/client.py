@@ -137,6 +137,26 @@ class InProcessRewardClient:
         self.manager.close()
 
 
+def _shifted(error: Any, offset: int) -> Any:
+    """``error`` of a part that starts at sample ``offset``, indexed in the whole batch."""
+    if not offset or error.sample_index is None:
+        return error
+    index = error.sample_index + offset
+    field = error.field
+    if field:
+        field = field.replace(f"samples[{error.sample_index}]", f"samples[{index}]", 1)
+    message = error.message.replace(f"samples[{error.sample_index}]", f"samples[{index}]")
+    message = message.replace(f"sample {error.sample_index}", f"sample {index}")
+    return type(error)(
+        message,
+        field=field,
+        value=error.value,
+        sample_index=index,
+        code=error.code,
+        recoverable=error.recoverable,
+    )
+
+
 class RewardClient:
     """The client interface over gRPC (torch-free).
 
@@ -149,6 +169,12 @@ class RewardClient:
             balanced per connection, and channels in one process with the same
             arguments share one: ``[("grpc.use_local_subchannel_pool", 1)]`` gives
             this client a connection of its own.
+        connections: for a service run with ``--processes N``: this many connections
+            of the client's own; :meth:`score` cuts a batch of at least
+            ``2 * min_part`` samples into up to that many contiguous parts, sent at
+            once, one per connection (results and error indices are the whole
+            batch's). 1: one connection, one request per batch.
+        min_part: the smallest part worth a request of its own.
     """
 
     def __init__(
@@ -159,25 +185,47 @@ class RewardClient:
         tls: TLSConfig | None = None,
         timeout_s: float = 60.0,
         options: Sequence[tuple[str, Any]] = (),
+        connections: int = 1,
+        min_part: int = 64,
     ) -> None:
+        if connections < 1:
+            raise ValueError(f"connections must be >= 1, got {connections}")
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = create_channel(address, tls=tls, auth_token=auth_token, options=options)
-        self._stub = reward_pb2_grpc.RewardServiceStub(self._channel)
+        self.min_part = max(1, min_part)
+        extra = [("grpc.use_local_subchannel_pool", 1)] if connections > 1 else []
+        self._channels = [
+            create_channel(address, tls=tls, auth_token=auth_token, options=[*options, *extra])
+            for _ in range(connections)
+        ]
+        self._channel = self._channels[0]
+        self._stubs = [reward_pb2_grpc.RewardServiceStub(c) for c in self._channels]
+        self._stub = self._stubs[0]
 
     def score(
         self, samples: Sequence[SampleLike], *, timeout_s: float | None = None
     ) -> list[ScoreResult]:
-        request = reward_pb2.ScoreRequest(
-            samples=[sample_to_proto(as_sample(s, i)) for i, s in enumerate(samples)]
-        )
-        try:
-            response = self._stub.Score(
-                request, **call_options(timeout_s or self.timeout_s, wait_for_ready=True)
-            )
-        except grpc.RpcError as exc:
-            raise to_rlfleet_error(exc) from exc
-        return [result_from_proto(r) for r in response.results]
+        protos = [sample_to_proto(as_sample(s, i)) for i, s in enumerate(samples)]
+        parts = min(len(self._stubs), len(protos) // self.min_part) or 1
+        bounds = [len(protos) * k // parts for k in range(parts + 1)]
+        options = call_options(timeout_s or self.timeout_s, wait_for_ready=True)
+        futures = [
+            stub.Score.future(reward_pb2.ScoreRequest(samples=protos[lo:hi]), **options)
+            for stub, lo, hi in zip(self._stubs, bounds, bounds[1:], strict=False)
+        ]
+        results: list[ScoreResult] = []
+        for future, offset in zip(futures, bounds, strict=False):
+            try:
+                response = future.result()
+            except grpc.RpcError as exc:
+                for other in futures:
+                    other.cancel()
+                raise _shifted(to_rlfleet_error(exc), offset) from exc
+            for r in response.results:
+                result = result_from_proto(r)
+                result.index += offset
+                results.append(result)
+        return results
 
     def score_stream(
         self, batches: Iterable[Sequence[SampleLike]], *, timeout_s: float | None = None
@@ -221,7 +269,8 @@ class RewardClient:
         )
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> RewardClient:
         return self

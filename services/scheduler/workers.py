@@ -215,8 +215,12 @@ def _rollouts(spec: WorkerSpec, config: Config, owned: list[Any]) -> list[Rollou
 def _reward(spec: WorkerSpec, config: Config, owned: list[Any]) -> RewardClientProtocol:
     if isinstance(spec, str):
         from rlfleet.reward.client import RewardClient
+        from rlfleet.reward.processes import resolve_processes
 
-        client: Any = RewardClient(spec)
+        # One connection per server process, so that a step's batch is scored by all
+        # of a `--processes N` service (reward.num_processes, the same config).
+        connections = resolve_processes(config.reward.num_processes)
+        client: Any = RewardClient(spec, connections=connections)
         owned.append(client)
         return client
     if _is_factory(spec, "score"):

@@ -381,3 +381,26 @@ def test_rule_service_runs_with_torch_blocked() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_a_client_with_several_connections_splits_a_batch(service: RewardService) -> None:
+    """``connections=3``: one batch goes out as 3 concurrent parts (one per connection,
+    which a ``--processes N`` service spreads over processes); results and error
+    indices are the whole batch's."""
+    samples = _gsm8k(300, offset=0) + _gsm8k(10, offset=1)
+    with RewardClient(service.address, timeout_s=30, connections=3, min_part=50) as c:
+        results = c.score(samples)
+        assert [r.index for r in results] == list(range(310))
+        assert [r.score for r in results] == [1.0] * 300 + [0.0] * 10
+        assert [r.id for r in results] == [s.id for s in samples]
+
+        bad = [*samples[:250], Sample("", "#### 1", "1"), *samples[250:]]
+        with pytest.raises(InvalidArgument) as exc:
+            c.score(bad)
+        assert exc.value.sample_index == 250
+        assert exc.value.field == "samples[250].data_source"
+
+        # Small batches stay one request.
+        assert [r.score for r in c.score(_gsm8k(20))] == [1.0] * 20
+    with pytest.raises(ValueError, match="connections"):
+        RewardClient(service.address, connections=0)
