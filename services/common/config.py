@@ -431,6 +431,11 @@ class RewardModelConfig(_Section):
         default=None, ge=1, description="dynamic batching budget per device; None: micro_batch_size"
     )
     dtype: DType = "float32"
+    device: str = Field(
+        default="auto",
+        pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="cpu, cuda, cuda:N; auto: cuda when the service sees a GPU, else cpu",
+    )
 
 
 class RewardConfig(_Section):

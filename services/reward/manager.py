@@ -135,10 +135,11 @@ class RewardManager:
                     "reward_model.enable is true but no path is set",
                     field="reward.reward_model.path",
                 )
-            from rlfleet.reward.model import RewardModelScorer
+            from rlfleet.reward.model import RewardModelScorer, resolve_device
 
             self.reward_model = RewardModelScorer(
                 rm.path,
+                device=resolve_device(rm.device),
                 dtype=rm.dtype,
                 max_tokens_per_batch=rm.max_tokens_per_batch,
                 micro_batch_size=rm.micro_batch_size,

@@ -21,7 +21,7 @@ from typing import Any
 
 from rlfleet.reward.types import Sample, ScoreOutcome
 
-__all__ = ["RewardModelScorer", "pack_by_token_budget"]
+__all__ = ["RewardModelScorer", "pack_by_token_budget", "resolve_device"]
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -48,6 +48,15 @@ def pack_by_token_budget(
     if current:
         batches.append(current)
     return batches
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: ``cuda`` when torch sees a GPU, else ``cpu``; anything else as given."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class RewardModelScorer:

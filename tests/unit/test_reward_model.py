@@ -66,3 +66,16 @@ def test_manager_routes_alignment_data_to_the_reward_model(reward_model_dir: Pat
         assert [r.scorer for r in results] == ["reward_model", "gsm8k"]
         assert results[0].error == "" and results[0].details["tokens"] > 0
         assert m.info().reward_model == str(reward_model_dir)
+
+
+def test_reward_model_device_setting() -> None:
+    from pydantic import ValidationError
+
+    from rlfleet.reward.model import resolve_device
+
+    assert RewardModelConfig().device == "auto"
+    assert resolve_device("cpu") == "cpu" and resolve_device("cuda:1") == "cuda:1"
+    torch = pytest.importorskip("torch")
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValidationError, match="device"):
+        RewardModelConfig(device="tpu")
