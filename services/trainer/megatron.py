@@ -264,6 +264,14 @@ class MegatronBackend:
             )
             shape = ModelShape.from_hf(hf_config)
             shape.check_parallel(self.tp, self.pp)
+            if shape.sliding_window is not None and self.rank == 0:
+                logger.warning(
+                    "%s: %s has a sliding window of %d tokens; the megatron backend attends "
+                    "to the whole sequence (the same for sequences up to that length)",
+                    role,
+                    path,
+                    shape.sliding_window,
+                )
             self.hf_configs[role] = hf_config
             self.shapes[role] = shape
             self.specs[role] = param_specs(shape, self.pp, role=role)

@@ -75,6 +75,7 @@ class ModelShape:
     rope_theta: float
     rms_norm_eps: float
     max_position_embeddings: int
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf(cls, config: Any) -> ModelShape:
@@ -101,6 +102,9 @@ class ModelShape:
                 "the megatron backend has no MLP biases", field="mlp_bias", value=True
             )
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        window = getattr(config, "sliding_window", None)
+        if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+            window = None
         heads = int(config.num_attention_heads)
         qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         return cls(
@@ -117,6 +121,7 @@ class ModelShape:
             rope_theta=float(theta),
             rms_norm_eps=float(config.rms_norm_eps),
             max_position_embeddings=int(config.max_position_embeddings),
+            sliding_window=int(window) if window else None,
         )
 
     def padded_vocab(self, tp: int) -> int:

@@ -47,6 +47,11 @@ def test_shape_reads_the_config() -> None:
     assert SHAPE.num_kv_heads == 2 and SHAPE.head_dim == 4 and SHAPE.rope_theta == 500000.0
     assert not SHAPE.qkv_bias
     assert ModelShape.from_hf(_hf_config(model_type="qwen2")).qkv_bias
+    assert SHAPE.sliding_window is None
+    qwen = _hf_config(model_type="qwen2", sliding_window=4096, use_sliding_window=False)
+    assert ModelShape.from_hf(qwen).sliding_window is None  # Qwen2 ignores it unless asked
+    mistral = _hf_config(model_type="mistral", sliding_window=4096)
+    assert ModelShape.from_hf(mistral).sliding_window == 4096
     assert SHAPE.padded_vocab(1) == 37 and SHAPE.padded_vocab(4) == 40
 
 
