@@ -211,6 +211,25 @@ def test_two_tp_ranks_train_like_one_fsdp_rank(tiny_model_dir: Path, tmp_path: P
 
 
 @pytest.mark.slow
+def test_two_data_parallel_ranks_train_like_one_fsdp_rank(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    got = _torchrun(tiny_model_dir, tmp_path / "dp2.pt", "--tp", "1", "--steps", "2")
+    assert got["layout"] == [(0, True), (1, True)]  # two replicas, both report
+    one = TrainerCore(make_config(str(tiny_model_dir), algorithm={"adv_estimator": "gae"}))
+    lp, _ = one.compute_log_prob(make_batch(seed=0))
+    assert (lp["old_log_probs"] - got["log_prob"]).abs().max() < TOL
+    for step, metrics in enumerate(got["metrics"]):
+        want = one.train_step(scored_batch(step))
+        # Losses are reported per micro-batch and averaged (verl's way), so a rank's
+        # half of the batch reports its own mean; the gradient norm is global.
+        for key in ("actor/grad_norm", "critic/grad_norm", "actor/lr"):
+            assert metrics[key] == pytest.approx(want[key], rel=1e-4), key
+    weights = dict(one.iter_weights())
+    assert max((weights[k] - got["weights"][k]).abs().max().item() for k in weights) < WEIGHT_TOL
+
+
+@pytest.mark.slow
 def test_two_pipeline_stages_load_and_gather_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
