@@ -14,6 +14,11 @@
     served over gRPC in a separate process, whose engine holds a state of the same
     names, shapes and dtype; against a raw TCP socket moving the same bytes into the
     same process, and a memcpy of the same bytes in this process.
+    ``--bucket-bytes N`` (default 0: off) adds a second phase: the same bytes pushed
+    as buckets of at most N bytes over each transport with the trainer's bucketed
+    push (``rlfleet.trainer.weights.push_weights``: one bulk transfer per bucket,
+    staged by the replica, applied once; gRPC: the bucketed chunk stream),
+    interleaved with the raw TCP baseline again (same receiver, same run).
 
     python bench/rollout.py                                  # tiny + small, 1 GiB update
     python bench/rollout.py --presets tiny --params 64e6 --repeats 3     # quick
@@ -55,6 +60,7 @@ from rlfleet.common.errors import FailedPrecondition, InvalidArgument
 from rlfleet.common.rpc import create_channel
 from rlfleet.rollout import client as rollout_client
 from rlfleet.rollout.engine import EngineInfo, GenerationRequest, SampleOutput, SamplingParams
+from rlfleet.trainer import weights as trainer_weights
 
 TIMEOUT_S = 600.0
 _MATRIX = 4096  # columns of every weight matrix in (b)
@@ -382,7 +388,9 @@ class PhaseTimer:
         rollout_client.send_shm = self._wrap("move", rollout_client.send_shm)
 
 
-def bench_weights(n_params: int, repeats: int, adopt: bool = True) -> dict[str, Any]:
+def bench_weights(
+    n_params: int, repeats: int, adopt: bool = True, bucket_bytes: int = 0
+) -> dict[str, Any]:
     shapes = weight_shapes(n_params)
     log(f"(b) building {sum(r * c for r, c in shapes.values()) / 1e6:.0f}M bf16 parameters")
     gen = torch.Generator().manual_seed(0)
@@ -412,7 +420,10 @@ def bench_weights(n_params: int, repeats: int, adopt: bool = True) -> dict[str, 
         if not conn.poll(120):
             raise TimeoutError("receiver process did not start within 120 s")
         address = conn.recv()
-        conn.send(("tcp", (size, repeats + 1)))
+        # Raw TCP runs: one warm-up + the timed ones per phase (two warm-ups in the
+        # bucketed phase).
+        raw_runs = repeats + 1 + (repeats + 2 if bucket_bytes > 0 else 0)
+        conn.send(("tcp", (size, raw_runs)))
         if not conn.poll(60):
             raise TimeoutError("raw TCP receiver did not start within 60 s")
         tcp_port = conn.recv()
@@ -442,6 +453,45 @@ def bench_weights(n_params: int, repeats: int, adopt: bool = True) -> dict[str, 
             "memcpy_fresh": lambda: memcpy(np.empty(size, dtype=np.uint8)),
         }
         times, last = interleaved(methods, repeats)
+        bucketed_times: dict[str, list[float]] = {}
+        n_buckets = 0
+        if bucket_bytes > 0:
+
+            def push_bucketed(transport: str) -> Callable[[], Any]:
+                def run() -> Any:
+                    nonlocal version
+                    version += 1
+                    name = f"{transport}_bucketed"
+                    versions[version] = name
+                    timer.method = name
+                    summary = trainer_weights.push_weights(
+                        state.items(),
+                        [("bench-receiver", address)],
+                        version,
+                        bucket_bytes=bucket_bytes,
+                        timeout_s=TIMEOUT_S,
+                        transports=(transport,),
+                    )
+                    r = summary.results[0]
+                    if not r.ok or r.transport != transport:
+                        raise RuntimeError(f"bucketed {transport} v{version}: {r}")
+                    return summary
+
+                return run
+
+            bucketed: dict[str, Callable[[], Any]] = {
+                "tcp_raw": lambda: _raw_tcp_send(views, tcp_port),
+                "grpc_bucketed": push_bucketed("grpc"),
+                "tcp_bucketed": push_bucketed("tcp"),
+                "shm_bucketed": push_bucketed("shm"),
+            }
+            log(f"(b) bucketed phase: buckets of at most {bucket_bytes} bytes")
+            # An extra warm-up: the replica's spare buffers change shape (one per
+            # bucket) and, over TCP, the adopted ones ping-pong; neither is timed.
+            for fn in bucketed.values():
+                fn()
+            bucketed_times, bucketed_last = interleaved(bucketed, repeats)
+            n_buckets = bucketed_last["tcp_bucketed"].buckets
         conn.send(("apply_s", None))
         apply_by_version: dict[int, float] = conn.recv()
         channel.close()
@@ -494,7 +544,51 @@ def bench_weights(n_params: int, repeats: int, adopt: bool = True) -> dict[str, 
         "met_end_to_end": gbps["tcp"] / gbps["tcp_raw"] >= 0.8,
         "met_move_only": move_gbps["tcp"] / gbps["tcp_raw"] >= 0.8,
     }
+    if bucket_bytes > 0:
+        results["bucketed"] = _bucketed_results(
+            size, bucket_bytes, n_buckets, bucketed_times, timer, apply_s, gbps
+        )
     return results
+
+
+def _bucketed_results(
+    size: int,
+    bucket_bytes: int,
+    n_buckets: int,
+    times: dict[str, list[float]],
+    timer: PhaseTimer,
+    apply_s: Mapping[str, list[float]],
+    one_bucket_gbps: Mapping[str, float],
+) -> dict[str, Any]:
+    """(b)'s bucketed phase: GB/s per transport, each against the raw TCP runs of the
+    same phase, and the sender's move (summed over the buckets of a push) and the
+    replica's one apply, medians over the timed pushes (two warm-ups dropped)."""
+    med = {k: statistics.median(v) for k, v in times.items()}
+    gbps = {k: size / 1e9 / v for k, v in med.items()}
+    raw = gbps["tcp_raw"]
+    move: dict[str, float] = {}
+    for t in ("tcp", "shm"):
+        xs = timer.seconds[f"{t}_bucketed"]["move"][2 * n_buckets :]
+        per_push = [sum(xs[i : i + n_buckets]) for i in range(0, len(xs), n_buckets)]
+        move[t] = statistics.median(per_push)
+    return {
+        "bucket_bytes": bucket_bytes,
+        "buckets": n_buckets,
+        "pushed_with": "rlfleet.trainer.weights.push_weights (one bulk transfer per bucket)",
+        "median_s": {k: round(v, 4) for k, v in med.items()},
+        "GBps": {k: round(v, 3) for k, v in gbps.items()},
+        "best_GBps": {k: round(size / 1e9 / min(v), 3) for k, v in times.items()},
+        "vs_raw_tcp": {t: round(gbps[f"{t}_bucketed"] / raw, 3) for t in ("grpc", "tcp", "shm")},
+        "vs_one_bucket": {
+            t: round(gbps[f"{t}_bucketed"] / one_bucket_gbps[t], 3) for t in ("grpc", "tcp", "shm")
+        },
+        "move_sum_median_s": {k: round(v, 4) for k, v in move.items()},
+        "apply_median_s": {
+            t: round(statistics.median(apply_s[f"{t}_bucketed"][2:]), 4)
+            for t in ("grpc", "tcp", "shm")
+        },
+        "raw_tcp_GBps_this_phase_vs_first": round(raw / one_bucket_gbps["tcp_raw"], 3),
+    }
 
 
 # --------------------------------------------------------------------------- main
@@ -515,6 +609,13 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--weight-repeats", type=int, default=3)
+    ap.add_argument(
+        "--bucket-bytes",
+        type=float,
+        default=0,
+        help="(b): also push the same bytes as buckets of at most this many bytes over "
+        "each transport (the trainer's bucketed push); 0: one bucket only",
+    )
     ap.add_argument(
         "--threads",
         type=int,
@@ -551,7 +652,10 @@ def main() -> None:
                 out["generation"].append(bench_generation(preset, Path(tmp), args))
     if args.params > 0:
         out["weight_update"] = bench_weights(
-            int(args.params), max(1, args.weight_repeats), adopt=not args.copy_apply
+            int(args.params),
+            max(1, args.weight_repeats),
+            adopt=not args.copy_apply,
+            bucket_bytes=int(args.bucket_bytes),
         )
     out["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(out, indent=2))

@@ -266,6 +266,14 @@ def rollout() -> dict[str, Any]:
                 unit="s",
             ),
             Panel(
+                "Weight staging memory (bulk plane)",
+                [
+                    (f"sum({r}weight_staged_bytes)", "staged, not applied"),
+                    (f"sum({r}weight_spare_bytes)", "spare buffers"),
+                ],
+                unit="bytes",
+            ),
+            Panel(
                 "Samples / s by finish reason",
                 [(f"sum by (reason) (rate({r}samples_total[{RI}]))", "{{reason}}")],
                 stack=True,

@@ -15,6 +15,7 @@ portable gRPC chunk stream.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -26,7 +27,7 @@ from rlfleet.common.rpc import DEFAULT_TIMEOUT_S, create_channel, to_rlfleet_err
 from rlfleet.rollout import serde
 from rlfleet.rollout.core import RolloutCore, RolloutStatusInfo
 from rlfleet.rollout.engine import SampleOutput, SamplingParams
-from rlfleet.rollout.transport import TRANSPORTS, make_offer, send_shm, send_tcp
+from rlfleet.rollout.transport import TRANSPORTS, AbortResult, make_offer, send_shm, send_tcp
 from rlfleet.rollout.weights import UpdateResult
 from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -38,7 +39,11 @@ __all__ = [
     "push_weights",
 ]
 
+logger = logging.getLogger(__name__)
+
 _UPDATE_WEIGHTS = "/rlfleet.v1.RolloutService/UpdateWeights"
+# An abort is one small RPC, sent while giving up: it must not hold the caller long.
+_ABORT_TIMEOUT_S = 10.0
 
 
 class RolloutClient(Protocol):
@@ -242,6 +247,12 @@ class BulkUpdate:
     the last; the replica stages each one (verified, not applied) and applies the
     union when the final bucket commits (see :mod:`rlfleet.rollout.transport`).
 
+    A sender that gives up a started bucketed update calls :meth:`abort`, so that
+    the replica frees the staged buckets at once rather than at its transfer
+    time-out. :meth:`send` does so itself when a bucket fails (any exception,
+    KeyboardInterrupt included), and so does leaving a ``with BulkUpdate(...)``
+    block before the final bucket committed.
+
     Args:
         stub: the replica's ``RolloutService`` stub.
         transports: preference order; ``grpc`` lets the replica refuse the bulk plane.
@@ -262,17 +273,67 @@ class BulkUpdate:
         self.update_id = ""
         self.buckets = 0  # buckets committed
         self.transport = ""  # of the last bucket
+        self.done = False  # the final bucket committed (or the update was aborted)
+
+    @property
+    def pending(self) -> bool:
+        """A bucketed update the replica stages for us: started, neither applied nor
+        given up."""
+        return bool(self.update_id) and not self.done
+
+    def abort(self, reason: str = "") -> AbortResult | None:
+        """Give up the update: ask the replica to drop its staged buckets now.
+        Best effort and at most once: a failed abort is logged, not raised (the
+        replica's transfer time-out still frees the buckets). None when there was
+        nothing to abort (no bucketed update started, or it finished) or the abort
+        itself failed."""
+        if not self.pending:
+            return None
+        self.done = True
+        request = rollout_pb2.AbortWeightTransferRequest(update_id=self.update_id, reason=reason)
+        try:
+            msg = self._stub.AbortWeightTransfer(
+                request, timeout=min(self._timeout_s, _ABORT_TIMEOUT_S)
+            )
+        except grpc.RpcError as e:
+            logger.warning(
+                "abort of weight update %s failed (%s); the replica frees it at its time-out",
+                self.update_id,
+                _error(e),
+            )
+            return None
+        return serde.abort_from_proto(msg)
+
+    def __enter__(self) -> BulkUpdate:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if self.pending:
+            what = "no final bucket" if exc_type is None else exc_type.__name__
+            self.abort(f"the sender left the update ({what})")
 
     def send(self, named_tensors: Mapping[str, Any], *, final: bool) -> UpdateResult | None:
         """Move one bucket and commit it. Returns the replica's report (``staged``
         for a bucket before the final one), or None when the replica chose the gRPC
         stream for bucket 0 (nothing was sent: send the whole update there).
 
+        Any failure (including KeyboardInterrupt) aborts a started bucketed update
+        (:meth:`abort`) before it propagates.
+
         Raises:
             RlfleetError: as the replica raised it (a refused offer, ``DataLoss`` at
                 commit); the replica then dropped every bucket it staged.
             OSError: the socket or the shared-memory segment failed.
         """
+        if self.done:
+            raise RuntimeError(f"weight update {self.update_id or '(whole)'} already ended")
+        try:
+            return self._send(named_tensors, final=final)
+        except BaseException as e:
+            self.abort(f"bucket {self.buckets} failed: {type(e).__name__}: {e}")
+            raise
+
+    def _send(self, named_tensors: Mapping[str, Any], *, final: bool) -> UpdateResult | None:
         offer = make_offer(
             named_tensors,
             self.version,
@@ -291,6 +352,8 @@ class BulkUpdate:
                         f"the replica answered {plan.transport!r} for bucket {self.buckets}"
                     )
                 return None
+            # Known from bucket 0's plan on: a failure from here on is abortable.
+            self.update_id = plan.update_id or self.update_id
             if plan.transport == "tcp":
                 crcs = send_tcp(plan, named_tensors, offer.tensors, timeout_s=self._timeout_s)
             else:
@@ -301,9 +364,9 @@ class BulkUpdate:
             )
         except grpc.RpcError as e:
             raise _error(e) from e
-        self.update_id = plan.update_id or self.update_id
         self.buckets += 1
         self.transport = plan.transport
+        self.done = final
         return serde.update_from_proto(msg, plan.transport)
 
 

@@ -9,7 +9,8 @@
   waits for the running batch (the engine's lock), so every sample is generated
   with exactly one weight version, which it carries.
 * **Status**: weight version, queue depth (samples waiting or running), recent
-  tokens/s, totals; the same values feed the Prometheus metrics.
+  tokens/s, totals, bytes of bulk staging held; the same values feed the
+  Prometheus metrics.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from rlfleet.rollout.engine import (
     SamplingParams,
 )
 from rlfleet.rollout.metrics import RolloutMetrics
-from rlfleet.rollout.transport import BulkReceiver, TransferOffer, TransferPlan
+from rlfleet.rollout.transport import AbortResult, BulkReceiver, TransferOffer, TransferPlan
 from rlfleet.rollout.weights import UpdateResult, WeightReceiver
 
 __all__ = ["GenerationHandle", "RolloutCore", "RolloutStatusInfo"]
@@ -57,6 +58,9 @@ class RolloutStatusInfo:
     tokens_per_second: float
     sleeping: bool
     generated_tokens_total: int
+    # Bulk plane: staging bytes held by updates not applied yet, and spare buffers.
+    weight_staged_bytes: int = 0
+    weight_spare_bytes: int = 0
 
 
 class _Done:
@@ -150,6 +154,8 @@ class RolloutCore:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._started = time.monotonic()
         self.metrics.weight_version.set(engine.info().weight_version)
+        self.metrics.weight_staged_bytes.set_function(self._bulk.staged_bytes)
+        self.metrics.weight_spare_bytes.set_function(self._bulk.spare_bytes)
         self._thread = threading.Thread(target=self._loop, name="rlfleet-batcher", daemon=True)
         self._thread.start()
 
@@ -298,6 +304,14 @@ class RolloutCore:
         (a bucket that is not its update's last is staged instead)."""
         return self._record(self._bulk.commit(transfer_id, crc32c))
 
+    def abort_transfer(self, update_id: str, reason: str = "") -> AbortResult:
+        """Drop a bucketed update its sender gave up (staged buckets freed at once);
+        an unknown or finished ``update_id`` is a no-op (``aborted`` False)."""
+        result = self._bulk.abort(update_id, reason)
+        if result.aborted:
+            self.metrics.weight_updates_aborted.inc()
+        return result
+
     # ------------------------------------------------------------------ sleep / status
 
     def sleep(self, level: int = 1) -> int:
@@ -333,6 +347,8 @@ class RolloutCore:
             tokens_per_second=rate,
             sleeping=self._sleeping,
             generated_tokens_total=total,
+            weight_staged_bytes=self._bulk.staged_bytes(),
+            weight_spare_bytes=self._bulk.spare_bytes(),
         )
 
     def close(self) -> None:

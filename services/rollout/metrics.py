@@ -29,6 +29,9 @@ class _Noop:
     def observe(self, value: float) -> None:
         pass
 
+    def set_function(self, f: Any) -> None:
+        pass
+
 
 class RolloutMetrics:
     """The replica's metrics; names are prefixed ``rlfleet_rollout_``."""
@@ -44,6 +47,9 @@ class RolloutMetrics:
     request_latency: Any
     weight_update_seconds: Any
     weight_update_bytes: Any
+    weight_staged_bytes: Any
+    weight_spare_bytes: Any
+    weight_updates_aborted: Any
 
     def __init__(self, replica_id: str = "") -> None:
         try:
@@ -55,6 +61,8 @@ class RolloutMetrics:
             self.queue_depth = self.weight_version = noop
             self.time_to_first_sample = self.request_latency = noop
             self.weight_update_seconds = self.weight_update_bytes = noop
+            self.weight_staged_bytes = self.weight_spare_bytes = noop
+            self.weight_updates_aborted = noop
             return
         r = prom.CollectorRegistry()
         self.registry = r
@@ -90,6 +98,19 @@ class RolloutMetrics:
         )
         self.weight_update_bytes = prom.Counter(
             p + "weight_update_bytes", "weight bytes applied", ["transport"], registry=r
+        )
+        self.weight_staged_bytes = prom.Gauge(
+            p + "weight_staged_bytes",
+            "bulk plane staging bytes held by updates not applied yet",
+            registry=r,
+        )
+        self.weight_spare_bytes = prom.Gauge(
+            p + "weight_spare_bytes", "bulk plane spare staging bytes kept for reuse", registry=r
+        )
+        self.weight_updates_aborted = prom.Counter(
+            p + "weight_updates_aborted",
+            "bucketed bulk updates aborted by their sender",
+            registry=r,
         )
         # Known label values exist from the start at zero, so rate() sees the first
         # update as an increase.

@@ -8,12 +8,14 @@ from rlfleet.common.codec import TensorSpec
 from rlfleet.common.errors import InvalidArgument
 from rlfleet.rollout.core import RolloutStatusInfo
 from rlfleet.rollout.engine import DEFAULT_MAX_TOKENS, FinishReason, SampleOutput, SamplingParams
-from rlfleet.rollout.transport import TransferOffer, TransferPlan
+from rlfleet.rollout.transport import AbortResult, TransferOffer, TransferPlan
 from rlfleet.rollout.weights import UpdateResult
 from rlfleet.v1 import rollout_pb2
 
 __all__ = [
     "TRANSPORT_NAMES",
+    "abort_from_proto",
+    "abort_to_proto",
     "offer_from_proto",
     "offer_to_proto",
     "plan_from_proto",
@@ -208,6 +210,8 @@ def status_to_proto(s: RolloutStatusInfo) -> rollout_pb2.RolloutStatus:
         tokens_per_second=s.tokens_per_second,
         sleeping=s.sleeping,
         generated_tokens_total=s.generated_tokens_total,
+        weight_staged_bytes=s.weight_staged_bytes,
+        weight_spare_bytes=s.weight_spare_bytes,
     )
 
 
@@ -223,4 +227,18 @@ def status_from_proto(msg: rollout_pb2.RolloutStatus) -> RolloutStatusInfo:
         tokens_per_second=msg.tokens_per_second,
         sleeping=msg.sleeping,
         generated_tokens_total=msg.generated_tokens_total,
+        weight_staged_bytes=msg.weight_staged_bytes,
+        weight_spare_bytes=msg.weight_spare_bytes,
+    )
+
+
+def abort_to_proto(r: AbortResult) -> rollout_pb2.AbortWeightTransferResponse:
+    return rollout_pb2.AbortWeightTransferResponse(
+        aborted=r.aborted, staged_buckets=r.staged_buckets, freed_bytes=r.freed_bytes
+    )
+
+
+def abort_from_proto(msg: rollout_pb2.AbortWeightTransferResponse) -> AbortResult:
+    return AbortResult(
+        aborted=msg.aborted, staged_buckets=msg.staged_buckets, freed_bytes=msg.freed_bytes
     )

@@ -80,6 +80,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self.core.commit_transfer(request.transfer_id, list(request.crc32c))
         )
 
+    def AbortWeightTransfer(
+        self, request: rollout_pb2.AbortWeightTransferRequest, context: grpc.ServicerContext
+    ) -> rollout_pb2.AbortWeightTransferResponse:
+        if not request.update_id:
+            raise InvalidArgument("no update_id to abort", field="update_id")
+        return serde.abort_to_proto(self.core.abort_transfer(request.update_id, request.reason))
+
     def Sleep(
         self, request: rollout_pb2.SleepRequest, context: grpc.ServicerContext
     ) -> rollout_pb2.SleepResponse:

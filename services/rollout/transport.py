@@ -36,7 +36,8 @@ against the earlier buckets (version, order, no tensor twice); the final offer
 also for the union's coverage. A committed bucket before the final one is
 *staged*: verified, kept in its buffer, nothing applied. The final commit applies
 the union in one :meth:`WeightReceiver.apply`. Any failure drops every staged
-bucket of the update; so does ``timeout_s`` without an offer or commit (a reaper
+bucket of the update; so does the sender's :meth:`BulkReceiver.abort` (it gave up:
+the buckets go at once), and ``timeout_s`` without an offer or commit (a reaper
 thread checks, so a dead pusher's buckets do not wait for more traffic).
 
 **Staging buffers are reused.** First-touching a fresh 1 GiB buffer costs seconds
@@ -93,6 +94,7 @@ from rlfleet.v1 import common_pb2
 __all__ = [
     "CRC_RELEASES_GIL",
     "TRANSPORTS",
+    "AbortResult",
     "BulkReceiver",
     "TransferOffer",
     "TransferPlan",
@@ -153,6 +155,15 @@ class TransferPlan:
     endpoint: str = ""
     token: str = ""
     update_id: str = ""  # a bucketed update's id, for its later buckets' offers
+
+
+@dataclass(frozen=True, slots=True)
+class AbortResult:
+    """What aborting a bucketed update did (``AbortWeightTransferResponse``)."""
+
+    aborted: bool  # False: no such update in progress, nothing done
+    staged_buckets: int = 0  # committed buckets dropped
+    freed_bytes: int = 0  # staging bytes the update held (staged and in flight)
 
 
 def _torch_dtype_name(code: int) -> str:
@@ -606,10 +617,38 @@ class BulkReceiver:
             self._drop_update(u, f"bucket {t.offer.bucket} failed at commit", committed=t)
             raise
 
+    def abort(self, update_id: str, reason: str = "") -> AbortResult:
+        """Drop a bucketed update its sender gave up: every staged bucket and the one
+        in flight, at once (not at the time-out). The staged buffers become the
+        spares, as a finished update's do; the one in flight is released (its sender
+        may still be writing). An unknown, applied, failed or expired ``update_id``
+        is no error: ``aborted`` is False and nothing changes."""
+        with self._lock:
+            u = self._updates.get(update_id)
+        if u is None:
+            logger.info("abort of weight update %r: not in progress (nothing to do)", update_id)
+            return AbortResult(aborted=False)
+        buckets, freed = self._drop_update(u, f"aborted by the sender: {reason or 'no reason'}")
+        return AbortResult(aborted=True, staged_buckets=buckets, freed_bytes=freed)
+
     def staged_updates(self) -> dict[str, int]:
         """Bucketed updates being staged: id -> buckets committed so far."""
         with self._lock:
             return {k: len(u.staged) for k, u in self._updates.items()}
+
+    def staged_bytes(self) -> int:
+        """Bytes of staging buffers held by updates not applied yet: open transfers
+        (whole updates and buckets in flight) and the committed buckets of bucketed
+        updates."""
+        with self._lock:
+            held = sum(_held(t) for t in self._transfers.values())
+            return held + sum(_held(t) for u in self._updates.values() for t in u.staged)
+
+    def spare_bytes(self) -> int:
+        """Bytes of the spare staging buffers kept for the next update."""
+        with self._lock:
+            arrays = sum(a.nbytes for a in self._spare_arrays)
+            return arrays + sum(s.size for s in self._spare_shms)
 
     def _verify_and_apply(self, t: _Transfer, crc32c: Sequence[int]) -> UpdateResult:
         # A function of its own so that the tensor views into the buffer are gone
@@ -819,6 +858,11 @@ class BulkReceiver:
         shm, t.shm = t.shm, None
         if shm is None:
             return None
+        if t.checker is not None:
+            # Stopped above, it ends within a poll; its views of the segment must be
+            # gone before the segment can close (else it is closed at garbage
+            # collection, with a BufferError warning).
+            t.checker.join(timeout=1.0)
         checker_done = t.checker is None or not t.checker.is_alive()
         if reuse and checker_done and views_gone:
             return shm
@@ -849,8 +893,12 @@ class BulkReceiver:
         for shm in old_shms:
             _destroy_shm(shm)
 
-    def _drop_update(self, u: _Update, reason: str, *, committed: _Transfer | None = None) -> None:
-        """Drop a bucketed update and every bucket it staged; nothing was applied."""
+    def _drop_update(
+        self, u: _Update, reason: str, *, committed: _Transfer | None = None
+    ) -> tuple[int, int]:
+        """Drop a bucketed update and every bucket it staged; nothing was applied.
+        Returns the buckets dropped and the staging bytes they (and the bucket in
+        flight) held."""
         with self._lock:
             if self._updates.get(u.id) is u:
                 del self._updates[u.id]
@@ -859,6 +907,7 @@ class BulkReceiver:
                 self._transfers.pop(open_t.id, None)
             staged, u.staged = u.staged, []
             u.tensors.clear()
+            held = sum(_held(t) for t in staged) + (0 if open_t is None else _held(open_t))
         logger.warning(
             "weight update %s (version %d) dropped with %d staged buckets: %s",
             u.id,
@@ -866,11 +915,13 @@ class BulkReceiver:
             len(staged),
             reason,
         )
+        buckets = len(staged)
         if committed is not None:
             staged.append(committed)
         self._recycle(staged)
         if open_t is not None and open_t is not committed:
             self._free(open_t, reuse=False)  # a sender may still be writing into it
+        return buckets, held
 
     def _take_array(self, nbytes: int) -> np.ndarray:
         with self._lock:
@@ -1007,17 +1058,24 @@ class BulkReceiver:
                 logger.exception("weight transfer expiry failed")
 
 
+def _held(t: _Transfer) -> int:
+    """Bytes of the staging buffer ``t`` holds (0 once freed)."""
+    storage, shm = t.storage, t.shm
+    if storage is not None:
+        return int(storage.nbytes)
+    return int(shm.size) if shm is not None else 0
+
+
 def _take_smallest(pool: list[Any], nbytes: int, size: Callable[[Any], int]) -> Any:
     """Remove and return the smallest item of ``pool`` of at least ``nbytes``; if none
     fits, drop the largest (its memory goes before a fresh one is touched) and return
     None."""
-    fits = [x for x in pool if size(x) >= nbytes]
+    # By index: ``list.remove`` compares with ``==``, elementwise for numpy arrays.
+    fits = [i for i, x in enumerate(pool) if size(x) >= nbytes]
     if fits:
-        best = min(fits, key=size)
-        pool.remove(best)
-        return best
+        return pool.pop(min(fits, key=lambda i: size(pool[i])))
     if pool:
-        pool.remove(max(pool, key=size))
+        pool.pop(max(range(len(pool)), key=lambda i: size(pool[i])))
     return None
 
 

@@ -13,7 +13,10 @@ raw TCP stream), one transfer per bucket (:class:`rlfleet.rollout.client.BulkUpd
 A one-bucket model is one whole-update transfer; with several buckets, bucket 0
 opens a bucketed update on the replica, which stages each verified bucket and
 applies the union atomically when the final bucket commits (a failed bucket, or a
-pusher that stops, drops the staged ones; see docs/rollout.md). A replica that
+pusher that stops, drops the staged ones; see docs/rollout.md). A target given up
+before its final bucket (its bucket failed, or the push itself stops: an error
+gathering a bucket, KeyboardInterrupt) is sent ``AbortWeightTransfer``, best
+effort, so that it frees the staged buckets at once. A replica that
 answers ``grpc`` for bucket 0 (it refuses the bulk plane) gets the gRPC stream
 instead, fed with the same buckets.
 
@@ -294,6 +297,12 @@ class _BulkTarget:
         return self.stream
 
     def finish(self) -> ReplicaResult:
+        """End this target's part; a bucketed update left unfinished (the push
+        stopped before its final bucket) is aborted on the replica."""
+        if self.update.pending:
+            self.update.abort("the pusher stopped before the final bucket")
+            if not self.result.error:
+                self.result.error = f"push stopped after {self.update.buckets} buckets"
         if self.stream is not None:
             self.stream.put(_Sender._END)
             self.stream.thread.join()

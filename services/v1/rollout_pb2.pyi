@@ -175,6 +175,24 @@ class WeightTransferCommit(_message.Message):
     crc32c: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, transfer_id: _Optional[str] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class AbortWeightTransferRequest(_message.Message):
+    __slots__ = ("update_id", "reason")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    reason: str
+    def __init__(self, update_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortWeightTransferResponse(_message.Message):
+    __slots__ = ("aborted", "staged_buckets", "freed_bytes")
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    STAGED_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    staged_buckets: int
+    freed_bytes: int
+    def __init__(self, aborted: _Optional[bool] = ..., staged_buckets: _Optional[int] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+
 class SleepRequest(_message.Message):
     __slots__ = ("level",)
     LEVEL_FIELD_NUMBER: _ClassVar[int]
@@ -200,7 +218,7 @@ class GetRolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("replica_id", "model", "engine", "dtype", "device", "weight_version", "queue_depth", "tokens_per_second", "sleeping", "generated_tokens_total")
+    __slots__ = ("replica_id", "model", "engine", "dtype", "device", "weight_version", "queue_depth", "tokens_per_second", "sleeping", "generated_tokens_total", "weight_staged_bytes", "weight_spare_bytes")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +229,8 @@ class RolloutStatus(_message.Message):
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     SLEEPING_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SPARE_BYTES_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     model: str
     engine: str
@@ -221,4 +241,6 @@ class RolloutStatus(_message.Message):
     tokens_per_second: float
     sleeping: bool
     generated_tokens_total: int
-    def __init__(self, replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_version: _Optional[int] = ..., queue_depth: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., sleeping: _Optional[bool] = ..., generated_tokens_total: _Optional[int] = ...) -> None: ...
+    weight_staged_bytes: int
+    weight_spare_bytes: int
+    def __init__(self, replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_version: _Optional[int] = ..., queue_depth: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., sleeping: _Optional[bool] = ..., generated_tokens_total: _Optional[int] = ..., weight_staged_bytes: _Optional[int] = ..., weight_spare_bytes: _Optional[int] = ...) -> None: ...

@@ -55,6 +55,11 @@ class RolloutServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_rollout__pb2.WeightTransferCommit.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.AbortWeightTransfer = channel.unary_unary(
+                '/rlfleet.v1.RolloutService/AbortWeightTransfer',
+                request_serializer=rlfleet_dot_v1_dot_rollout__pb2.AbortWeightTransferRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_rollout__pb2.AbortWeightTransferResponse.FromString,
+                _registered_method=True)
         self.Sleep = channel.unary_unary(
                 '/rlfleet.v1.RolloutService/Sleep',
                 request_serializer=rlfleet_dot_v1_dot_rollout__pb2.SleepRequest.SerializeToString,
@@ -104,6 +109,16 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbortWeightTransfer(self, request, context):
+        """The sender gives up a bucketed update before its last bucket committed: the
+        replica drops every bucket staged for it (and the one in flight) at once rather
+        than at the transfer time-out. Idempotent: an unknown, applied, failed or
+        expired update_id is no error, the answer says aborted = false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Sleep(self, request, context):
         """Colocated placement: release accelerator memory, then take it back.
         """
@@ -145,6 +160,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.CommitWeightTransfer,
                     request_deserializer=rlfleet_dot_v1_dot_rollout__pb2.WeightTransferCommit.FromString,
                     response_serializer=rlfleet_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'AbortWeightTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortWeightTransfer,
+                    request_deserializer=rlfleet_dot_v1_dot_rollout__pb2.AbortWeightTransferRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_rollout__pb2.AbortWeightTransferResponse.SerializeToString,
             ),
             'Sleep': grpc.unary_unary_rpc_method_handler(
                     servicer.Sleep,
@@ -270,6 +290,33 @@ class RolloutService:
             '/rlfleet.v1.RolloutService/CommitWeightTransfer',
             rlfleet_dot_v1_dot_rollout__pb2.WeightTransferCommit.SerializeToString,
             rlfleet_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortWeightTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.RolloutService/AbortWeightTransfer',
+            rlfleet_dot_v1_dot_rollout__pb2.AbortWeightTransferRequest.SerializeToString,
+            rlfleet_dot_v1_dot_rollout__pb2.AbortWeightTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,8 @@ gRPC on 127.0.0.1 port 0): several buckets in one ``UpdateWeights`` call arrive 
 a corrupt, missing or truncated bucket changes nothing; over the bulk data plane
 (TCP, shared memory) a one-bucket model and a many-bucket one arrive whole and once,
 a corrupt middle bucket or a pusher killed between buckets changes nothing, and a
-replica that refuses the bulk plane gets the gRPC stream."""
+replica that refuses the bulk plane gets the gRPC stream; a sender that fails or
+stops mid-update aborts it, so the replica's staged bytes go at once."""
 
 from __future__ import annotations
 
@@ -353,3 +354,132 @@ def test_pusher_killed_between_buckets_leaves_the_old_weights(
     ours = dict(trainer.iter_weights())
     assert all(torch.equal(p, ours[n]) for n, p in _params(engine).items())
     assert engine.info().weight_version == 8
+
+
+# ------------------------------------------------------------------------- abort
+
+
+def _staged_bytes(address: str) -> int:
+    with RemoteRolloutClient(address) as client:
+        return client.status().weight_staged_bytes
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_sender_failing_mid_update_aborts_and_frees_the_staging_at_once(
+    trainer: TrainerCore,
+    replica: tuple[RolloutCore, HFEngine, str],
+    transport: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bucket 2's move fails on the sender (two buckets staged, a third open): the
+    sender aborts, so the replica's staged bytes (GetStatus) drop to zero at once,
+    well within the 60 s time-out; the old weights serve and the next push lands
+    whole."""
+    core, engine, address = replica
+    old, before = _params(engine), _generate(address)
+    real = getattr(rollout_client, f"send_{transport}")
+    held: list[int] = []
+
+    def failing(plan, named, specs, **kw):  # type: ignore[no-untyped-def]
+        if len(held) == 2:
+            held.append(_staged_bytes(address))
+            raise OSError("link down (test)")
+        held.append(0)
+        return real(plan, named, specs, **kw)
+
+    monkeypatch.setattr(rollout_client, f"send_{transport}", failing)
+    start = time.monotonic()
+    out = InProcessTrainerClient(trainer).push_weights(
+        [("r0", address)], version=5, bucket_bytes=BUCKET, transports=[transport]
+    )
+    assert out.ok == {"r0": False} and "link down" in out.errors["r0"]
+    assert held[2] > 0  # buckets 0 and 1 staged, bucket 2's buffer open
+    with RemoteRolloutClient(address) as client:
+        status = client.status()
+    assert status.weight_staged_bytes == 0 and core._bulk.staged_updates() == {}
+    assert time.monotonic() - start < 30  # not the transfer time-out (60 s)
+    assert status.weight_spare_bytes > 0  # the staged buffers, kept for the next update
+    assert engine.info().weight_version == 0
+    assert all(torch.equal(p, old[n]) for n, p in _params(engine).items())
+    assert _generate(address) == before
+
+    monkeypatch.setattr(rollout_client, f"send_{transport}", real)
+    again = InProcessTrainerClient(trainer).push_weights(
+        [("r0", address)], version=5, bucket_bytes=BUCKET, transports=[transport]
+    )
+    assert again.ok == {"r0": True}, again.errors
+    ours = dict(trainer.iter_weights())
+    assert all(torch.equal(p, ours[n]) for n, p in _params(engine).items())
+    assert engine.info().weight_version == 5 and _staged_bytes(address) == 0
+
+
+def test_pusher_stopping_mid_update_aborts(
+    trainer: TrainerCore, replica: tuple[RolloutCore, HFEngine, str]
+) -> None:
+    """KeyboardInterrupt in the pusher between buckets (two committed): it propagates,
+    and the target's staged buckets are aborted on the way out."""
+    core, engine, address = replica
+    gathered: list[int] = []
+
+    def on_bucket(nbytes: int) -> None:
+        gathered.append(nbytes)
+        if len(gathered) == 3:
+            assert list(core._bulk.staged_updates().values()) == [2]
+            raise KeyboardInterrupt
+
+    from rlfleet.trainer.weights import push_weights
+
+    with pytest.raises(KeyboardInterrupt):
+        push_weights(
+            trainer.iter_weights(),
+            [("r0", address)],
+            9,
+            bucket_bytes=BUCKET,
+            transports=["tcp"],
+            on_bucket=on_bucket,
+        )
+    assert core._bulk.staged_updates() == {} and _staged_bytes(address) == 0
+    assert engine.info().weight_version == 0
+
+
+def test_keyboard_interrupt_in_a_bucket_move_aborts(
+    trainer: TrainerCore,
+    replica: tuple[RolloutCore, HFEngine, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    core, engine, address = replica
+    buckets = [dict(b) for b, _ in iter_buckets(trainer.iter_weights(), BUCKET)]
+    real = rollout_client.send_tcp
+
+    def interrupted(plan, named, specs, **kw):  # type: ignore[no-untyped-def]
+        if any(core._bulk.staged_updates().values()):  # bucket 1, after bucket 0 staged
+            raise KeyboardInterrupt
+        return real(plan, named, specs, **kw)
+
+    monkeypatch.setattr(rollout_client, "send_tcp", interrupted)
+    with grpc.insecure_channel(address) as channel:
+        update = rollout_client.BulkUpdate(rollout_pb2_grpc.RolloutServiceStub(channel), 2, ["tcp"])
+        staged = update.send(buckets[0], final=False)
+        assert staged is not None and staged.staged and update.pending
+        with pytest.raises(KeyboardInterrupt):
+            update.send(buckets[1], final=False)
+        assert not update.pending and update.abort() is None  # sent once, already
+    assert core._bulk.staged_updates() == {} and _staged_bytes(address) == 0
+    assert engine.info().weight_version == 0
+
+
+def test_abort_of_an_unknown_update_is_harmless(
+    replica: tuple[RolloutCore, HFEngine, str],
+) -> None:
+    _core, engine, address = replica
+    before = _generate(address)
+    with grpc.insecure_channel(address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        answer = stub.AbortWeightTransfer(
+            rollout_pb2.AbortWeightTransferRequest(update_id="no-such-update", reason="test")
+        )
+        assert (answer.aborted, answer.staged_buckets, answer.freed_bytes) == (False, 0, 0)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.AbortWeightTransfer(rollout_pb2.AbortWeightTransferRequest())
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert engine.info().weight_version == 0 and _generate(address) == before

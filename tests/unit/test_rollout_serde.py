@@ -87,3 +87,21 @@ def test_commit_carries_one_crc32c_per_tensor() -> None:
     msg = rollout_pb2.WeightTransferCommit(transfer_id="t", crc32c=[0, 0xFFFFFFFF, 7])
     again = rollout_pb2.WeightTransferCommit.FromString(msg.SerializeToString())
     assert list(again.crc32c) == [0, 0xFFFFFFFF, 7]
+
+
+def test_abort_result_and_status_staging_round_trip() -> None:
+    from rlfleet.rollout.core import RolloutStatusInfo
+    from rlfleet.rollout.transport import AbortResult
+
+    for r in (AbortResult(aborted=False), AbortResult(True, staged_buckets=2, freed_bytes=77)):
+        wire = rollout_pb2.AbortWeightTransferResponse.FromString(
+            serde.abort_to_proto(r).SerializeToString()
+        )
+        assert serde.abort_from_proto(wire) == r
+    status = RolloutStatusInfo(
+        "r0", "m", "hf", "bfloat16", "cpu", 3, 0, 1.5, False, 10, 1 << 33, 5 << 30
+    )
+    wire_status = rollout_pb2.RolloutStatus.FromString(
+        serde.status_to_proto(status).SerializeToString()
+    )
+    assert serde.status_from_proto(wire_status) == status

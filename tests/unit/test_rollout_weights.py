@@ -419,6 +419,37 @@ def test_an_abandoned_bucketed_update_expires(engine: HFEngine) -> None:
     bulk.close()
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_abort_drops_the_staged_buckets_at_once(engine: HFEngine, transport: str) -> None:
+    """The sender gives up after two staged buckets with a third one open: every
+    staging buffer leaves the update at once (the staged ones become spares, the open
+    one is released), nothing was applied, and the update's id is gone."""
+    old = snapshot(engine)
+    bulk = BulkReceiver(WeightReceiver(engine), engine)
+    buckets = split(new_weights(engine), 4)
+    uid = ""
+    for i in (0, 1):
+        tid, crcs, uid = send_bucket(bulk, transport, buckets[i], 1, i, False, uid)
+        bulk.commit(tid, crcs)
+    staged = bulk.staged_bytes()
+    bulk.open(make_offer(buckets[2], 1, [transport], bucket=2, final=False, update_id=uid))
+    held = bulk.staged_bytes()
+    assert 0 < staged < held and bulk.spare_bytes() == 0
+
+    result = bulk.abort(uid, "test")
+    assert result == transport_mod.AbortResult(True, staged_buckets=2, freed_bytes=held)
+    assert bulk.staged_bytes() == 0 and bulk.staged_updates() == {}
+    assert bulk.spare_bytes() == staged  # kept for the next update, as after any update
+    assert_weights(engine, old)
+    assert engine.info().weight_version == 0
+    with pytest.raises(NotFound, match="no bucketed weight update"):
+        bulk.open(make_offer(buckets[3], 1, [transport], bucket=3, update_id=uid))
+    # Again, or an id never seen: a no-op.
+    assert bulk.abort(uid) == transport_mod.AbortResult(False)
+    assert bulk.abort("never-seen") == transport_mod.AbortResult(False)
+    bulk.close()
+
+
 # ------------------------------------------------- adopted staging tensors (no apply copy)
 
 
@@ -482,3 +513,15 @@ def test_shared_memory_is_never_adopted(engine: HFEngine) -> None:
     assert_weights(engine, w)
     assert len(bulk._spare_shms) == 1
     bulk.close()
+
+
+def test_spare_pool_takes_the_smallest_fit_among_arrays() -> None:
+    """Several spare arrays of different sizes (a bucketed update's): the smallest that
+    fits is taken, by identity (arrays do not compare with ``==``); none fits: the
+    largest is dropped."""
+    pool = [np.zeros(n, dtype=np.uint8) for n in (64, 16, 32)]
+    small, mid, big = pool[1], pool[2], pool[0]
+    assert transport_mod._take_smallest(pool, 20, lambda a: a.nbytes) is mid
+    assert transport_mod._take_smallest(pool, 8, lambda a: a.nbytes) is small
+    assert transport_mod._take_smallest(pool, 100, lambda a: a.nbytes) is None
+    assert pool == [] and big.nbytes == 64
