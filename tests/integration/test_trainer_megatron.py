@@ -134,6 +134,14 @@ def test_qwen2_with_qkv_biases_matches_hugging_face(tmp_path: Path, tiny_model_d
     assert weights.keys() == dict(hf.named_parameters()).keys()
     assert all(torch.equal(weights[k], p.detach()) for k, p in hf.named_parameters())
 
+    # The HF export of an untied model keeps its own head.
+    with cpu_shim():
+        backend.export_hf("actor", str(tmp_path / "export"))
+    exported = load_actor(str(tmp_path / "export"))
+    assert not exported.config.tie_word_embeddings
+    for name, p in hf.named_parameters():
+        assert torch.equal(dict(exported.named_parameters())[name], p.detach()), name
+
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir: Path) -> None:
     view = B.ensure_defaults(make_batch(bs=4, seed=9, pad_rows=2))
