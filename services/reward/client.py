@@ -16,6 +16,8 @@ parquet row's chat-list ``prompt`` becomes ``prompt_messages``.
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol, TypeAlias
 
@@ -137,6 +139,10 @@ class InProcessRewardClient:
         self.manager.close()
 
 
+#: ``connections=0`` opens at most this many, whatever the service reports.
+_MAX_AUTO_CONNECTIONS = 32
+
+
 def _shifted(error: Any, offset: int) -> Any:
     """``error`` of a part that starts at sample ``offset``, indexed in the whole batch."""
     if not offset or error.sample_index is None:
@@ -173,7 +179,9 @@ class RewardClient:
             of the client's own; :meth:`score` cuts a batch of at least
             ``2 * min_part`` samples into up to that many contiguous parts, sent at
             once, one per connection (results and error indices are the whole
-            batch's). 1: one connection, one request per batch.
+            batch's). 1: one connection, one request per batch. 0: as many as the
+            service reports running (``GetInfo``'s ``processes``, asked once, at the
+            first :meth:`score`).
         min_part: the smallest part worth a request of its own.
     """
 
@@ -188,23 +196,46 @@ class RewardClient:
         connections: int = 1,
         min_part: int = 64,
     ) -> None:
-        if connections < 1:
-            raise ValueError(f"connections must be >= 1, got {connections}")
+        if connections < 0:
+            raise ValueError(
+                f"connections must be >= 0 (0: as the service reports), got {connections}"
+            )
         self.address = address
         self.timeout_s = timeout_s
         self.min_part = max(1, min_part)
-        extra = [("grpc.use_local_subchannel_pool", 1)] if connections > 1 else []
-        self._channels = [
-            create_channel(address, tls=tls, auth_token=auth_token, options=[*options, *extra])
-            for _ in range(connections)
-        ]
+        self._auto = connections == 0
+        extra = [("grpc.use_local_subchannel_pool", 1)] if connections != 1 else []
+        self._open = functools.partial(
+            create_channel, address, tls=tls, auth_token=auth_token, options=[*options, *extra]
+        )
+        self._channels = [self._open() for _ in range(max(1, connections))]
         self._channel = self._channels[0]
         self._stubs = [reward_pb2_grpc.RewardServiceStub(c) for c in self._channels]
         self._stub = self._stubs[0]
+        self._lock = threading.Lock()
+
+    @property
+    def connections(self) -> int:
+        """Connections open now (``connections=0`` opens the rest at the first score)."""
+        return len(self._channels)
+
+    def _connect_all(self) -> None:
+        """``connections=0``: open one connection per server process, once."""
+        with self._lock:
+            if not self._auto:
+                return
+            wanted = min(self.info().processes, _MAX_AUTO_CONNECTIONS)
+            while len(self._channels) < wanted:
+                channel = self._open()
+                self._channels.append(channel)
+                self._stubs.append(reward_pb2_grpc.RewardServiceStub(channel))
+            self._auto = False
 
     def score(
         self, samples: Sequence[SampleLike], *, timeout_s: float | None = None
     ) -> list[ScoreResult]:
+        if self._auto:
+            self._connect_all()
         protos = [sample_to_proto(as_sample(s, i)) for i, s in enumerate(samples)]
         parts = min(len(self._stubs), len(protos) // self.min_part) or 1
         bounds = [len(protos) * k // parts for k in range(parts + 1)]
@@ -266,6 +297,7 @@ class RewardClient:
             reward_model=msg.reward_model,
             max_batch_size=msg.max_batch_size,
             sample_timeout_s=msg.sample_timeout_s,
+            processes=msg.processes or 1,
         )
 
     def close(self) -> None:

@@ -191,4 +191,5 @@ def info_to_proto(info: RewardInfo) -> reward_pb2.RewardInfo:
         reward_model=info.reward_model,
         max_batch_size=info.max_batch_size,
         sample_timeout_s=info.sample_timeout_s,
+        processes=info.processes,
     )

@@ -335,7 +335,7 @@ def start_merged_metrics_server(
 # ------------------------------------------------------------------------ parent
 
 
-def _child_argv(args: argparse.Namespace, port: int, index: int) -> list[str]:
+def _child_argv(args: argparse.Namespace, port: int, index: int, count: int) -> list[str]:
     argv = [sys.executable, "-m", "rlfleet.reward.server", f"--host={args.host}", f"--port={port}"]
     if args.config:
         argv.append(f"--config={args.config}")
@@ -358,6 +358,7 @@ def _child_argv(args: argparse.Namespace, port: int, index: int) -> list[str]:
         f"--log-level={args.log_level}",
         "--processes=1",
         f"--process-index={index}",
+        f"--process-count={count}",
     ]
     return argv
 
@@ -380,7 +381,7 @@ def serve_processes(args: argparse.Namespace, processes: int, *, tls: TLSConfig 
         print(f"error: --host {args.host} --port {args.port}: {e}", file=sys.stderr)
         return 1
     port = int(reserved.getsockname()[1])
-    group = ProcessGroup(lambda i: _child_argv(args, port, i), processes)
+    group = ProcessGroup(lambda i: _child_argv(args, port, i, processes), processes)
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         # On a thread: no locks (logging's, Popen's) taken inside the signal handler.

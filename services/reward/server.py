@@ -94,18 +94,25 @@ def start_reward_service(
     max_grpc_workers: int = 32,
     manager: RewardManager | None = None,
     reuse_port: bool = False,
+    processes: int = 1,
 ) -> RewardService:
     """Build the core, start the gRPC server (and ``/metrics`` when ``metrics_port`` is set).
 
     ``port=0`` / ``metrics_port=0`` pick free ports (read ``address`` / ``metrics_port``).
-    ``reuse_port``: share the port with other processes (``SO_REUSEPORT``).
+    ``reuse_port``: share the port with other processes (``SO_REUSEPORT``);
+    ``processes``: how many do, as ``GetInfo`` reports it.
     """
     metrics = manager.metrics if manager is not None else RewardMetrics()
     if manager is None:
         manager = RewardManager(config, max_batch_size=max_batch_size, metrics=metrics)
     try:
         server = create_server(
-            [(reward_pb2_grpc.add_RewardServiceServicer_to_server, RewardServicer(manager))],
+            [
+                (
+                    reward_pb2_grpc.add_RewardServiceServicer_to_server,
+                    RewardServicer(manager, processes=processes),
+                )
+            ],
             host=host,
             port=port,
             max_workers=max_grpc_workers,
@@ -172,6 +179,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     # Set by the parent of --processes N on each child it starts.
     parser.add_argument("--process-index", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--process-count", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -254,6 +262,7 @@ def serve_main(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         max_grpc_workers=args.grpc_workers,
         reuse_port=child,
+        processes=args.process_count if child else 1,
     )
     service.server.install_signal_handlers()
     if child:

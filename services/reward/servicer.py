@@ -8,6 +8,7 @@ client has left, so work stops (and queued chunks are dropped) when it runs out.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -43,9 +44,12 @@ def _time_left(context: grpc.ServicerContext) -> float | None:
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
-    def __init__(self, manager: RewardManager, metrics: RewardMetrics | None = None) -> None:
+    def __init__(
+        self, manager: RewardManager, metrics: RewardMetrics | None = None, *, processes: int = 1
+    ) -> None:
         self.manager = manager
         self.metrics = metrics or manager.metrics
+        self.processes = processes  # reported by GetInfo: how many serve this port
 
     def _record(self, method: str, started: float, code: str) -> None:
         self.metrics.request(method, code, time.perf_counter() - started)
@@ -138,6 +142,6 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self, request: reward_pb2.GetRewardInfoRequest, context: grpc.ServicerContext
     ) -> reward_pb2.RewardInfo:
         started = time.perf_counter()
-        info = info_to_proto(self.manager.info())
+        info = info_to_proto(dataclasses.replace(self.manager.info(), processes=self.processes))
         self._record("GetInfo", started, "OK")
         return info

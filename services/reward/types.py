@@ -84,3 +84,4 @@ class RewardInfo:
     reward_model: str
     max_batch_size: int
     sample_timeout_s: float
+    processes: int = 1  # server processes sharing the port

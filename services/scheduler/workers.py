@@ -215,12 +215,10 @@ def _rollouts(spec: WorkerSpec, config: Config, owned: list[Any]) -> list[Rollou
 def _reward(spec: WorkerSpec, config: Config, owned: list[Any]) -> RewardClientProtocol:
     if isinstance(spec, str):
         from rlfleet.reward.client import RewardClient
-        from rlfleet.reward.processes import resolve_processes
 
-        # One connection per server process, so that a step's batch is scored by all
-        # of a `--processes N` service (reward.num_processes, the same config).
-        connections = resolve_processes(config.reward.num_processes)
-        client: Any = RewardClient(spec, connections=connections)
+        # One connection per process of the service (as its GetInfo reports), so that
+        # a step's batch is scored by all of a `--processes N` service.
+        client: Any = RewardClient(spec, connections=0)
         owned.append(client)
         return client
     if _is_factory(spec, "score"):

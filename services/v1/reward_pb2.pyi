@@ -62,7 +62,7 @@ class GetRewardInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RewardInfo(_message.Message):
-    __slots__ = ("scorers", "data_sources", "default_scorer", "reward_model", "max_batch_size", "sample_timeout_s")
+    __slots__ = ("scorers", "data_sources", "default_scorer", "reward_model", "max_batch_size", "sample_timeout_s", "processes")
     class DataSourcesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -76,10 +76,12 @@ class RewardInfo(_message.Message):
     REWARD_MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
     scorers: _containers.RepeatedScalarFieldContainer[str]
     data_sources: _containers.ScalarMap[str, str]
     default_scorer: str
     reward_model: str
     max_batch_size: int
     sample_timeout_s: float
-    def __init__(self, scorers: _Optional[_Iterable[str]] = ..., data_sources: _Optional[_Mapping[str, str]] = ..., default_scorer: _Optional[str] = ..., reward_model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., sample_timeout_s: _Optional[float] = ...) -> None: ...
+    processes: int
+    def __init__(self, scorers: _Optional[_Iterable[str]] = ..., data_sources: _Optional[_Mapping[str, str]] = ..., default_scorer: _Optional[str] = ..., reward_model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., sample_timeout_s: _Optional[float] = ..., processes: _Optional[int] = ...) -> None: ...

@@ -174,9 +174,17 @@ def test_two_processes_share_a_port_and_stop_gracefully(tmp_path: Path) -> None:
             services = ProtoReflectionDescriptorDatabase(channel).get_services()
             assert "rlfleet.v1.RewardService" in services
 
+        # GetInfo reports the processes; connections=0 opens one per process.
+        with RewardClient(address, timeout_s=60, connections=0, min_part=8) as c:
+            assert c.info().processes == 2 and c.connections == 1
+            batch = [Sample("openai/gsm8k", f"#### {i}", str(i)) for i in range(32)]
+            assert [r.score for r in c.score(batch)] == [1.0] * 32
+            assert c.connections == 2
+        base_calls = 2  # the split batch above: one request per connection
+
         # Concurrent clients until both processes have taken work (8 connections a
         # round: all on one process is a 1/128 chance per round).
-        calls = 0
+        calls = base_calls
         for attempt in range(6):
             calls += _score_from_threads(address, rounds=3, base=1000 * attempt)
             counts = _metrics(metrics_address)
@@ -185,7 +193,7 @@ def test_two_processes_share_a_port_and_stop_gracefully(tmp_path: Path) -> None:
         assert counts[("requests", "0")] > 0 and counts[("requests", "1")] > 0, counts
         # Counts add up across the processes.
         assert counts[("requests", "0")] + counts[("requests", "1")] == calls
-        assert counts[("samples", "0")] + counts[("samples", "1")] == 6 * calls
+        assert counts[("samples", "0")] + counts[("samples", "1")] == 6 * (calls - base_calls) + 32
 
         # SIGTERM to the parent while a call is in flight: the call finishes, every
         # process exits, the parent with 0.

@@ -403,4 +403,9 @@ def test_a_client_with_several_connections_splits_a_batch(service: RewardService
         # Small batches stay one request.
         assert [r.score for r in c.score(_gsm8k(20))] == [1.0] * 20
     with pytest.raises(ValueError, match="connections"):
-        RewardClient(service.address, connections=0)
+        RewardClient(service.address, connections=-1)
+    # connections=0: as many as the service reports (one process here).
+    with RewardClient(service.address, timeout_s=30, connections=0, min_part=50) as c:
+        assert c.info().processes == 1
+        assert [r.score for r in c.score(samples)] == [1.0] * 300 + [0.0] * 10
+        assert c.connections == 1
