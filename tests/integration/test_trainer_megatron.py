@@ -100,34 +100,48 @@ def test_exported_folder_loads_in_transformers(cores: Any, tmp_path: Path) -> No
         assert torch.equal(p.detach(), weights[name]), name
 
 
-def test_qwen2_with_qkv_biases_matches_hugging_face(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """A Qwen2 model (q/k/v biases, rope_theta 1e6, untied head) converts exactly."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_qwen2_and_mistral_match_hugging_face(
+    tmp_path: Path, tiny_model_dir: Path, arch: str
+) -> None:
+    """A Qwen2 model (q/k/v biases, rope_theta 1e6, untied head) and a Mistral one
+    convert exactly."""
+    from transformers import (
+        AutoTokenizer,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     from rlfleet.trainer.models import forward_log_prob, load_actor
 
-    config = Qwen2Config(
+    config_cls, model_cls = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[arch]
+    config = config_cls(
         vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rope_theta=1e6, tie_word_embeddings=False, rms_norm_eps=1e-6,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = model_cls(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)  # zero biases would hide a misplaced one
-    model.save_pretrained(tmp_path / "qwen2")
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "qwen2")
+    model.save_pretrained(tmp_path / arch)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / arch)
 
     view = B.ensure_defaults(make_batch(bs=4, seed=2, pad_rows=2))
     view = {k: view[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")}
-    cfg = megatron_config(str(tmp_path / "qwen2"), algorithm={"adv_estimator": "grpo"})
+    cfg = megatron_config(str(tmp_path / arch), algorithm={"adv_estimator": "grpo"})
     with cpu_shim():
         backend = MegatronBackend(cfg, device=CPU)
         got = backend.forward("actor", [view])[0]["log_prob"]
         weights = dict(backend.iter_full_params())
-    hf = load_actor(str(tmp_path / "qwen2"))
+    hf = load_actor(str(tmp_path / arch))
     with torch.no_grad():
         want, _ = forward_log_prob(hf, view)
     assert (got - want).abs().max() < TOL
