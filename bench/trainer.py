@@ -8,9 +8,11 @@ Training tokens/s of ``update_actor`` through the trainer gRPC service
 ``rlfleet.common.tiny_model.build_tiny_model`` (``--presets``).
 
 On a GPU (``torch.cuda.is_available()``) it also measures the actor update on CUDA in
-this process, with bf16 mixed precision: tokens/s, MFU (model FLOPs per second over the
-device's peak dense bf16 FLOPs) and peak allocated memory per parameter. On a CPU host
-``"gpu"`` is ``null`` and ``"gpu_reason"`` says why.
+this process, with bf16 mixed precision, for each of ``--gpu-backends`` (FSDP2 and
+megatron-core) on ``--gpu-model`` (default: a random-weight ~0.9B Llama, ``GPU_ARCH``):
+tokens/s, MFU (model FLOPs per second over the device's peak dense bf16 FLOPs) and peak
+allocated memory per parameter. On a CPU host ``"gpu"`` is ``null`` and
+``"gpu_reason"`` says why.
 
     python bench/trainer.py                                  # tiny + small
     python bench/trainer.py --presets tiny --repeats 3       # quick

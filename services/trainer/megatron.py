@@ -702,10 +702,10 @@ class MegatronBackend:
 
     def optimizer_step(self, role: ModelRole) -> tuple[float, bool]:
         params = self._reduce_gradients(role)
-        counted = [p.grad for p in self._norm_params(role) if p.grad is not None]
+        counted = [p.grad.detach() for p in self._norm_params(role) if p.grad is not None]
         square = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in counted:
-            square += g.detach().float().pow(2).sum()
+        if counted:  # one fused kernel per dtype, not one per parameter
+            square = torch.stack(torch._foreach_norm(counted)).float().pow(2).sum()
         if self.tp * self.pp > 1:
             dist.all_reduce(square, group=self.ps.get_model_parallel_group())
         grad_norm = float(square.sqrt())
