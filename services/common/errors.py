@@ -29,6 +29,7 @@ __all__ = [
     "Internal",
     "InvalidArgument",
     "NotFound",
+    "PermissionDenied",
     "ResourceExhausted",
     "RlfleetError",
     "Unauthenticated",
@@ -155,6 +156,12 @@ class Unauthenticated(RlfleetError):
     status = "UNAUTHENTICATED"
 
 
+class PermissionDenied(RlfleetError):
+    """Authenticated, but the caller's role may not do this. Fatal."""
+
+    status = "PERMISSION_DENIED"
+
+
 class DataLoss(RlfleetError):
     """Bytes were lost or corrupted on the way (checksum, missing chunk). Recoverable:
     resending may succeed, and the receiver keeps its previous state."""
@@ -173,6 +180,7 @@ _BY_STATUS: dict[str, type[RlfleetError]] = {
     cls.status: cls
     for cls in (
         InvalidArgument,
+        PermissionDenied,
         NotFound,
         FailedPrecondition,
         Unavailable,

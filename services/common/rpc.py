@@ -46,13 +46,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hmac
 import json
 import logging
+import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -63,8 +63,12 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rlfleet.common import auth
+from rlfleet.common.auth import Authenticator, Credentials
 from rlfleet.common.errors import (
     Internal,
+    InvalidArgument,
+    PermissionDenied,
     RlfleetError,
     Unauthenticated,
     Unavailable,
@@ -83,15 +87,22 @@ __all__ = [
     "BearerTokenInterceptor",
     "ErrorMappingInterceptor",
     "Registration",
+    "Security",
     "Server",
     "TLSConfig",
+    "add_security_arguments",
     "call_options",
     "check_health",
     "create_channel",
     "create_server",
+    "current_security",
     "error_info",
     "grpc_method",
+    "security_from_args",
+    "set_security",
+    "tls_from_env",
     "to_rlfleet_error",
+    "using_security",
     "wait_for_ready",
 ]
 
@@ -269,6 +280,10 @@ def _mapped(behavior: Callable[..., Any], where: str) -> Callable[..., Any]:
     @functools.wraps(behavior)
     def call(request: Any, context: grpc.ServicerContext) -> Any:
         try:
+            if isinstance(request, Iterator):
+                request = _checked_requests(request)
+            else:
+                request = _refuse_malformed(request)
             result = behavior(request, context)
         except Exception as exc:
             _abort_for(exc, context, where)
@@ -296,10 +311,53 @@ def grpc_method(method: _F) -> _F:
     return cast(_F, wrapper)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Malformed:
+    """What a request that failed to parse becomes, so the handler can refuse it."""
+
+    error: str
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except (DecodeError, ValueError, TypeError) as e:
+            return _Malformed(f"{type(e).__name__}: {e}")
+
+    return parse
+
+
+def _refuse_malformed(request: Any) -> Any:
+    if isinstance(request, _Malformed):
+        raise InvalidArgument(
+            f"the request is not a valid protobuf message ({request.error})",
+            field="request",
+            value=request.error,
+        )
+    return request
+
+
+def _checked_requests(requests: Iterable[Any]) -> Iterator[Any]:
+    for request in requests:
+        yield _refuse_malformed(request)
+
+
 def _rebuild_handler(
-    handler: grpc.RpcMethodHandler, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+    handler: grpc.RpcMethodHandler,
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+    *,
+    lenient: bool = False,
 ) -> grpc.RpcMethodHandler:
-    """The same kind of handler with its behavior replaced by ``wrap(behavior)``."""
+    """The same kind of handler with its behavior replaced by ``wrap(behavior)``.
+
+    ``lenient``: requests that fail to parse reach the behavior as :class:`_Malformed`
+    (and :func:`_mapped` refuses them with INVALID_ARGUMENT) instead of failing in
+    gRPC's deserializer with INTERNAL.
+    """
     kinds = (
         ("unary_unary", grpc.unary_unary_rpc_method_handler),
         ("unary_stream", grpc.unary_stream_rpc_method_handler),
@@ -311,7 +369,11 @@ def _rebuild_handler(
         if behavior is not None:
             return factory(
                 wrap(behavior),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=(
+                    _lenient(handler.request_deserializer)
+                    if lenient
+                    else handler.request_deserializer
+                ),
                 response_serializer=handler.response_serializer,
             )
     raise ValueError(f"method handler {handler!r} has no behavior")
@@ -335,7 +397,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
         method: str = handler_call_details.method
         if handler is None or method.startswith(_INFRA_METHOD_PREFIXES):
             return handler
-        return _rebuild_handler(handler, lambda behavior: _mapped(behavior, method))
+        return _rebuild_handler(handler, lambda behavior: _mapped(behavior, method), lenient=True)
 
 
 def error_info(error: grpc.RpcError) -> common_pb2.ErrorInfo | None:
@@ -393,27 +455,39 @@ def _check_token(token: str) -> str:
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Server interceptor requiring ``authorization: Bearer <token>`` on every call.
+    """Server interceptor: authenticate every call by its bearer token, then authorize it.
 
-    Calls without exactly one matching header fail with ``UNAUTHENTICATED``
-    (compared in constant time). Health checks are exempt (see module docstring).
+    ``authorization: Bearer <token>`` must appear exactly once and name a role the
+    :class:`~rlfleet.common.auth.Authenticator` knows (``UNAUTHENTICATED``
+    otherwise, compared in constant time); that role must be allowed the method by
+    :func:`rlfleet.common.auth.allowed` (``PERMISSION_DENIED`` otherwise). The
+    handler runs with the role in :func:`rlfleet.common.auth.caller_role`.
+    Health checks are exempt (see module docstring).
+
+    Args:
+        auth: an authenticator, or one shared token (whoever holds it is ``admin``).
     """
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {_check_token(token)}".encode()
+    def __init__(self, auth: Authenticator | str) -> None:
+        if isinstance(auth, str):
+            auth = Credentials.shared(_check_token(auth)).authenticator()
+        self._auth = auth
 
-    def _authorized(self, metadata: Iterable[tuple[str, Any]] | None) -> str | None:
-        """``None`` when authorized, else why not."""
+    def _role(self, metadata: Iterable[tuple[str, Any]] | None) -> tuple[str | None, str]:
+        """``(role, "")`` when authenticated, else ``(None, why not)``."""
         values = [value for key, value in metadata or () if key == AUTH_METADATA_KEY]
         if not values:
-            return f"missing '{AUTH_METADATA_KEY}' metadata"
+            return None, f"missing '{AUTH_METADATA_KEY}' metadata"
         if len(values) > 1:
-            return f"{len(values)} '{AUTH_METADATA_KEY}' metadata entries, expected 1"
+            return None, f"{len(values)} '{AUTH_METADATA_KEY}' metadata entries, expected 1"
         value = values[0]
         raw = value.encode() if isinstance(value, str) else bytes(value)
-        if not hmac.compare_digest(raw, self._expected):
-            return "invalid bearer token"
-        return None
+        if not raw.startswith(b"Bearer ") or len(raw) > 512:
+            return None, "invalid bearer token"
+        role = self._auth.role_of(raw[len(b"Bearer ") :])
+        if role is None:
+            return None, "invalid bearer token"
+        return role, ""
 
     def intercept_service(
         self,
@@ -423,13 +497,22 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         method: str = handler_call_details.method
         if method.startswith(_OPEN_METHOD_PREFIXES):
             return continuation(handler_call_details)
-        reason = self._authorized(handler_call_details.invocation_metadata)
-        if reason is None:
-            return continuation(handler_call_details)
+        role, reason = self._role(handler_call_details.invocation_metadata)
         handler = continuation(handler_call_details)
+        if role is not None and auth.allowed(role, method):
+            if handler is None:
+                return None
+            return _rebuild_handler(handler, lambda behavior: _as_caller(behavior, role))
         # Deny with a handler of the same kind; unknown methods are denied too, so
         # an unauthenticated caller cannot probe which methods exist.
-        denied = Unauthenticated(f"{method}: {reason}")
+        denied: RlfleetError
+        if role is None:
+            denied = Unauthenticated(f"{method}: {reason}")
+        else:
+            denied = PermissionDenied(
+                f"{method}: role {role!r} may not call this method", field="role", value=role
+            )
+            logger.warning("refused %s to role %s", method, role)
 
         def deny(_request: Any, context: grpc.ServicerContext) -> NoReturn:
             _abort_for(denied, context, method)
@@ -437,7 +520,31 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
 
         if handler is None:
             return grpc.unary_unary_rpc_method_handler(deny)
-        return _rebuild_handler(handler, lambda _behavior: deny)
+        return _rebuild_handler(handler, lambda _behavior: deny, lenient=True)
+
+
+def _as_caller(behavior: Callable[..., Any], role: str) -> Callable[..., Any]:
+    """Run a handler (and iterate its response stream) with ``caller_role() == role``."""
+
+    @functools.wraps(behavior)
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        with auth.using_caller(role):
+            result = behavior(request, context)
+        if isinstance(result, Iterator):
+            return _iterate_as(result, role)
+        return result
+
+    return call
+
+
+def _iterate_as(iterator: Iterator[Any], role: str) -> Iterator[Any]:
+    while True:
+        with auth.using_caller(role):
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+        yield item
 
 
 @dataclasses.dataclass(frozen=True)
@@ -496,6 +603,177 @@ class _BearerTokenClientInterceptor(
         self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
     ) -> Any:
         return continuation(self._details(client_call_details), request_iterator)
+
+
+# ---------------------------------------------------------------------- security
+
+
+@dataclasses.dataclass(frozen=True)
+class Security:
+    """How a process authenticates: its credentials, its TLS material, or neither.
+
+    Servers built by :func:`create_server` and channels from :func:`create_channel`
+    use the process's security (:func:`set_security`, :func:`using_security`) when
+    they are given no ``auth_token``/``tls`` of their own.
+
+    Attributes:
+        credentials: this process's role and token, and who may call it; None only
+            when ``insecure``.
+        tls: TLS material (PEM paths): ``cert``/``key`` are served by servers and,
+            for mTLS, presented by clients; ``ca`` verifies the peer.
+        insecure: authentication explicitly turned off (``--insecure``).
+    """
+
+    credentials: Credentials | None = None
+    tls: TLSConfig | None = None
+    insecure: bool = False
+
+    @property
+    def role(self) -> str | None:
+        return self.credentials.role if self.credentials is not None else None
+
+    def server_tls(self) -> TLSConfig | None:
+        return self.tls if self.tls is not None and self.tls.cert is not None else None
+
+    def client_tls(self) -> TLSConfig | None:
+        """What a client of this process dials with: the CA, and the cert for mTLS."""
+        if self.tls is None:
+            return None
+        return TLSConfig(
+            cert=self.tls.cert,
+            key=self.tls.key,
+            ca=self.tls.ca,
+            server_name_override=self.tls.server_name_override,
+        )
+
+    def tls_env(self) -> dict[str, str]:
+        """Environment handing the TLS material to a child process."""
+        if self.tls is None:
+            return {}
+        env = {
+            auth.TLS_ENV[k]: str(v)
+            for k, v in (("cert", self.tls.cert), ("key", self.tls.key), ("ca", self.tls.ca))
+            if v is not None
+        }
+        if self.tls.require_client_cert:
+            env[auth.TLS_ENV["require_client_cert"]] = "1"
+        return env
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        insecure: bool = False,
+        what: str = "service",
+    ) -> Security:
+        """This process's security from its environment (see :mod:`rlfleet.common.auth`).
+
+        Raises:
+            CredentialError: no credentials and not ``insecure`` (nor ``RLFLEET_INSECURE=1``),
+                or credentials / TLS variables that are set but unusable.
+        """
+        env = os.environ if env is None else env
+        tls = tls_from_env(env)
+        insecure = insecure or env.get(auth.INSECURE_ENV, "") in ("1", "true", "yes")
+        if insecure:
+            logger.warning(
+                "%s: AUTHENTICATION IS OFF (--insecure): anyone who reaches its ports can "
+                "call every method, push weights and read the model",
+                what,
+            )
+            return cls(credentials=None, tls=tls, insecure=True)
+        creds = auth.load_credentials(env)
+        if creds is None:
+            raise auth.CredentialError(
+                f"{what}: no credentials: set {auth.CREDENTIALS_ENV} to this role's file from "
+                f"`rlfleet secrets init --dir DIR` (or {auth.CREDENTIALS_JSON_ENV}, or a shared "
+                f"token in {auth.SHARED_TOKEN_ENV}), or pass --insecure to run without "
+                "authentication"
+            )
+        return cls(credentials=creds, tls=tls)
+
+
+def tls_from_env(env: Mapping[str, str]) -> TLSConfig | None:
+    """TLS material named by ``RLFLEET_TLS_CERT``/``_KEY``/``_CA`` (None when none is set)."""
+    cert, key, ca = (env.get(auth.TLS_ENV[k]) or None for k in ("cert", "key", "ca"))
+    if cert is None and key is None and ca is None:
+        return None
+    if (cert is None) != (key is None):
+        raise auth.CredentialError(
+            f"{auth.TLS_ENV['cert']} and {auth.TLS_ENV['key']} go together, got "
+            f"cert={cert!r} key={key!r}"
+        )
+    for name, path in (("cert", cert), ("key", key), ("ca", ca)):
+        if path is not None and not Path(path).is_file():
+            raise auth.CredentialError(f"{auth.TLS_ENV[name]}={path}: no such file")
+    require = env.get(auth.TLS_ENV["require_client_cert"], "") in ("1", "true", "yes")
+    if require and ca is None:
+        raise auth.CredentialError(
+            f"{auth.TLS_ENV['require_client_cert']}=1 needs {auth.TLS_ENV['ca']}"
+        )
+    return TLSConfig(cert=cert, key=key, ca=ca, require_client_cert=require)
+
+
+_SECURITY: Security | None = None
+_SECURITY_LOCK = threading.Lock()
+
+
+def set_security(security: Security | None) -> None:
+    """Make ``security`` this process's default for servers and channels."""
+    global _SECURITY
+    with _SECURITY_LOCK:
+        _SECURITY = security
+
+
+def current_security() -> Security | None:
+    """The process's default security (None: nothing configured, plaintext and open)."""
+    return _SECURITY
+
+
+@contextlib.contextmanager
+def using_security(security: Security | None) -> Iterator[Security | None]:
+    """Set the process's default security for a block, restoring the previous one."""
+    previous = _SECURITY
+    set_security(security)
+    try:
+        yield security
+    finally:
+        set_security(previous)
+
+
+def add_security_arguments(parser: Any) -> None:
+    """``--insecure`` and ``--tls-cert/--tls-key/--tls-ca/--tls-require-client-cert``.
+
+    Credentials themselves never come from argv (``ps`` shows it): see
+    :mod:`rlfleet.common.auth`.
+    """
+    group = parser.add_argument_group("security")
+    group.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run WITHOUT authentication (also RLFLEET_INSECURE=1); loopback tests only",
+    )
+    group.add_argument("--tls-cert", default=None, help="certificate (PEM); also $RLFLEET_TLS_CERT")
+    group.add_argument("--tls-key", default=None, help="its private key; also $RLFLEET_TLS_KEY")
+    group.add_argument("--tls-ca", default=None, help="CA verifying peers; also $RLFLEET_TLS_CA")
+    group.add_argument(
+        "--tls-require-client-cert",
+        action="store_true",
+        help="mTLS: refuse clients without a certificate from --tls-ca",
+    )
+
+
+def security_from_args(args: Any, *, what: str) -> Security:
+    """:meth:`Security.from_env` with the flags of :func:`add_security_arguments` on top."""
+    env = dict(os.environ)
+    for name in ("cert", "key", "ca"):
+        value = getattr(args, f"tls_{name}", None)
+        if value:
+            env[auth.TLS_ENV[name]] = value
+    if getattr(args, "tls_require_client_cert", False):
+        env[auth.TLS_ENV["require_client_cert"]] = "1"
+    return Security.from_env(env, insecure=bool(getattr(args, "insecure", False)), what=what)
 
 
 # ------------------------------------------------------------------------ server
@@ -645,6 +923,7 @@ def create_server(
     serving: bool = True,
     options: Sequence[tuple[str, Any]] = (),
     reuse_port: bool = False,
+    security: Security | None = None,
 ) -> Server:
     """Build, bind and start a thread-pool gRPC server.
 
@@ -656,8 +935,12 @@ def create_server(
         max_workers: handler threads; a streaming call holds one for its duration.
         max_concurrent_rpcs: calls beyond this fail with RESOURCE_EXHAUSTED (None: no cap).
         max_message_bytes: send and receive limit per message.
-        tls: serve TLS (mTLS with ``tls.require_client_cert``); None: plaintext.
-        auth_token: require ``authorization: Bearer <auth_token>`` (health exempt).
+        tls: serve TLS (mTLS with ``tls.require_client_cert``); None: the
+            security's (below), else plaintext.
+        auth_token: require ``authorization: Bearer <auth_token>`` (health exempt);
+            None: the security's credentials, else no authentication.
+        security: the credentials and TLS to serve with; None: the process's
+            (:func:`current_security`).
         service_names: extra service names for health and reflection, beyond those
             the registrations register (found automatically).
         interceptors: more server interceptors, run after auth and error mapping.
@@ -673,9 +956,16 @@ def create_server(
     Returns:
         The started :class:`Server`.
     """
+    security = security if security is not None else current_security()
+    authenticator: Authenticator | str | None = auth_token
+    if security is not None:
+        if authenticator is None and security.credentials is not None:
+            authenticator = security.credentials.authenticator()
+        if tls is None:
+            tls = security.server_tls()
     all_interceptors: list[grpc.ServerInterceptor] = []
-    if auth_token is not None:
-        all_interceptors.append(BearerTokenInterceptor(auth_token))
+    if authenticator is not None:
+        all_interceptors.append(BearerTokenInterceptor(authenticator))
     if map_errors:
         all_interceptors.append(ErrorMappingInterceptor())
     all_interceptors.extend(interceptors)
@@ -725,8 +1015,8 @@ def create_server(
         "serving %s on %s (%s%s)",
         ", ".join(names) or "no services",
         _format_address(host, bound),
-        "tls" if tls is not None else "plaintext",
-        ", token auth" if auth_token is not None else "",
+        ("mtls" if tls.require_client_cert else "tls") if tls is not None else "plaintext",
+        ", token auth" if authenticator is not None else ", NO AUTH",
     )
     return Server(
         grpc_server, host=host, port=bound, health_servicer=health_servicer, service_names=names
@@ -768,6 +1058,7 @@ def create_channel(
     max_backoff_s: float = 5.0,
     backoff_multiplier: float = 2.0,
     options: Sequence[tuple[str, Any]] = (),
+    security: Security | None = None,
 ) -> grpc.Channel:
     """A channel to ``address`` ("host:port") with retries, keepalive and size limits.
 
@@ -788,7 +1079,15 @@ def create_channel(
         max_attempts: attempts per call including the first.
         initial_backoff_s, max_backoff_s, backoff_multiplier: the retry backoff.
         options: more channel arguments.
+        security: credentials and TLS used where ``auth_token``/``tls`` are None;
+            None: the process's (:func:`current_security`).
     """
+    security = security if security is not None else current_security()
+    if security is not None:
+        if auth_token is None and security.credentials is not None:
+            auth_token = security.credentials.token
+        if tls is None:
+            tls = security.client_tls()
     channel_options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),

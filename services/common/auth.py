@@ -1,0 +1,380 @@
+"""Who may call what: per-role credentials, the method policy, and the process's security.
+
+A cluster has one *credential set*: a random bearer token per role
+(:data:`ROLES`). Each process gets the file of its own role only::
+
+    <secrets dir>/            mode 0700, made by `rlfleet secrets init` or a launcher
+      driver.json             {"role": "driver", "token": "...", "verifiers": {...}}
+      trainer.json  rollout.json  reward.json  scheduler.json  observer.json
+      observer.token          the observer's bare token (Prometheus' credentials_file)
+
+``verifiers`` maps every role to the SHA-256 of that role's token, so a service can
+tell which role a caller holds without being able to act as any role but its own:
+a rollout replica that is broken into cannot mint the driver's token.
+
+A process finds its credentials in the environment, never on its command line
+(where ``ps`` shows them):
+
+* ``RLFLEET_CREDENTIALS``: path of its role's JSON file;
+* ``RLFLEET_CREDENTIALS_JSON``: the same JSON inline (Ray actors, Kubernetes secrets);
+* ``RLFLEET_AUTH_TOKEN`` (legacy): one shared token; whoever holds it has every role
+  (:data:`ADMIN`). Operators who run a single service for other systems use this.
+
+Running without authentication takes an explicit ``--insecure`` (or
+``RLFLEET_INSECURE=1``) and logs a warning; a server that finds no credentials and
+was not told so refuses to start.
+
+The policy (:data:`METHOD_ROLES`) says which roles may call each method; methods
+not listed are refused to all but :data:`ADMIN`. Health checks stay open (probes
+reveal only serving status). Ownership rules that depend on the request (a replica
+may only register itself, only the registrant may deregister) live in the
+servicers, which read the caller's role with :func:`caller_role`.
+
+Nothing here imports torch or grpc.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ADMIN",
+    "ALL_ROLES",
+    "CREDENTIALS_ENV",
+    "CREDENTIALS_JSON_ENV",
+    "INSECURE_ENV",
+    "METHOD_ROLES",
+    "ROLES",
+    "SHARED_TOKEN_ENV",
+    "TLS_ENV",
+    "Authenticator",
+    "CredentialError",
+    "Credentials",
+    "allowed",
+    "caller_role",
+    "credential_set",
+    "credentials_env",
+    "generate_tokens",
+    "load_credentials",
+    "read_credential_set",
+    "token_digest",
+    "using_caller",
+    "write_credential_set",
+]
+
+logger = logging.getLogger(__name__)
+
+ROLES: tuple[str, ...] = ("driver", "trainer", "rollout", "reward", "scheduler", "observer")
+"""Roles of a credential set; ``observer`` is read-only (status, lists, /metrics)."""
+
+ADMIN = "admin"
+"""The role of a shared token (``RLFLEET_AUTH_TOKEN``): every method."""
+
+ALL_ROLES: frozenset[str] = frozenset(ROLES)
+
+CREDENTIALS_ENV = "RLFLEET_CREDENTIALS"
+CREDENTIALS_JSON_ENV = "RLFLEET_CREDENTIALS_JSON"
+SHARED_TOKEN_ENV = "RLFLEET_AUTH_TOKEN"
+INSECURE_ENV = "RLFLEET_INSECURE"
+TLS_ENV = {
+    "cert": "RLFLEET_TLS_CERT",
+    "key": "RLFLEET_TLS_KEY",
+    "ca": "RLFLEET_TLS_CA",
+    "require_client_cert": "RLFLEET_TLS_REQUIRE_CLIENT_CERT",
+}
+"""Environment variables of the TLS material every service and client reads."""
+
+_CALLERS = frozenset({"driver", "trainer", "rollout"})
+_WORKERS = frozenset({"rollout", "reward", "trainer", "driver"})
+
+# Full gRPC method name -> roles allowed (ADMIN is always allowed).
+METHOD_ROLES: dict[str, frozenset[str]] = {
+    # Rollout: the driver asks for generations; weights and sleep come from the
+    # trainer (or the driver when it pushes through the trainer's client).
+    "/rlfleet.v1.RolloutService/Generate": frozenset({"driver"}),
+    "/rlfleet.v1.RolloutService/UpdateWeights": frozenset({"trainer", "driver"}),
+    "/rlfleet.v1.RolloutService/OpenWeightTransfer": frozenset({"trainer", "driver"}),
+    "/rlfleet.v1.RolloutService/CommitWeightTransfer": frozenset({"trainer", "driver"}),
+    "/rlfleet.v1.RolloutService/AbortWeightTransfer": frozenset({"trainer", "driver"}),
+    "/rlfleet.v1.RolloutService/Sleep": frozenset({"trainer", "driver"}),
+    "/rlfleet.v1.RolloutService/WakeUp": frozenset({"trainer", "driver"}),
+    "/rlfleet.v1.RolloutService/GetStatus": ALL_ROLES,
+    # Reward: text in, scores out, for whoever trains or generates.
+    "/rlfleet.v1.RewardService/Score": _CALLERS,
+    "/rlfleet.v1.RewardService/ScoreStream": _CALLERS,
+    "/rlfleet.v1.RewardService/GetInfo": ALL_ROLES,
+    # Trainer: only the driver trains, saves, loads and pushes.
+    **{
+        f"/rlfleet.v1.TrainerService/{m}": frozenset({"driver"})
+        for m in (
+            "ComputeLogProb",
+            "ComputeRefLogProb",
+            "ComputeValues",
+            "ComputeAdvantage",
+            "UpdateCritic",
+            "UpdateActor",
+            "TrainStep",
+            "SFTStep",
+            "SaveCheckpoint",
+            "LoadCheckpoint",
+            "PushWeights",
+        )
+    },
+    "/rlfleet.v1.TrainerService/GetStatus": ALL_ROLES,
+    # Scheduler: services register themselves (the launcher, as driver, registers
+    # those that cannot); the servicer checks role against the entry and ownership.
+    "/rlfleet.v1.SchedulerService/Register": _WORKERS,
+    "/rlfleet.v1.SchedulerService/Heartbeat": _WORKERS,
+    "/rlfleet.v1.SchedulerService/Deregister": _WORKERS,
+    "/rlfleet.v1.SchedulerService/ListServices": ALL_ROLES,
+    "/rlfleet.v1.SchedulerService/Plan": frozenset({"driver"}),
+    "/rlfleet.v1.SchedulerService/GetPlacement": ALL_ROLES,
+    "/rlfleet.v1.SchedulerService/GetTrainingStatus": ALL_ROLES,
+    "/rlfleet.v1.SchedulerService/SetTrainingStatus": frozenset({"driver"}),
+}
+
+_REFLECTION_PREFIX = "/grpc.reflection."
+
+
+def allowed(role: str, method: str) -> bool:
+    """Whether ``role`` may call the full gRPC ``method`` (``/pkg.Service/Method``)."""
+    if role == ADMIN:
+        return True
+    if method.startswith(_REFLECTION_PREFIX):
+        return role in ALL_ROLES
+    roles = METHOD_ROLES.get(method)
+    return roles is not None and role in roles
+
+
+class CredentialError(ValueError):
+    """Credentials are missing, unreadable or malformed; the message says which and where."""
+
+
+def token_digest(token: str) -> str:
+    """SHA-256 hex of a token: what a verifier stores instead of the token."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _check_token(token: Any, where: str) -> str:
+    if (
+        not isinstance(token, str)
+        or len(token) < 16
+        or not token.isascii()
+        or not token.isprintable()
+        or " " in token
+    ):
+        raise CredentialError(
+            f"{where}: a token must be at least 16 printable ASCII characters without spaces"
+        )
+    return token
+
+
+class Authenticator:
+    """Maps a presented bearer token to the role it belongs to (constant time per role).
+
+    Args:
+        verifiers: role -> :func:`token_digest` of that role's token.
+    """
+
+    def __init__(self, verifiers: Mapping[str, str]) -> None:
+        if not verifiers:
+            raise CredentialError("an authenticator needs at least one verifier")
+        self._verifiers = {role: bytes.fromhex(d) for role, d in verifiers.items()}
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(self._verifiers)
+
+    def role_of(self, token: str | bytes) -> str | None:
+        """The role whose token this is, or None. Every verifier is compared."""
+        raw = token.encode() if isinstance(token, str) else bytes(token)
+        digest = hashlib.sha256(raw).digest()
+        found = None
+        for role, expected in self._verifiers.items():
+            if hmac.compare_digest(digest, expected):
+                found = role
+        return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Credentials:
+    """One process's credentials: its own role and token, and who may call it.
+
+    Attributes:
+        role: the role this process acts as (:data:`ROLES` or :data:`ADMIN`).
+        token: bearer token it presents on outgoing calls.
+        verifiers: role -> token digest of every role its servers accept.
+        source: where they were read from (for messages; never the token).
+    """
+
+    role: str
+    token: str = dataclasses.field(repr=False)
+    verifiers: Mapping[str, str]
+    source: str = ""
+
+    def authenticator(self) -> Authenticator:
+        return Authenticator(self.verifiers)
+
+    @classmethod
+    def shared(cls, token: str, source: str = SHARED_TOKEN_ENV) -> Credentials:
+        """A single shared token: every holder is :data:`ADMIN`."""
+        if not token or not token.isascii() or not token.isprintable() or " " in token:
+            raise CredentialError(f"{source}: the token must be printable ASCII without spaces")
+        return cls(role=ADMIN, token=token, verifiers={ADMIN: token_digest(token)}, source=source)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], source: str) -> Credentials:
+        role = data.get("role")
+        if role not in ROLES and role != ADMIN:
+            raise CredentialError(f"{source}: role must be one of {ROLES}, got {role!r}")
+        token = _check_token(data.get("token"), f"{source}: token")
+        verifiers = data.get("verifiers")
+        if not isinstance(verifiers, Mapping) or not verifiers:
+            raise CredentialError(f"{source}: verifiers must be a non-empty object")
+        for r, d in verifiers.items():
+            if r not in ROLES and r != ADMIN:
+                raise CredentialError(f"{source}: verifiers: unknown role {r!r}")
+            if not isinstance(d, str) or len(d) != 64:
+                raise CredentialError(f"{source}: verifiers.{r}: not a SHA-256 hex digest")
+            try:
+                bytes.fromhex(d)
+            except ValueError as e:
+                raise CredentialError(f"{source}: verifiers.{r}: {e}") from e
+        if verifiers.get(role) != token_digest(token):
+            raise CredentialError(f"{source}: the token does not match verifiers.{role}")
+        return cls(role=str(role), token=token, verifiers=dict(verifiers), source=source)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"role": self.role, "token": self.token, "verifiers": dict(self.verifiers)}
+
+    def as_role(self, role: str, tokens: Mapping[str, str]) -> Credentials:
+        """The same set's credentials of another role (launchers that hold the set)."""
+        return Credentials(role=role, token=tokens[role], verifiers=self.verifiers, source=role)
+
+
+def generate_tokens() -> dict[str, str]:
+    """A fresh credential set: 256 random bits per role."""
+    return {role: secrets.token_urlsafe(32) for role in ROLES}
+
+
+def credential_set(tokens: Mapping[str, str]) -> dict[str, Credentials]:
+    """Role -> :class:`Credentials` of a token set (each verifying every role)."""
+    verifiers = {role: token_digest(t) for role, t in tokens.items()}
+    return {
+        role: Credentials(role=role, token=t, verifiers=verifiers, source=role)
+        for role, t in tokens.items()
+    }
+
+
+def _write_private(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_credential_set(directory: str | Path, tokens: Mapping[str, str] | None = None) -> Path:
+    """Write a credential set into ``directory`` (mode 0700, files 0600); returns it.
+
+    One ``<role>.json`` per role (give each process its own) and
+    ``observer.token`` (the bare observer token, for Prometheus).
+    """
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o700)
+    creds = credential_set(tokens or generate_tokens())
+    for role, c in creds.items():
+        _write_private(root / f"{role}.json", json.dumps(c.to_json(), indent=1) + "\n")
+    if "observer" in creds:
+        _write_private(root / "observer.token", creds["observer"].token)
+    return root
+
+
+def read_credential_set(directory: str | Path) -> dict[str, str]:
+    """Role -> token of a set written by :func:`write_credential_set`."""
+    root = Path(directory)
+    tokens = {}
+    for role in ROLES:
+        path = root / f"{role}.json"
+        tokens[role] = _read_file(path).token
+    return tokens
+
+
+def _read_file(path: Path) -> Credentials:
+    source = str(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise CredentialError(f"{CREDENTIALS_ENV}={source}: cannot read: {e.strerror}") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CredentialError(f"{source}: not JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise CredentialError(f"{source}: expected a JSON object")
+    mode = path.stat().st_mode & 0o077
+    if mode:
+        logger.warning("%s is readable by group or others (mode %o); chmod 600 it", source, mode)
+    return Credentials.from_json(data, source)
+
+
+def load_credentials(env: Mapping[str, str] | None = None) -> Credentials | None:
+    """This process's credentials from the environment, or None when there are none.
+
+    Raises:
+        CredentialError: a variable is set but its credentials are unusable.
+    """
+    env = os.environ if env is None else env
+    path = env.get(CREDENTIALS_ENV)
+    if path:
+        return _read_file(Path(path))
+    inline = env.get(CREDENTIALS_JSON_ENV)
+    if inline:
+        try:
+            data = json.loads(inline)
+        except json.JSONDecodeError as e:
+            raise CredentialError(f"{CREDENTIALS_JSON_ENV}: not JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise CredentialError(f"{CREDENTIALS_JSON_ENV}: expected a JSON object")
+        return Credentials.from_json(data, CREDENTIALS_JSON_ENV)
+    shared = env.get(SHARED_TOKEN_ENV)
+    if shared:
+        return Credentials.shared(shared)
+    return None
+
+
+def credentials_env(creds: Credentials) -> dict[str, str]:
+    """Environment that hands ``creds`` to a child process (inline, never argv)."""
+    return {CREDENTIALS_JSON_ENV: json.dumps(creds.to_json())}
+
+
+# ------------------------------------------------------------------ the caller
+
+_CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("rlfleet_caller", default=None)
+
+
+def caller_role() -> str | None:
+    """The authenticated role of the gRPC call being handled (None: auth is off)."""
+    return _CALLER.get()
+
+
+@contextlib.contextmanager
+def using_caller(role: str | None) -> Iterator[None]:
+    """Run a block as if handling a call from ``role`` (the auth interceptor uses this)."""
+    token = _CALLER.set(role)
+    try:
+        yield
+    finally:
+        _CALLER.reset(token)
