@@ -144,13 +144,14 @@ class SchedulerRegistration:
         self._thread: threading.Thread | None = None
         self.address = address
         self.service_id = ""
+        self._lease = ""  # the registry entry's owner secret (never logged)
         self.interval_s = DEFAULT_HEARTBEAT_S
         self.required_weight_version = 0
 
     def register(self) -> scheduler_pb2.RegisterResponse:
         try:
             resp = self._stub.Register(
-                scheduler_pb2.RegisterRequest(info=self._info),
+                scheduler_pb2.RegisterRequest(info=self._info, lease=self._lease),
                 timeout=self._timeout_s,
                 wait_for_ready=True,
             )
@@ -162,6 +163,7 @@ class SchedulerRegistration:
                 value=self.address,
             ) from e
         self.service_id = resp.service_id
+        self._lease = resp.lease
         self._info.service_id = resp.service_id
         if resp.heartbeat_interval_s > 0:
             self.interval_s = resp.heartbeat_interval_s
@@ -190,7 +192,9 @@ class SchedulerRegistration:
             )
             try:
                 resp = self._stub.Heartbeat(
-                    scheduler_pb2.HeartbeatRequest(service_id=self.service_id, load=load),
+                    scheduler_pb2.HeartbeatRequest(
+                        service_id=self.service_id, load=load, lease=self._lease
+                    ),
                     timeout=self._timeout_s,
                 )
                 if not resp.known:
@@ -208,7 +212,7 @@ class SchedulerRegistration:
         if self.service_id:
             try:
                 self._stub.Deregister(
-                    scheduler_pb2.DeregisterRequest(service_id=self.service_id),
+                    scheduler_pb2.DeregisterRequest(service_id=self.service_id, lease=self._lease),
                     timeout=self._timeout_s,
                 )
                 logger.info("deregistered %s from %s", self.service_id, self.address)

@@ -7,8 +7,14 @@ Registry semantics:
 
 * ``register`` assigns an id (``rollout-1``, ``trainer-1``, ...), or keeps the id the
   service asks for when it is free (a service re-registering after a scheduler
-  restart). A service registering again at an address already registered replaces
-  the old entry and keeps its id (a restarted replica on the same port).
+  restart), and a random *lease*: the entry belongs to whoever holds it. A service
+  registering again at an address already registered replaces the old entry and
+  keeps its id (a restarted replica on the same port), but only if the old entry
+  is DEAD, the caller holds its lease, or the caller is the driver: nobody takes
+  over a live replica's entry. Heartbeat and deregister need the lease too.
+* Entries are bounded (:data:`MAX_SERVICES`, field lengths, devices,
+  capabilities: :func:`check_spec`); a service role may register only its own kind,
+  and no one registers a scheduler.
 * ``heartbeat`` refreshes liveness and records the load (queue depth, tokens/s,
   weight version). A service whose last sign of life is older than
   ``missed_heartbeats x heartbeat_interval_s`` is DEAD; a heartbeat revives it. An
@@ -25,7 +31,9 @@ The driver publishes its progress with :meth:`SchedulerCore.set_training_status`
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -33,7 +41,12 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Literal
 
-from rlfleet.common.errors import FailedPrecondition, InvalidArgument
+from rlfleet.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from rlfleet.scheduler.placement import (
     SERVICE_OF_ROLE,
     Device,
@@ -61,6 +74,7 @@ __all__ = [
     "TrainingState",
     "TrainingStatus",
     "bind_services",
+    "check_spec",
 ]
 
 logger = logging.getLogger(__name__)
@@ -120,13 +134,18 @@ class ServiceLoad:
 
 @dataclass(frozen=True)
 class ServiceEntry:
-    """One registered service, as the registry sees it now."""
+    """One registered service, as the registry sees it now.
+
+    ``lease`` is the owner's secret (heartbeat and deregister with it); it never
+    leaves the scheduler except in the answer to the registration that made it.
+    """
 
     spec: ServiceSpec
     state: ServiceState
     registered_unix: float
     last_heartbeat_unix: float
     load: ServiceLoad = ServiceLoad()
+    lease: str = field(default="", repr=False)
 
     @property
     def service_id(self) -> str:
@@ -144,6 +163,77 @@ class _Record:
     last_seen: float
     load: ServiceLoad = ServiceLoad()
     dead_since: float | None = None
+    lease: str = ""
+
+
+# Callers that may act on any entry: in-process (None: auth off or no server), the
+# driver (it launches and registers the services that cannot), a shared-token admin.
+_PRIVILEGED: frozenset[str | None] = frozenset({None, "driver", "admin"})
+
+MAX_SERVICES = 4096
+"""Registry entries at most (DEAD ones count until forgotten)."""
+MAX_DEVICES = 1024
+MAX_CAPABILITIES = 64
+MAX_TEXT_CHARS = 256
+"""Longest address, node, service id, capability key."""
+MAX_CAPABILITY_CHARS = 1024
+
+
+def _check_text(value: str, field_name: str, limit: int = MAX_TEXT_CHARS) -> None:
+    if len(value) > limit:
+        raise InvalidArgument(
+            f"{len(value)} characters, at most {limit}", field=field_name, value=value[:64]
+        )
+    if value and not value.isprintable():
+        raise InvalidArgument("must be printable text", field=field_name, value=value[:64])
+
+
+def _check_host_port(value: str, field_name: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument("expected host:port", field=field_name, value=value)
+
+
+def check_spec(spec: ServiceSpec) -> None:
+    """Bounds and shapes of what a service says about itself (InvalidArgument naming the field)."""
+    if spec.role not in SERVICE_ROLES or spec.role == "scheduler":
+        raise InvalidArgument(
+            f"role {spec.role!r} cannot register (roles: rollout, reward, trainer)",
+            field="info.role",
+            value=spec.role,
+        )
+    if not spec.address:
+        raise InvalidArgument("a service must register an address", field="info.address")
+    _check_text(spec.address, "info.address")
+    _check_host_port(spec.address, "info.address")
+    if spec.metrics_address:
+        _check_text(spec.metrics_address, "info.metrics_address")
+        _check_host_port(spec.metrics_address, "info.metrics_address")
+    _check_text(spec.node, "info.node")
+    _check_text(spec.service_id, "info.service_id")
+    if len(spec.devices) > MAX_DEVICES:
+        raise InvalidArgument(
+            f"{len(spec.devices)} devices, at most {MAX_DEVICES}",
+            field="info.devices",
+            value=len(spec.devices),
+        )
+    if len(spec.capabilities) > MAX_CAPABILITIES:
+        raise InvalidArgument(
+            f"{len(spec.capabilities)} capabilities, at most {MAX_CAPABILITIES}",
+            field="info.capabilities",
+            value=len(spec.capabilities),
+        )
+    for key, value in spec.capabilities.items():
+        _check_text(key, "info.capabilities")
+        _check_text(value, f"info.capabilities[{key}]", MAX_CAPABILITY_CHARS)
+    for i, d in enumerate(spec.devices):
+        _check_text(d.name, f"info.devices[{i}].name")
+        if d.index < 0 or d.memory_bytes < 0:
+            raise InvalidArgument(
+                "index and memory_bytes must be >= 0", field=f"info.devices[{i}]", value=d.index
+            )
+    if spec.capacity < 0 or spec.pid < 0:
+        raise InvalidArgument("capacity and pid must be >= 0", field="info", value=spec.capacity)
 
 
 class Registry:
@@ -154,6 +244,7 @@ class Registry:
         missed_heartbeats: beats missed before a service is DEAD.
         forget_dead_after_s: drop DEAD entries this long after they died (None: never).
         clock: wall-clock seconds (``time.time``); tests pass a fake.
+        max_services: entries at most (:data:`MAX_SERVICES`).
     """
 
     def __init__(
@@ -163,6 +254,7 @@ class Registry:
         missed_heartbeats: int = 3,
         forget_dead_after_s: float | None = 600.0,
         clock: Callable[[], float] = time.time,
+        max_services: int = MAX_SERVICES,
     ) -> None:
         if heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
@@ -171,6 +263,7 @@ class Registry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.missed_heartbeats = missed_heartbeats
         self.forget_dead_after_s = forget_dead_after_s
+        self.max_services = max_services
         self._clock = clock
         self._lock = threading.Lock()
         self._records: dict[str, _Record] = {}
@@ -183,16 +276,28 @@ class Registry:
 
     # ---------------------------------------------------------------- mutations
 
-    def register(self, spec: ServiceSpec) -> ServiceEntry:
-        """Add (or replace) a service; returns its entry with the assigned id."""
-        if spec.role not in SERVICE_ROLES:
-            raise InvalidArgument(
-                f"unknown role {spec.role!r} (roles: {', '.join(SERVICE_ROLES)})",
+    def register(
+        self, spec: ServiceSpec, *, caller: str | None = None, lease: str = ""
+    ) -> ServiceEntry:
+        """Add (or replace) a service; returns its entry with the assigned id and lease.
+
+        Args:
+            spec: what the service says about itself (:func:`check_spec`).
+            caller: the authenticated role registering it (None: auth is off). A
+                service role may only register an entry of its own kind.
+            lease: re-registering: the lease its entry was given.
+
+        An entry at the same address (or with the asked-for id) is replaced only
+        when it is DEAD, the caller holds its lease, or the caller is the driver;
+        otherwise PermissionDenied. A full registry is ResourceExhausted.
+        """
+        check_spec(spec)
+        if caller not in _PRIVILEGED and caller != spec.role:
+            raise PermissionDenied(
+                f"a {caller} may only register itself, not a {spec.role} service",
                 field="info.role",
                 value=spec.role,
             )
-        if not spec.address:
-            raise InvalidArgument("a service must register an address", field="info.address")
         now = self._clock()
         with self._lock:
             self._expire(now)
@@ -200,23 +305,53 @@ class Registry:
             service_id = spec.service_id
             if not service_id and same_address:
                 service_id = same_address[0]
-            for old in same_address:
-                if old != service_id:
-                    logger.info("%s at %s replaced by a new registration", old, spec.address)
-                self._records.pop(old, None)
-            if not service_id:
-                service_id = self._new_id(spec.role)
-            elif service_id in self._records and self._records[service_id].spec.role != spec.role:
+            taken = [*same_address, *([service_id] if service_id in self._records else [])]
+            for old_id in taken:
+                old = self._records[old_id]
+                owned = bool(lease) and hmac.compare_digest(lease, old.lease)
+                if old.dead_since is None and caller not in _PRIVILEGED and not owned:
+                    raise PermissionDenied(
+                        f"{old_id} ({old.spec.role} at {old.spec.address}) is registered by "
+                        "another owner; it can be replaced once it is dead, or by its owner",
+                        field="info.address" if old_id in same_address else "info.service_id",
+                        value=spec.address if old_id in same_address else service_id,
+                    )
+            if service_id in self._records and self._records[service_id].spec.role != spec.role:
                 raise InvalidArgument(
                     f"service id {service_id!r} belongs to a "
                     f"{self._records[service_id].spec.role} service",
                     field="info.service_id",
                     value=service_id,
                 )
+            if not taken and len(self._records) >= self.max_services:
+                raise ResourceExhausted(
+                    f"the registry holds {len(self._records)} services, at most "
+                    f"{self.max_services}",
+                    field="info",
+                    value=spec.address,
+                )
+            for old_id in same_address:
+                if old_id != service_id:
+                    logger.info("%s at %s replaced by a new registration", old_id, spec.address)
+                self._records.pop(old_id, None)
+            if not service_id:
+                service_id = self._new_id(spec.role)
             spec = replace(spec, service_id=service_id)
-            self._records[service_id] = _Record(spec, registered=now, last_seen=now)
+            record = _Record(spec, registered=now, last_seen=now, lease=secrets.token_urlsafe(24))
+            self._records[service_id] = record
             logger.info("registered %s (%s at %s)", service_id, spec.role, spec.address)
-            return self._entry(self._records[service_id], now)
+            return self._entry(record, now)
+
+    def _check_owner(self, record: _Record, lease: str, caller: str | None, what: str) -> None:
+        if caller in _PRIVILEGED:
+            return
+        if not lease or not hmac.compare_digest(lease, record.lease):
+            raise PermissionDenied(
+                f"{what} {record.spec.service_id}: not its owner (the lease given at "
+                "registration is required)",
+                field="lease",
+                value=record.spec.service_id,
+            )
 
     def _new_id(self, role: str) -> str:
         while True:
@@ -226,14 +361,25 @@ class Registry:
             if candidate not in self._records:
                 return candidate
 
-    def heartbeat(self, service_id: str, load: ServiceLoad | None = None) -> bool:
-        """Record a sign of life (and the load); False if the id is unknown."""
+    def heartbeat(
+        self,
+        service_id: str,
+        load: ServiceLoad | None = None,
+        *,
+        lease: str = "",
+        caller: str | None = None,
+    ) -> bool:
+        """Record a sign of life (and the load); False if the id is unknown.
+
+        A service role must present the entry's lease (PermissionDenied otherwise).
+        """
         now = self._clock()
         with self._lock:
             self._expire(now)
             record = self._records.get(service_id)
             if record is None:
                 return False
+            self._check_owner(record, lease, caller, "heartbeat for")
             if record.dead_since is not None:
                 logger.info("%s is alive again after %.1fs", service_id, now - record.last_seen)
                 record.dead_since = None
@@ -242,9 +388,15 @@ class Registry:
                 record.load = load
             return True
 
-    def deregister(self, service_id: str) -> bool:
-        """Remove a service; False if it was not registered."""
+    def deregister(self, service_id: str, *, lease: str = "", caller: str | None = None) -> bool:
+        """Remove a service; False if it was not registered.
+
+        A service role must present the entry's lease (PermissionDenied otherwise).
+        """
         with self._lock:
+            record = self._records.get(service_id)
+            if record is not None:
+                self._check_owner(record, lease, caller, "deregister")
             gone = self._records.pop(service_id, None)
         if gone is not None:
             logger.info("deregistered %s (%s)", service_id, gone.spec.address)
@@ -309,6 +461,7 @@ class Registry:
             registered_unix=record.registered,
             last_heartbeat_unix=record.last_seen,
             load=record.load,
+            lease=record.lease,
         )
 
 
@@ -404,14 +557,23 @@ class SchedulerCore:
 
     # ---- registry
 
-    def register(self, spec: ServiceSpec) -> ServiceEntry:
-        return self.registry.register(spec)
+    def register(
+        self, spec: ServiceSpec, *, caller: str | None = None, lease: str = ""
+    ) -> ServiceEntry:
+        return self.registry.register(spec, caller=caller, lease=lease)
 
-    def heartbeat(self, service_id: str, load: ServiceLoad | None = None) -> bool:
-        return self.registry.heartbeat(service_id, load)
+    def heartbeat(
+        self,
+        service_id: str,
+        load: ServiceLoad | None = None,
+        *,
+        lease: str = "",
+        caller: str | None = None,
+    ) -> bool:
+        return self.registry.heartbeat(service_id, load, lease=lease, caller=caller)
 
-    def deregister(self, service_id: str) -> bool:
-        return self.registry.deregister(service_id)
+    def deregister(self, service_id: str, *, lease: str = "", caller: str | None = None) -> bool:
+        return self.registry.deregister(service_id, lease=lease, caller=caller)
 
     def list_services(
         self, role: ServiceRole | None = None, *, alive_only: bool = False

@@ -12,12 +12,15 @@ names), so the driver can use either::
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast
 
 import grpc
 
-from rlfleet.common.errors import InvalidArgument
+from rlfleet.common.auth import ADMIN, caller_role
+from rlfleet.common.errors import InvalidArgument, PermissionDenied
 from rlfleet.common.rpc import TLSConfig, call_options, create_channel, to_rlfleet_error
 from rlfleet.scheduler.placement import Device, DeviceKind
 from rlfleet.scheduler.registry import (
@@ -39,10 +42,12 @@ __all__ = [
     "SchedulerClient",
     "SchedulerClientProtocol",
     "SchedulerServicer",
+    "check_own_address",
     "device_from_proto",
     "device_to_proto",
     "entry_from_proto",
     "entry_to_proto",
+    "peer_host",
     "placement_to_proto",
     "role_from_proto",
     "role_to_proto",
@@ -209,20 +214,87 @@ def status_from_proto(s: scheduler_pb2.TrainingStatus) -> TrainingStatus:
 # --------------------------------------------------------------------------- servicer
 
 
-class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
-    """SchedulerService over a :class:`SchedulerCore`."""
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``), or ""."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return ""
+    host = rest.rpartition(":")[0]
+    return host.strip("[]")
 
-    def __init__(self, core: SchedulerCore) -> None:
+
+def _host_ips(host: str) -> set[str]:
+    """The IP addresses of ``host`` (itself when it is one; resolved names otherwise)."""
+    host = host.strip("[]")
+    try:
+        return {str(ipaddress.ip_address(host))}
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return set()
+    return {str(info[4][0]) for info in infos}
+
+
+def check_own_address(spec: ServiceSpec, peer: str, allowed_hosts: Sequence[str] = ()) -> None:
+    """A service may only register addresses on its own host (the connection's peer).
+
+    ``address`` and ``metrics_address`` must name the peer's IP (or a name resolving
+    to it); hosts in ``allowed_hosts`` are accepted as they are (NAT, proxies).
+
+    Raises:
+        PermissionDenied: naming the field and the address.
+    """
+    caller_ip = peer_host(peer)
+    if not caller_ip:
+        return  # unix socket or in-process: the host is this one
+    for field_name, address in (
+        ("info.address", spec.address),
+        ("info.metrics_address", spec.metrics_address),
+    ):
+        if not address:
+            continue
+        host = address.rpartition(":")[0].strip("[]")
+        if host in allowed_hosts:
+            continue
+        ips = _host_ips(host)
+        if caller_ip in ips:
+            continue
+        raise PermissionDenied(
+            f"{address} is not on the registering host ({caller_ip}); a service registers "
+            "its own addresses (or the scheduler allows the host: --allow-register-host)",
+            field=field_name,
+            value=address,
+        )
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
+    """SchedulerService over a :class:`SchedulerCore`.
+
+    Args:
+        core: the registry, placement and status.
+        allowed_hosts: hosts a service may register addresses on besides its own
+            (:func:`check_own_address`; the driver and admin are not checked).
+    """
+
+    def __init__(self, core: SchedulerCore, *, allowed_hosts: Sequence[str] = ()) -> None:
         self.core = core
+        self.allowed_hosts = tuple(allowed_hosts)
 
     def Register(
         self, request: scheduler_pb2.RegisterRequest, context: grpc.ServicerContext
     ) -> scheduler_pb2.RegisterResponse:
-        entry = self.core.register(spec_from_proto(request.info))
+        spec = spec_from_proto(request.info)
+        caller = caller_role()
+        if caller not in (None, "driver", ADMIN):
+            check_own_address(spec, context.peer(), self.allowed_hosts)
+        entry = self.core.register(spec, caller=caller, lease=request.lease)
         return scheduler_pb2.RegisterResponse(
             service_id=entry.service_id,
             heartbeat_interval_s=self.core.heartbeat_interval_s,
             weight_version=self.core.weight_version,
+            lease=entry.lease,
         )
 
     def Heartbeat(
@@ -231,12 +303,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if not request.service_id:
             raise InvalidArgument("service_id is required", field="service_id")
         load = load_from_proto(request.load) if request.HasField("load") else None
-        return scheduler_pb2.HeartbeatResponse(known=self.core.heartbeat(request.service_id, load))
+        known = self.core.heartbeat(
+            request.service_id, load, lease=request.lease, caller=caller_role()
+        )
+        return scheduler_pb2.HeartbeatResponse(known=known)
 
     def Deregister(
         self, request: scheduler_pb2.DeregisterRequest, context: grpc.ServicerContext
     ) -> scheduler_pb2.DeregisterResponse:
-        self.core.deregister(request.service_id)  # idempotent: unknown ids are fine
+        # idempotent: unknown ids are fine
+        self.core.deregister(request.service_id, lease=request.lease, caller=caller_role())
         return scheduler_pb2.DeregisterResponse()
 
     def ListServices(
@@ -330,21 +406,26 @@ class SchedulerClient:
         except grpc.RpcError as e:
             raise to_rlfleet_error(e) from e
 
-    def register(self, spec: ServiceSpec) -> scheduler_pb2.RegisterResponse:
-        """Register a service; the response has its id, heartbeat interval, weight version."""
+    def register(self, spec: ServiceSpec, *, lease: str = "") -> scheduler_pb2.RegisterResponse:
+        """Register a service; the response has its id, heartbeat interval, weight
+        version and lease (keep it: heartbeat, deregister and re-register with it)."""
         response: scheduler_pb2.RegisterResponse = self._call(
-            "Register", scheduler_pb2.RegisterRequest(info=spec_to_proto(spec))
+            "Register", scheduler_pb2.RegisterRequest(info=spec_to_proto(spec), lease=lease)
         )
         return response
 
-    def heartbeat(self, service_id: str, load: ServiceLoad | None = None) -> bool:
-        request = scheduler_pb2.HeartbeatRequest(service_id=service_id)
+    def heartbeat(
+        self, service_id: str, load: ServiceLoad | None = None, *, lease: str = ""
+    ) -> bool:
+        request = scheduler_pb2.HeartbeatRequest(service_id=service_id, lease=lease)
         if load is not None:
             request.load.CopyFrom(load_to_proto(load))
         return bool(self._call("Heartbeat", request).known)
 
-    def deregister(self, service_id: str) -> None:
-        self._call("Deregister", scheduler_pb2.DeregisterRequest(service_id=service_id))
+    def deregister(self, service_id: str, *, lease: str = "") -> None:
+        self._call(
+            "Deregister", scheduler_pb2.DeregisterRequest(service_id=service_id, lease=lease)
+        )
 
     def list_services(
         self, role: ServiceRole | None = None, *, alive_only: bool = False

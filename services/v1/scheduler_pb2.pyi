@@ -72,20 +72,24 @@ class ServiceInfo(_message.Message):
     def __init__(self, service_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., capacity: _Optional[int] = ..., metrics_address: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("info",)
+    __slots__ = ("info", "lease")
     INFO_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     info: ServiceInfo
-    def __init__(self, info: _Optional[_Union[ServiceInfo, _Mapping]] = ...) -> None: ...
+    lease: str
+    def __init__(self, info: _Optional[_Union[ServiceInfo, _Mapping]] = ..., lease: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("service_id", "heartbeat_interval_s", "weight_version")
+    __slots__ = ("service_id", "heartbeat_interval_s", "weight_version", "lease")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     heartbeat_interval_s: float
     weight_version: int
-    def __init__(self, service_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    lease: str
+    def __init__(self, service_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., lease: _Optional[str] = ...) -> None: ...
 
 class ServiceLoad(_message.Message):
     __slots__ = ("queue_depth", "tokens_per_second", "weight_version")
@@ -98,12 +102,14 @@ class ServiceLoad(_message.Message):
     def __init__(self, queue_depth: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("service_id", "load")
+    __slots__ = ("service_id", "load", "lease")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     load: ServiceLoad
-    def __init__(self, service_id: _Optional[str] = ..., load: _Optional[_Union[ServiceLoad, _Mapping]] = ...) -> None: ...
+    lease: str
+    def __init__(self, service_id: _Optional[str] = ..., load: _Optional[_Union[ServiceLoad, _Mapping]] = ..., lease: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known",)
@@ -112,10 +118,12 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
-    __slots__ = ("service_id",)
+    __slots__ = ("service_id", "lease")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     service_id: str
-    def __init__(self, service_id: _Optional[str] = ...) -> None: ...
+    lease: str
+    def __init__(self, service_id: _Optional[str] = ..., lease: _Optional[str] = ...) -> None: ...
 
 class DeregisterResponse(_message.Message):
     __slots__ = ()

@@ -6,7 +6,12 @@ import threading
 
 import pytest
 
-from rlfleet.common.errors import FailedPrecondition, InvalidArgument
+from rlfleet.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from rlfleet.scheduler.placement import Device, NodeInventory, PlacementError
 from rlfleet.scheduler.registry import (
     Registry,
@@ -87,8 +92,10 @@ def test_deregister_and_reregister() -> None:
 
 def test_register_validation() -> None:
     reg = Registry(clock=Clock())
-    with pytest.raises(InvalidArgument, match="unknown role"):
+    with pytest.raises(InvalidArgument, match="cannot register"):
         reg.register(spec("critic"))
+    with pytest.raises(InvalidArgument, match="cannot register"):
+        reg.register(spec("scheduler"))
     with pytest.raises(InvalidArgument, match="address"):
         reg.register(ServiceSpec(role="reward", address=""))
     reg.register(spec("trainer", 5, service_id="x-1"))
@@ -104,7 +111,7 @@ def test_registry_is_thread_safe() -> None:
             sid = reg.register(spec(port=base + i)).service_id
             reg.heartbeat(sid)
 
-    threads = [threading.Thread(target=work, args=(1000 * t,)) for t in range(4)]
+    threads = [threading.Thread(target=work, args=(1000 * t + 1,)) for t in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -155,3 +162,41 @@ def test_core_falls_back_to_given_nodes() -> None:
     placement = core.plan({"global_pool": [2]}, {"actor": "global_pool", "rollout": "global_pool"})
     assert placement.colocated
     assert all(a.service_id == "" for a in placement.assignments)
+
+
+def test_entries_are_owned_by_their_lease() -> None:
+    reg = Registry(clock=Clock())
+    mine = reg.register(spec("rollout", 7), caller="rollout")
+    assert mine.lease
+    # Another replica (same role, no lease) can neither take its address nor act for it.
+    with pytest.raises(PermissionDenied, match="another owner"):
+        reg.register(spec("rollout", 7), caller="rollout")
+    with pytest.raises(PermissionDenied, match="another owner"):
+        reg.register(spec("rollout", 8, service_id=mine.service_id), caller="rollout")
+    with pytest.raises(PermissionDenied, match="lease"):
+        reg.heartbeat(mine.service_id, caller="rollout")
+    with pytest.raises(PermissionDenied, match="lease"):
+        reg.deregister(mine.service_id, lease="guess", caller="rollout")
+    assert reg.heartbeat(mine.service_id, lease=mine.lease, caller="rollout")
+    # Its owner re-registers with the lease; the driver may act on any entry.
+    again = reg.register(spec("rollout", 7), caller="rollout", lease=mine.lease)
+    assert again.service_id == mine.service_id
+    assert reg.deregister(mine.service_id, caller="driver")
+
+
+def test_service_roles_register_only_themselves_and_bounds_hold() -> None:
+    reg = Registry(clock=Clock(), max_services=2)
+    with pytest.raises(PermissionDenied, match="only register itself"):
+        reg.register(spec("trainer", 1), caller="rollout")
+    with pytest.raises(InvalidArgument, match="devices"):
+        reg.register(
+            spec("rollout", 1, devices=tuple(Device("cpu", i, "cpu") for i in range(2000)))
+        )
+    with pytest.raises(InvalidArgument, match="characters"):
+        reg.register(spec("rollout", 1, capabilities={"k": "v" * 10_000}))
+    with pytest.raises(InvalidArgument, match="host:port"):
+        reg.register(spec("rollout", 1, metrics_address="169.254.169.254"))
+    reg.register(spec("rollout", 1))
+    reg.register(spec("rollout", 2))
+    with pytest.raises(ResourceExhausted, match="at most 2"):
+        reg.register(spec("rollout", 3))
