@@ -119,14 +119,23 @@ class RewardManager:
             )
         if self.custom is not None:
             # Fail at start-up, not on the first request, when the file is wrong.
-            from rlfleet.reward.scorers import load_custom_function
+            from rlfleet.reward.scorers import custom_data_sources, load_custom_function
 
             try:
                 load_custom_function(*self.custom)
-            except (OSError, ImportError, AttributeError, SyntaxError) as exc:
+                sources = custom_data_sources(cf.path)
+            except (
+                OSError,
+                ImportError,
+                AttributeError,
+                SyntaxError,
+                TypeError,
+                ValueError,
+            ) as exc:
                 raise InvalidArgument(
                     str(exc), field="reward.custom_function.path", value=cf.path
                 ) from exc
+            self.metrics.add_data_sources(sources)
         self.reward_model = reward_model
         rm = self.config.reward_model
         if self.reward_model is None and rm.enable:

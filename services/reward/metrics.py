@@ -9,7 +9,10 @@ Names (Prometheus conventions: ``_total`` counters, ``_seconds`` durations):
 
 * ``rlfleet_reward_requests_total{method, code}``
 * ``rlfleet_reward_request_duration_seconds{method}`` (histogram)
-* ``rlfleet_reward_samples_total{data_source, scorer}``
+* ``rlfleet_reward_samples_total{data_source, scorer}``: ``data_source`` only from
+  the sources the service knows (the built-in table and a custom file's
+  ``DATA_SOURCES``), any other counted as ``"other"``: callers pick the data source,
+  and one series per distinct value would let them grow the registry without bound.
 * ``rlfleet_reward_score{scorer}`` (histogram of scores)
 * ``rlfleet_reward_sample_timeouts_total{scorer}``
 * ``rlfleet_reward_sample_errors_total{scorer}``
@@ -26,12 +29,13 @@ import bisect
 import collections
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from rlfleet.reward.types import ScoreResult
 
 __all__ = [
+    "OTHER_DATA_SOURCE",
     "PROCESS_LABEL",
     "RewardMetrics",
     "merge_expositions",
@@ -41,7 +45,9 @@ __all__ = [
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _SCORE_BUCKETS = (-1.0, -0.5, 0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 2.0, 5.0)
-_MAX_LABEL_CHARS = 64
+
+OTHER_DATA_SOURCE = "other"
+"""The ``data_source`` label of every sample whose source the service does not know."""
 
 PROCESS_LABEL = "process"
 """Label :func:`merge_expositions` adds: the index of the server process (``"0"``...)."""
@@ -55,16 +61,24 @@ def prometheus_available() -> bool:
     return True
 
 
-def _label(value: str) -> str:
-    return value[:_MAX_LABEL_CHARS] if value else "unknown"
-
-
 class RewardMetrics:
-    """The service's counters and histograms (no-ops without ``prometheus_client``)."""
+    """The service's counters and histograms (no-ops without ``prometheus_client``).
 
-    def __init__(self, enabled: bool = True) -> None:
+    Args:
+        enabled: False: every method is a no-op.
+        data_sources: known data sources beyond the built-in table, each a
+            ``data_source`` label value of its own (matched exactly, then
+            case-insensitively, as the scorer table is).
+    """
+
+    def __init__(self, enabled: bool = True, data_sources: Iterable[str] = ()) -> None:
+        from rlfleet.reward.scorers import DATA_SOURCE_SCORERS
+
         self.enabled = enabled and prometheus_available()
         self.registry: Any = None
+        self._sources: dict[str, str] = {}  # exact and lower-cased name -> label
+        self.add_data_sources(DATA_SOURCE_SCORERS)
+        self.add_data_sources(data_sources)
         if not self.enabled:
             return
         from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -116,6 +130,19 @@ class RewardMetrics:
             self._timeouts.labels(scorer)
             self._errors.labels(scorer)
 
+    def add_data_sources(self, names: Iterable[str]) -> None:
+        """Give these data sources labels of their own (a custom function's sources)."""
+        for name in names:
+            self._sources[name] = name
+            self._sources.setdefault(name.lower(), name)
+
+    def data_source_label(self, data_source: str) -> str:
+        """The ``data_source`` label of a sample: its known name, or ``"other"``."""
+        found = self._sources.get(data_source)
+        if found is None:
+            found = self._sources.get(data_source.lower(), OTHER_DATA_SOURCE)
+        return found
+
     def request(self, method: str, code: str, seconds: float) -> None:
         if self.enabled:
             self._requests.labels(method, code).inc()
@@ -138,8 +165,11 @@ class RewardMetrics:
                 errors[scorer] += 1
             if result.timed_out:
                 timeouts[scorer] += 1
+        labelled: collections.Counter[tuple[str, str]] = collections.Counter()
         for (source, scorer), n in counts.items():
-            self._samples.labels(_label(source), scorer).inc(n)
+            labelled[self.data_source_label(source), scorer] += n
+        for (label, scorer), n in labelled.items():
+            self._samples.labels(label, scorer).inc(n)
         for scorer, scores in per_scorer.items():
             self._scores.observe_many(scorer, scores)
         for scorer, n in timeouts.items():

@@ -145,6 +145,35 @@ def test_bad_config_fails_at_start(tmp_path: Path) -> None:
         RewardManager(RewardConfig(default_scorer="nope"))
 
 
+@pytest.mark.parametrize(
+    ("declared", "match"),
+    [
+        ('"my/source"', "must be a list of strings"),
+        ('["ok", 3]', "non-strings or empty names"),
+        ('["ok", ""]', "non-strings or empty names"),
+        ('[f"s{i}" for i in range(1001)]', "over the limit of 1000"),
+    ],
+)
+def test_bad_custom_data_sources_fail_at_start(tmp_path: Path, declared: str, match: str) -> None:
+    path = tmp_path / "reward_fn.py"
+    path.write_text(f"DATA_SOURCES = {declared}\ndef compute_score(*args):\n    return 1.0\n")
+    with pytest.raises(InvalidArgument, match=match) as exc:
+        RewardManager(
+            RewardConfig(custom_function=CustomRewardFunction(path=str(path))), num_workers=0
+        )
+    assert exc.value.field == "reward.custom_function.path"
+
+
+def test_custom_data_sources_name_metric_series(tmp_path: Path) -> None:
+    path = tmp_path / "reward_fn.py"
+    path.write_text('DATA_SOURCES = ("team/qa",)\ndef compute_score(*args):\n    return 1.0\n')
+    metrics = RewardMetrics()
+    config = RewardConfig(custom_function=CustomRewardFunction(path=str(path)))
+    with RewardManager(config, num_workers=0, metrics=metrics) as m:
+        assert m.metrics.data_source_label("team/qa") == "team/qa"
+        assert m.metrics.data_source_label("team/other") == "other"
+
+
 def test_deadline_cancels_the_batch(manager: RewardManager) -> None:
     with pytest.raises(DeadlineExceeded):
         manager.score([Sample("x", "hang", "")], timeout_s=0.1)

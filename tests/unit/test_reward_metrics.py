@@ -55,7 +55,7 @@ def test_batch_counts_per_label() -> None:
     metrics.samples(["openai/gsm8k", "openai/gsm8k", "x" * 100], results)
     text = metrics.render()
     assert 'rlfleet_reward_samples_total{data_source="openai/gsm8k",scorer="gsm8k"} 2.0' in text
-    assert f'rlfleet_reward_samples_total{{data_source="{"x" * 64}",scorer="custom"}} 1.0' in text
+    assert 'rlfleet_reward_samples_total{data_source="other",scorer="custom"} 1.0' in text
     assert 'rlfleet_reward_sample_errors_total{scorer="gsm8k"} 1.0' in text
     assert 'rlfleet_reward_sample_errors_total{scorer="custom"} 1.0' in text
     assert 'rlfleet_reward_sample_timeouts_total{scorer="custom"} 1.0' in text
@@ -105,3 +105,24 @@ def test_merging_refuses_a_series_that_has_the_label_already() -> None:
     text = '# TYPE x_total counter\nx_total{process="7"} 1.0\n'
     with pytest.raises(ValueError, match="already has a 'process' label"):
         merge_expositions([text])
+
+
+def test_data_source_labels_come_from_the_known_set() -> None:
+    metrics = RewardMetrics(data_sources=["my/source"])
+    assert metrics.data_source_label("openai/gsm8k") == "openai/gsm8k"
+    assert metrics.data_source_label("OpenAI/GSM8K") == "openai/gsm8k"  # as routing matches
+    assert metrics.data_source_label("my/source") == "my/source"
+    assert metrics.data_source_label("MY/Source") == "my/source"
+    assert metrics.data_source_label("somebody/else") == "other"
+    sources = [f"random/{i}" for i in range(50)] + ["my/source", "gsm8k"]
+    results = [ScoreResult(i, 1.0, "custom") for i in range(len(sources))]
+    metrics.samples(sources, results)
+    text = metrics.render()
+    series = [
+        line for line in text.splitlines() if line.startswith("rlfleet_reward_samples_total{")
+    ]
+    assert sorted(series) == [
+        'rlfleet_reward_samples_total{data_source="gsm8k",scorer="custom"} 1.0',
+        'rlfleet_reward_samples_total{data_source="my/source",scorer="custom"} 1.0',
+        'rlfleet_reward_samples_total{data_source="other",scorer="custom"} 50.0',
+    ]

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from rlfleet.reward.scorers import gsm8k, math, multiple_choice
@@ -28,9 +29,11 @@ __all__ = [
     "CUSTOM",
     "DATA_SOURCE_SCORERS",
     "INLINE_SCORERS",
+    "MAX_CUSTOM_DATA_SOURCES",
     "REWARD_MODEL",
     "CustomFunction",
     "ScorerFn",
+    "custom_data_sources",
     "error_outcome",
     "load_custom_function",
     "outcome_from_custom",
@@ -115,9 +118,13 @@ def scorer_for_data_source(data_source: str) -> str | None:
 CustomFunction = Callable[..., Any]
 
 
+MAX_CUSTOM_DATA_SOURCES = 1000
+"""Most names a custom file may declare in ``DATA_SOURCES`` (each is a metric label)."""
+
+
 @cache
-def load_custom_function(path: str, name: str) -> CustomFunction:
-    """Load ``name`` from the Python file at ``path`` (once per process)."""
+def _load_custom_module(path: str) -> ModuleType:
+    """The Python file at ``path`` as a module (executed once per process)."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"custom reward file not found: {path!r}")
@@ -128,10 +135,43 @@ def load_custom_function(path: str, name: str) -> CustomFunction:
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
-    fn = getattr(module, name, None)
+    return module
+
+
+@cache
+def load_custom_function(path: str, name: str) -> CustomFunction:
+    """Load ``name`` from the Python file at ``path`` (once per process)."""
+    fn = getattr(_load_custom_module(path), name, None)
     if not callable(fn):
         raise AttributeError(f"custom reward file {path!r} has no function {name!r}")
     return fn
+
+
+def custom_data_sources(path: str) -> tuple[str, ...]:
+    """The data sources a custom file declares it scores: its ``DATA_SOURCES``.
+
+    Optional (``()`` when absent). They only name metric series: samples of any
+    other source the custom function gets are still scored, counted as ``"other"``.
+    """
+    declared = getattr(_load_custom_module(path), "DATA_SOURCES", ())
+    if isinstance(declared, str) or not isinstance(declared, list | tuple | set | frozenset):
+        raise TypeError(
+            f"custom reward file {path!r}: DATA_SOURCES must be a list of strings, "
+            f"got {type(declared).__name__}"
+        )
+    names = tuple(declared)
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise TypeError(
+            f"custom reward file {path!r}: DATA_SOURCES holds non-strings or empty names: "
+            f"{bad[:5]!r}"
+        )
+    if len(names) > MAX_CUSTOM_DATA_SOURCES:
+        raise ValueError(
+            f"custom reward file {path!r}: DATA_SOURCES names {len(names)} sources, "
+            f"over the limit of {MAX_CUSTOM_DATA_SOURCES}"
+        )
+    return names
 
 
 def _json_safe(value: Any, depth: int = 0) -> Any:

@@ -1,0 +1,98 @@
+"""The reward service bounded against what callers send: metric labels, request sizes,
+a dead service seen by its client. Real gRPC servers on 127.0.0.1 (port 0)."""
+
+from __future__ import annotations
+
+import random
+import string
+import textwrap
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from rlfleet.common.config import CustomRewardFunction, RewardConfig
+from rlfleet.reward.client import RewardClient
+from rlfleet.reward.metrics import prometheus_available
+from rlfleet.reward.server import RewardService, start_reward_service
+from rlfleet.reward.types import Sample
+
+CUSTOM = textwrap.dedent(
+    """
+    import time
+
+    DATA_SOURCES = ["my/source"]
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info):
+        if solution_str.startswith("slow "):
+            time.sleep(float(solution_str.split()[1]))
+        return float(solution_str == ground_truth)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RewardService]:
+    custom = tmp_path_factory.mktemp("custom") / "reward_fn.py"
+    custom.write_text(CUSTOM)
+    config = RewardConfig(
+        num_workers=2,
+        sample_timeout_s=30.0,
+        custom_function=CustomRewardFunction(path=str(custom)),
+    )
+    with start_reward_service(config, port=0, metrics_port=0, max_batch_size=512) as svc:
+        yield svc
+
+
+@pytest.fixture()
+def client(service: RewardService) -> Iterator[RewardClient]:
+    with RewardClient(service.address, timeout_s=60) as c:
+        yield c
+
+
+def _scrape(service: RewardService) -> str:
+    url = f"http://127.0.0.1:{service.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text: str = r.read().decode()
+    return text
+
+
+# ------------------------------------------------------------------ metric labels
+
+
+@pytest.mark.skipif(not prometheus_available(), reason="prometheus-client not installed")
+def test_client_chosen_data_sources_do_not_grow_the_metric_series(
+    service: RewardService, client: RewardClient
+) -> None:
+    rng = random.Random(0)
+    sources = [
+        "".join(rng.choices(string.ascii_letters + "/_-", k=rng.randint(1, 40))) + f"-{i}"
+        for i in range(300)
+    ]
+    before = _samples_series(_scrape(service))
+    samples = [Sample(s, "a", "a") for s in sources]
+    samples += [Sample("my/source", "a", "b"), Sample("openai/gsm8k", "#### 3", "3")]
+    results = client.score(samples)
+    assert [r.scorer for r in results] == ["custom"] * 301 + ["gsm8k"]
+    after = _samples_series(_scrape(service))
+    # The known sources and "other": not one series per source sent.
+    assert set(after) <= {
+        ("other", "custom"),
+        ("my/source", "custom"),
+        ("openai/gsm8k", "gsm8k"),
+        ("openai/gsm8k", "custom"),
+    }
+    assert after[("other", "custom")] - before.get(("other", "custom"), 0.0) == 300.0
+    assert after[("my/source", "custom")] - before.get(("my/source", "custom"), 0.0) == 1.0
+
+
+def _samples_series(text: str) -> dict[tuple[str, str], float]:
+    """``rlfleet_reward_samples_total`` as {(data_source, scorer): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "rlfleet_reward_samples_total":
+                out[sample.labels["data_source"], sample.labels["scorer"]] = sample.value
+    return out
