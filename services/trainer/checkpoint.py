@@ -5,7 +5,7 @@ Layout under the checkpoint root (``<run dir>/checkpoints`` by default)::
     global_step_12/
         actor.pt             model, optimizer and lr scheduler state (full, unsharded)
         critic.pt            the same for the critic, when there is one
-        rng_rank0.pt ...     each rank's torch / python / numpy (/ cuda) RNG states
+        rng_rank0.pt ...     each rank's torch / python / numpy (/ cuda) RNG states, as tensors
         trainer_state.json   global_step, weight_version, kl_coef, world_size, roles,
                              extra_state_json (e.g. the dataloader position)
         huggingface/         the actor as a Hugging Face folder (on request)
@@ -19,6 +19,19 @@ ignored by :func:`load` and removed by the next save.
 
 States are full (unsharded) state dicts, so a checkpoint written by N ranks loads on any
 number of ranks (RNG states are restored per rank when the world size is the same).
+
+No code from a file: every ``.pt`` file is read with ``torch.load(weights_only=True)``,
+which only rebuilds tensors and plain containers (dict, list, tuple, str, int, float,
+bool, None) and refuses any other pickled object (:class:`CheckpointRefused`). So the
+python and numpy RNG states, which ``random`` / ``numpy`` give as tuples holding a numpy
+array, are stored as a dict of tensors and numbers and rebuilt on load.
+
+Paths: a checkpoint path given to :func:`save` or :func:`load` (from a ``SaveCheckpoint``
+/ ``LoadCheckpoint`` call, say) must resolve, symlinks and ``..`` followed, inside the
+trainer's run directory (``trainer.default_local_dir``); a relative path is taken
+relative to it. Anything else is ``InvalidArgument`` on ``path``
+(:func:`checkpoint_root`), so a save and its stale-folder cleanup never write or delete
+outside the run directory.
 """
 
 from __future__ import annotations
@@ -26,20 +39,30 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from rlfleet.common.errors import NotFound
+from rlfleet.common.errors import InvalidArgument, NotFound
 
 if TYPE_CHECKING:
     from rlfleet.trainer.core import TrainerCore
 
-__all__ = ["LATEST_FILE", "checkpoint_root", "find_latest", "load", "read_rank_state", "save"]
+__all__ = [
+    "LATEST_FILE",
+    "CheckpointRefused",
+    "checkpoint_root",
+    "find_latest",
+    "load",
+    "read_rank_state",
+    "save",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +71,35 @@ STATE_FILE = "trainer_state.json"
 _PREFIX = "global_step_"
 
 
+class CheckpointRefused(InvalidArgument):
+    """A checkpoint file holds something other than tensors and plain containers (a
+    pickled object whose loading could run code): it is not loaded."""
+
+
 def checkpoint_root(core: TrainerCore, path: str | None = None) -> Path:
-    return Path(path) if path else core.config.run_dir() / "checkpoints"
+    """The resolved folder ``path`` names, confined to the run directory.
+
+    None or ``""``: ``<run dir>/checkpoints``. A relative path is relative to the run
+    dir. The result (symlinks and ``..`` resolved) must be the run dir or below it,
+    else ``InvalidArgument`` on ``path``.
+    """
+    run_dir = core.config.run_dir().resolve()
+    if not path:
+        given = run_dir / "checkpoints"
+    else:
+        given = Path(path)
+        if not given.is_absolute():
+            given = run_dir / given
+    resolved = given.resolve()
+    if not resolved.is_relative_to(run_dir):
+        raise InvalidArgument(
+            f"checkpoint path {path!r} resolves to {str(resolved)!r}, outside the trainer's "
+            f"run directory {str(run_dir)!r} (trainer.default_local_dir); give a path "
+            "inside it, or relative to it",
+            field="path",
+            value=path,
+        )
+    return resolved
 
 
 def _fsync_file(path: Path) -> None:
@@ -69,6 +119,64 @@ def _fsync_tree(root: Path) -> None:
 
 def _write_torch(obj: Any, path: Path) -> None:
     torch.save(obj, path)
+
+
+def _read_torch(path: Path) -> Any:
+    """``torch.load`` that never unpickles an object: a file holding anything but
+    tensors and plain containers raises :class:`CheckpointRefused`."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointRefused(
+            f"{path.name} holds objects other than tensors and plain containers; "
+            f"refusing to unpickle it ({str(e).splitlines()[0]})",
+            field="path",
+            value=str(path),
+        ) from e
+
+
+def _rng_to_file(rng: dict[str, Any]) -> dict[str, Any]:
+    """RNG states as tensors and numbers (what ``weights_only`` loads); see
+    :func:`_rng_from_file`."""
+    version, mt, gauss = rng["python"]
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    out: dict[str, Any] = {
+        "torch": rng["torch"],
+        "python_version": int(version),
+        "python_mt": torch.tensor(mt, dtype=torch.int64),
+        "python_gauss": gauss,
+        "numpy_name": str(name),
+        "numpy_keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+        "numpy_pos": int(pos),
+        "numpy_has_gauss": int(has_gauss),
+        "numpy_cached_gaussian": float(cached),
+    }
+    if "cuda" in rng:
+        out["cuda"] = list(rng["cuda"])
+    return out
+
+
+def _rng_from_file(state: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`_rng_to_file`: the states ``random.setstate`` and
+    ``np.random.set_state`` take."""
+    rng: dict[str, Any] = {
+        "torch": state["torch"],
+        "python": (
+            int(state["python_version"]),
+            tuple(int(x) for x in state["python_mt"].tolist()),
+            state["python_gauss"],
+        ),
+        "numpy": (
+            state["numpy_name"],
+            state["numpy_keys"].numpy().astype(np.uint32),
+            int(state["numpy_pos"]),
+            int(state["numpy_has_gauss"]),
+            float(state["numpy_cached_gaussian"]),
+        ),
+    }
+    if "cuda" in state:
+        rng["cuda"] = list(state["cuda"])
+    return rng
 
 
 def _write_text(text: str, path: Path) -> None:
@@ -103,7 +211,7 @@ def save(
             for role in roles:
                 _write_torch(results[0][role], tmp / f"{role}.pt")
             for rank, res in enumerate(results):
-                _write_torch(res["rng"], tmp / f"rng_rank{rank}.pt")
+                _write_torch(_rng_to_file(res["rng"]), tmp / f"rng_rank{rank}.pt")
             state = {
                 "step": step,
                 "global_step": core.state.global_step,
@@ -162,8 +270,13 @@ def _keep_last(root: Path, keep: int | None) -> None:
 
 
 def _remove_stale_tmp(root: Path) -> None:
+    """Remove the leftovers of interrupted saves directly under ``root`` (a confined
+    root, see :func:`checkpoint_root`); a symlink is unlinked, never followed."""
     for p in root.glob(".tmp-*"):
-        shutil.rmtree(p, ignore_errors=True)
+        if p.is_symlink() or not p.is_dir():
+            p.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def find_latest(root: Path) -> Path | None:
@@ -184,15 +297,12 @@ def read_rank_state(
     """What one rank loads: the full states of ``roles`` and its RNG state (None when the
     checkpoint was written by a different number of ranks)."""
     folder = Path(path)
-    states = {
-        role: torch.load(folder / f"{role}.pt", map_location="cpu", weights_only=False)
-        for role in roles
-    }
+    states = {role: _read_torch(folder / f"{role}.pt") for role in roles}
     meta = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
     rng = None
     rng_file = folder / f"rng_rank{rank}.pt"
     if meta.get("world_size") == world_size and rng_file.is_file():
-        rng = torch.load(rng_file, map_location="cpu", weights_only=False)
+        rng = _rng_from_file(_read_torch(rng_file))
     return states, rng
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from rlfleet.common.config import GROUP_ESTIMATORS, Config
-from rlfleet.common.errors import FailedPrecondition, InvalidArgument
+from rlfleet.common.errors import FailedPrecondition, InvalidArgument, RlfleetError
 from rlfleet.trainer import batch as B
 from rlfleet.trainer.backend import Backend
 from rlfleet.trainer.batch import Batch
@@ -183,6 +183,8 @@ class TrainerCore:
 
     def _check(self, results: list[Any]) -> list[Any]:
         for r, res in enumerate(results):
+            if isinstance(res, RlfleetError):
+                raise res  # already classed (e.g. a refused checkpoint): keep its status
             if isinstance(res, Exception):
                 raise RuntimeError(f"rank {r} failed: {type(res).__name__}: {res}") from res
         return results

@@ -119,7 +119,9 @@ def test_stopped_run_resumes_over_grpc(
 ) -> None:
     raw, handle = cluster
     over = ("trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.resume_mode=auto")
-    cfg = _config(raw, tmp_path, *over)
+    # Checkpoint paths must lie in the trainer's run dir: this run's dir is inside it.
+    trainer_run_dir = Path(str(raw["trainer"]["default_local_dir"]))  # type: ignore[index]
+    cfg = _config(raw, trainer_run_dir / tmp_path.name, *over)
 
     def die_after_3(record: StepRecord) -> None:
         if record.step == 3:

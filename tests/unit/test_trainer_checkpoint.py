@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlfleet.common.errors import NotFound
+from rlfleet.common.errors import InvalidArgument, NotFound
 from rlfleet.trainer import checkpoint
 from rlfleet.trainer.core import TrainerCore
 from rlfleet.trainer.testing import make_batch, make_config
@@ -103,3 +103,53 @@ def test_load_without_checkpoint_is_not_found(tiny_model_dir: Path, tmp_path: Pa
     )
     with pytest.raises(NotFound):
         checkpoint.load(core)
+
+
+def _write_marker(path: str) -> str:
+    Path(path).write_text("code ran", encoding="utf-8")
+    return path
+
+
+class _RunsCodeWhenUnpickled:
+    """Unpickling this calls ``_write_marker(marker)``: what a hostile checkpoint does."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_write_marker, (str(self.marker),))
+
+
+def test_checkpoint_files_hold_only_tensors_and_plain_containers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    core = TrainerCore(_config(tiny_model_dir, tmp_path / "run"))
+    folder, _, _ = checkpoint.save(core, step=1)
+    files = sorted(folder.glob("*.pt"))
+    assert [p.name for p in files] == ["actor.pt", "critic.pt", "rng_rank0.pt"]
+    for p in files:
+        torch.load(p, map_location="cpu", weights_only=True)  # raises on any object
+
+
+@pytest.mark.parametrize("name", ["actor.pt", "rng_rank0.pt"])
+def test_checkpoint_with_a_pickled_object_is_refused(
+    tiny_model_dir: Path, tmp_path: Path, name: str
+) -> None:
+    core = TrainerCore(_config(tiny_model_dir, tmp_path / "run"))
+    folder, _, _ = checkpoint.save(core, step=1)
+    # The payload is live: a plain unpickling runs it.
+    probe = tmp_path / "probe"
+    torch.save({"x": _RunsCodeWhenUnpickled(probe)}, tmp_path / "probe.pt")
+    torch.load(tmp_path / "probe.pt", weights_only=False)
+    assert probe.read_text(encoding="utf-8") == "code ran"
+
+    marker = tmp_path / "marker"
+    state = torch.load(folder / name, weights_only=True)
+    state["hostile"] = _RunsCodeWhenUnpickled(marker)
+    torch.save(state, folder / name)
+    version = core.weight_version
+    with pytest.raises(checkpoint.CheckpointRefused, match=name) as info:
+        checkpoint.load(core)
+    assert isinstance(info.value, InvalidArgument) and info.value.field == "path"
+    assert not marker.exists()
+    assert core.weight_version == version
