@@ -8,6 +8,11 @@
   all go through one :class:`~rlfleet.rollout.weights.WeightReceiver`; the swap
   waits for the running batch (the engine's lock), so every sample is generated
   with exactly one weight version, which it carries.
+* **Limits and cancellation**: a request is checked against the replica's
+  :class:`~rlfleet.rollout.engine.GenerateLimits` before it queues; one whose caller
+  gave up (``GenerationHandle.cancel``: the servicer calls it when the RPC ends,
+  deadline or cancel) is dropped if it has not started and stopped between two
+  decode steps if it has, so it does not hold the engine for the others.
 * **Status**: weight version, queue depth (samples waiting or running), recent
   tokens/s, totals, bytes of bulk staging held; the same values feed the
   Prometheus metrics.
@@ -29,6 +34,7 @@ from rlfleet.common.errors import FailedPrecondition, InvalidArgument, Unavailab
 from rlfleet.rollout.engine import (
     Engine,
     EngineInfo,
+    GenerateLimits,
     GenerationRequest,
     SampleOutput,
     SamplingParams,
@@ -61,6 +67,9 @@ class RolloutStatusInfo:
     # Bulk plane: staging bytes held by updates not applied yet, and spare buffers.
     weight_staged_bytes: int = 0
     weight_spare_bytes: int = 0
+    # Requests whose caller gave up before they finished (in-process only: not in
+    # the RolloutStatus message).
+    requests_cancelled: int = 0
 
 
 class _Done:
@@ -74,7 +83,9 @@ class GenerationHandle:
     """A submitted request: iterate it for its samples as they finish.
 
     Iteration raises the error the batch failed with, if any. Stopping early (or
-    :meth:`cancel`) drops the request if it has not started yet.
+    :meth:`cancel`) drops the request if it has not started yet and stops it
+    between two decode steps if it has; iteration then ends after the samples that
+    finished before (no error: the caller is the one who gave up).
     """
 
     def __init__(self, request: GenerationRequest, min_weight_version: int) -> None:
@@ -123,6 +134,9 @@ class RolloutCore:
             request runs alone.
         bulk_host: interface the bulk TCP transport listens on.
         transfer_timeout_s: an open bulk transfer not committed within this expires.
+        limits: what one request may ask for (``GenerateLimits()``: the defaults).
+        max_version_step: a weight update may raise the version by this much at
+            most (``WeightReceiver``).
     """
 
     def __init__(
@@ -134,6 +148,8 @@ class RolloutCore:
         bulk_host: str = "127.0.0.1",
         transfer_timeout_s: float = 300.0,
         metrics: RolloutMetrics | None = None,
+        limits: GenerateLimits | None = None,
+        max_version_step: int | None = None,
     ) -> None:
         if max_batch_samples < 1:
             raise ValueError(f"max_batch_samples must be >= 1, got {max_batch_samples}")
@@ -141,7 +157,12 @@ class RolloutCore:
         self.replica_id = replica_id
         self.metrics = metrics or RolloutMetrics(replica_id)
         self._max_rows = max_batch_samples
-        self._weights = WeightReceiver(engine)
+        self.limits = limits or GenerateLimits()
+        self._weights = (
+            WeightReceiver(engine)
+            if max_version_step is None
+            else WeightReceiver(engine, max_version_step=max_version_step)
+        )
         self._bulk = BulkReceiver(
             self._weights, engine, host=bulk_host, timeout_s=transfer_timeout_s
         )
@@ -151,6 +172,7 @@ class RolloutCore:
         self._closed = False
         self._sleeping = False
         self._tokens_total = 0
+        self._cancelled_total = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._started = time.monotonic()
         self.metrics.weight_version.set(engine.info().weight_version)
@@ -168,10 +190,12 @@ class RolloutCore:
         *,
         min_weight_version: int = 0,
     ) -> GenerationHandle:
-        """Queue a request; validated now, so a bad one fails alone."""
+        """Queue a request; validated now (limits, then the engine's checks), so a bad
+        one fails alone."""
         request = GenerationRequest([list(p) for p in prompts], params)
         if not request.prompts:
             raise InvalidArgument("no prompts", field="prompts")
+        self.limits.check(request)
         self.engine.validate([request])
         handle = GenerationHandle(request, min_weight_version)
         with self._cond:
@@ -208,6 +232,9 @@ class RolloutCore:
                 self._pending.popleft()
                 if h.cancelled:
                     self._queued -= h.samples
+                    self._cancelled_total += 1
+                    self.metrics.requests.labels("cancelled").inc()
+                    h._put(_DONE)
                     continue
                 batch.append(h)
                 rows += h.samples
@@ -259,16 +286,27 @@ class RolloutCore:
             h._put(sample)
 
         try:
-            self.engine.generate([h.request for h in runnable], on_sample=on_sample)
+            self.engine.generate(
+                [h.request for h in runnable],
+                on_sample=on_sample,
+                cancelled=lambda r: runnable[r].cancelled,
+            )
         except Exception as e:  # handed to every caller of the batch
             if not isinstance(e, FailedPrecondition | InvalidArgument):
                 logger.exception("generation batch of %d requests failed", len(runnable))
             for r, h in enumerate(runnable):
                 self._fail(h, e, already=emitted[r])
             return
-        for h in runnable:
-            self.metrics.request_latency.observe(time.perf_counter() - h.submitted)
-            self.metrics.requests.labels("ok").inc()
+        for r, h in enumerate(runnable):
+            if emitted[r] < h.samples:  # stopped early: its caller gave up
+                with self._cond:
+                    self._queued -= h.samples - emitted[r]
+                    self._cancelled_total += 1
+                self.metrics.queue_depth.set(self._queued)
+                self.metrics.requests.labels("cancelled").inc()
+            else:
+                self.metrics.request_latency.observe(time.perf_counter() - h.submitted)
+                self.metrics.requests.labels("ok").inc()
             h._put(_DONE)
 
     def _fail(self, h: GenerationHandle, error: BaseException, already: int = 0) -> None:
@@ -336,6 +374,7 @@ class RolloutCore:
             rate = sum(n for _, n in self._recent) / window
             queued = self._queued
             total = self._tokens_total
+            cancelled = self._cancelled_total
         return RolloutStatusInfo(
             replica_id=self.replica_id,
             model=info.model,
@@ -349,6 +388,7 @@ class RolloutCore:
             generated_tokens_total=total,
             weight_staged_bytes=self._bulk.staged_bytes(),
             weight_spare_bytes=self._bulk.spare_bytes(),
+            requests_cancelled=cancelled,
         )
 
     def close(self) -> None:

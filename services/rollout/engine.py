@@ -18,6 +18,7 @@ trainer's recompute). The vLLM engine reports the same quantity (its
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -28,17 +29,25 @@ from rlfleet.common.errors import InvalidArgument
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
+    "MIN_TEMPERATURE",
+    "CancelCheck",
     "Engine",
     "EngineInfo",
     "FinishReason",
+    "GenerateLimits",
     "GenerationRequest",
     "SampleCallback",
     "SampleOutput",
     "SamplingParams",
+    "validate_requests",
+    "validate_sampling",
 ]
 
 #: ``max_tokens`` when a request leaves it at 0 (vLLM's default too).
 DEFAULT_MAX_TOKENS = 16
+#: The smallest temperature above 0 (greedy): below it ``logits / T`` overflows fp32
+#: (``1e-45`` gives NaN log-probs) and sampling is greedy anyway.
+MIN_TEMPERATURE = 1e-2
 
 
 class FinishReason(enum.IntEnum):
@@ -122,6 +131,74 @@ class SampleOutput:
 
 #: ``(request index in the batch, sample)``, called as soon as a sample finishes.
 SampleCallback = Callable[[int, SampleOutput], None]
+#: ``request index in the batch -> True`` once its caller gave up (cancelled, past
+#: its deadline): the engine stops generating for it at the next decode step.
+CancelCheck = Callable[[int], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateLimits:
+    """What one ``Generate`` request may ask of a replica, checked before it queues.
+
+    The engine's own limit (prompt + ``max_tokens`` within the model's positions) is
+    checked by ``Engine.validate``; these bound the work and memory of one request
+    (the HF engine runs a request larger than a batch alone, all rows at once).
+
+    Attributes:
+        max_n: samples per prompt.
+        max_prompts: prompts per request.
+        max_samples: prompts x n per request.
+        max_new_tokens: ``max_tokens`` of a request.
+        max_request_tokens: sum over its samples of prompt length + ``max_tokens``
+            (the tokens the engine may hold for the request).
+        max_stop_token_ids: ``stop_token_ids`` of a request.
+    """
+
+    max_n: int = 64
+    max_prompts: int = 8192
+    max_samples: int = 8192
+    max_new_tokens: int = 32768
+    max_request_tokens: int = 1 << 24
+    max_stop_token_ids: int = 256
+
+    def __post_init__(self) -> None:
+        bad = [f"{k}={getattr(self, k)}" for k in self.__slots__ if getattr(self, k) < 1]
+        if bad:
+            raise ValueError(f"generate limits must be >= 1: {', '.join(bad)}")
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise ``InvalidArgument`` (code ``LIMIT_EXCEEDED``) naming the first field
+        over its limit, with the value and the limit."""
+        p = request.params
+        n_prompts = len(request.prompts)
+        samples = n_prompts * p.n
+        prompt_tokens = sum(len(x) for x in request.prompts)
+        checks: list[tuple[str, int, int, str]] = [
+            ("sampling.n", p.n, self.max_n, "samples per prompt"),
+            ("prompts", n_prompts, self.max_prompts, "prompts per request"),
+            ("sampling.n", samples, self.max_samples, f"samples per request ({n_prompts} x n)"),
+            ("sampling.max_tokens", p.max_tokens, self.max_new_tokens, "max_tokens"),
+            (
+                "sampling.stop_token_ids",
+                len(p.stop_token_ids),
+                self.max_stop_token_ids,
+                "stop ids",
+            ),
+            (
+                "prompts",
+                p.n * (prompt_tokens + n_prompts * p.max_tokens),
+                self.max_request_tokens,
+                "tokens per request (n x (prompt tokens + prompts x max_tokens))",
+            ),
+        ]
+        for field_name, value, limit, what in checks:
+            if value > limit:
+                raise InvalidArgument(
+                    f"{what} {value} exceeds this replica's limit of {limit}",
+                    field=field_name,
+                    value=value,
+                    code="LIMIT_EXCEEDED",
+                )
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,11 +234,15 @@ class Engine(Protocol):
         self,
         requests: Sequence[GenerationRequest],
         on_sample: SampleCallback | None = None,
+        cancelled: CancelCheck | None = None,
     ) -> list[list[SampleOutput]]:
         """Generate for several requests as one batch.
 
         Returns, per request, its samples ordered by (prompt_index, sample_index);
-        ``on_sample`` is also called for each sample as soon as it finishes.
+        ``on_sample`` is also called for each sample as soon as it finishes. A request
+        for which ``cancelled(r)`` turns True stops as soon as the engine can look
+        (HF: between decode steps): its unfinished samples are dropped, and once every
+        request of the batch is cancelled the batch ends.
         """
         ...
 
@@ -207,12 +288,37 @@ class Engine(Protocol):
         ...
 
 
+def validate_sampling(p: SamplingParams) -> None:
+    """Raise ``InvalidArgument`` naming the ``sampling.*`` field no engine can take:
+    a temperature that is not 0 (greedy) or a finite number >= ``MIN_TEMPERATURE``,
+    ``top_p`` outside (0, 1], ``top_k`` below -1 (-1 and 0 disable it)."""
+    t = p.temperature
+    if not (t == 0 or (math.isfinite(t) and t >= MIN_TEMPERATURE)):
+        raise InvalidArgument(
+            f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t}",
+            field="sampling.temperature",
+            value=t,
+        )
+    if not (math.isfinite(p.top_p) and 0 < p.top_p <= 1):
+        raise InvalidArgument(
+            f"top_p must be in (0, 1], got {p.top_p}", field="sampling.top_p", value=p.top_p
+        )
+    if p.top_k < -1:
+        raise InvalidArgument(
+            f"top_k must be >= -1 (-1 or 0: off), got {p.top_k}",
+            field="sampling.top_k",
+            value=p.top_k,
+        )
+
+
 def validate_requests(requests: Sequence[GenerationRequest], vocab_size: int, max_len: int) -> None:
-    """Raise ``InvalidArgument`` naming the field of the first bad request: no prompts,
-    an empty prompt, token or stop ids outside ``[0, vocab_size)``, or a prompt that
-    with ``max_tokens`` would exceed the model's ``max_len``. Shared by every engine;
-    the id ranges are checked in numpy, not token by token."""
+    """Raise ``InvalidArgument`` naming the field of the first bad request: sampling
+    parameters no engine can take (:func:`validate_sampling`), no prompts, an empty
+    prompt, token or stop ids outside ``[0, vocab_size)``, or a prompt that with
+    ``max_tokens`` would exceed the model's ``max_len``. Shared by every engine; the
+    id ranges are checked in numpy, not token by token."""
     for r, req in enumerate(requests):
+        validate_sampling(req.params)
         if not req.prompts:
             raise InvalidArgument("no prompts", field=f"requests[{r}].prompts")
         for i, p in enumerate(req.prompts):

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlfleet.common.errors import FailedPrecondition, InvalidArgument
 from rlfleet.rollout.engine import (
+    CancelCheck,
     EngineInfo,
     FinishReason,
     GenerationRequest,
@@ -112,7 +113,11 @@ class HFEngine:
         if pad is None:
             pad = cfg.pad_token_id
         self._pad = int(pad) if pad is not None else (self._eos[0] if self._eos else 0)
-        self._vocab = int(model.get_output_embeddings().weight.shape[0])
+        # An id must index both embedding tables (they may differ in size when untied).
+        vocab_sizes = [int(model.get_output_embeddings().weight.shape[0])]
+        if model.get_input_embeddings() is not None:
+            vocab_sizes.append(int(model.get_input_embeddings().weight.shape[0]))
+        self._vocab = min(vocab_sizes)
         self._max_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
         # Every name a weight update may use (tied aliases included) -> parameter.
         self._params: dict[str, torch.nn.Parameter] = dict(
@@ -153,6 +158,7 @@ class HFEngine:
         self,
         requests: Sequence[GenerationRequest],
         on_sample: SampleCallback | None = None,
+        cancelled: CancelCheck | None = None,
     ) -> list[list[SampleOutput]]:
         self.validate(requests)
         with self._lock:
@@ -164,10 +170,13 @@ class HFEngine:
                     code="ENGINE_ASLEEP",
                 )
             with self._torch.inference_mode():
-                return self._generate(requests, on_sample)
+                return self._generate(requests, on_sample, cancelled)
 
     def _generate(
-        self, requests: Sequence[GenerationRequest], on_sample: SampleCallback | None
+        self,
+        requests: Sequence[GenerationRequest],
+        on_sample: SampleCallback | None,
+        cancelled: CancelCheck | None,
     ) -> list[list[SampleOutput]]:
         import torch
 
@@ -236,6 +245,25 @@ class HFEngine:
         lengths = torch.zeros(n_rows, dtype=torch.long, device=dev)
         finished = torch.zeros(n_rows, dtype=torch.bool, device=dev)
         results: list[list[SampleOutput | None]] = [[None] * (b - a) for a, b in spans]
+        live = list(range(len(requests)))  # requests not cancelled yet
+
+        def drop_cancelled() -> bool:
+            """Mark the rows of newly cancelled requests finished (no sample); True
+            when every row is finished."""
+            nonlocal live
+            if cancelled is None:
+                return False
+            gone = [r for r in live if cancelled(r)]
+            if gone:
+                live = [r for r in live if r not in gone]
+                for r in gone:
+                    a, b = spans[r]
+                    finished[a:b] = True
+                logger.info("generation: %d of %d requests cancelled", len(gone), len(requests))
+            return bool(finished.all())
+
+        if drop_cancelled():  # given up while waiting for this batch: no prefill
+            return [[] for _ in requests]
 
         out = self.model(
             input_ids=input_ids,
@@ -277,7 +305,8 @@ class HFEngine:
                     results[r][row - spans[r][0]] = sample
                     if on_sample is not None:
                         on_sample(r, sample)
-            if bool(finished.all()):
+            # Between decode steps: a caller that gave up frees the engine here.
+            if bool(finished.all()) or drop_cancelled():
                 break
             mask = torch.cat([mask, torch.ones((n_rows, 1), dtype=mask.dtype, device=dev)], -1)
             last_pos = last_pos + 1

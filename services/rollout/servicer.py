@@ -50,7 +50,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             params,
             min_weight_version=request.min_weight_version,
         )
-        context.add_callback(handle.cancel)
+        # The RPC ending early (cancelled, past its deadline) stops the generation;
+        # False: it had already ended before the callback could be added.
+        if not context.add_callback(handle.cancel):
+            handle.cancel()
         ids = [p.id for p in request.prompts]
         replica = self.core.replica_id
         for sample in handle:

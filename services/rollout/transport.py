@@ -17,7 +17,11 @@ Protocol (``OpenWeightTransfer`` -> move bytes -> ``CommitWeightTransfer``):
    **TCP**: the sender connects to ``endpoint`` (``host:port`` of a one-shot
    listener), writes the token, then the raw bytes from the tensors' own storage,
    and closes. The receiver reads into its staging buffer and checksums each read
-   right after ``recv_into``.
+   right after ``recv_into``. The listener accepts several connections at once
+   (up to :data:`MAX_PENDING_CONNECTIONS`), each with ``token_timeout_s`` to present
+   the token as its first bytes: a wrong, slow or silent one is dropped without
+   delaying the others, and the first with the right token is the data connection
+   (the listener and any other connection close then).
    **SHM** (sender on the same host): ``endpoint`` names a POSIX shared-memory
    segment the receiver owns: a header of ``_SHM_HEADER`` bytes whose first 8 hold
    the count of bytes written so far (little-endian uint64), then the tensor
@@ -72,6 +76,7 @@ import mmap
 import os
 import queue
 import secrets
+import selectors
 import socket
 import struct
 import threading
@@ -80,7 +85,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
-from typing import Any
+from typing import Any, Literal
 
 import google_crc32c
 import numpy as np
@@ -93,6 +98,8 @@ from rlfleet.v1 import common_pb2
 
 __all__ = [
     "CRC_RELEASES_GIL",
+    "MAX_PENDING_CONNECTIONS",
+    "TOKEN_TIMEOUT_S",
     "TRANSPORTS",
     "AbortResult",
     "BulkReceiver",
@@ -122,6 +129,12 @@ _SEND_BLOCK = 4 << 20
 _SHM_BLOCK = 1 << 20
 _SHM_HEADER = 4096  # bytes before the tensor bytes in a segment (page-aligned data)
 _SHM_POLL_S = 0.0005  # receiver's checksum thread: wait between looks at the count
+#: TCP: seconds a connection has to present the one-time token before it is dropped.
+TOKEN_TIMEOUT_S = 5.0
+#: TCP: connections waiting to present their token at once; more are closed at once.
+MAX_PENDING_CONNECTIONS = 16
+# TCP listener: longest wait between looks at the transfer's stop flag.
+_ACCEPT_POLL_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,6 +465,8 @@ class BulkReceiver:
         host: interface the TCP listeners bind (the replica's advertised host).
         timeout_s: an open transfer not committed within this is dropped, and so is
             a bucketed update with no offer or commit for this long (its pusher died).
+        token_timeout_s: a TCP connection that has not sent the transfer's token
+            within this is dropped (others keep waiting for the sender's).
     """
 
     def __init__(
@@ -461,8 +476,10 @@ class BulkReceiver:
         *,
         host: str = "127.0.0.1",
         timeout_s: float = 300.0,
+        token_timeout_s: float = TOKEN_TIMEOUT_S,
     ) -> None:
         self._receiver = receiver
+        self._token_timeout_s = token_timeout_s
         self._engine = engine
         self._host = host
         self._timeout_s = timeout_s
@@ -991,7 +1008,7 @@ class BulkReceiver:
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.bind((self._host, 0))
-        listener.listen(1)
+        listener.listen(MAX_PENDING_CONNECTIONS)
         listener.settimeout(self._timeout_s)
         t.listener = listener
         threading.Thread(
@@ -1000,40 +1017,155 @@ class BulkReceiver:
 
     def _serve_tcp(self, t: _Transfer) -> None:
         assert t.listener is not None and t.crcs is not None
-        buf = t.buffer
-        crcs = t.crcs
         try:
-            deadline = t.created + self._timeout_s
-            while True:  # bounded by the listener's timeout; wrong tokens are dropped
-                conn, _ = t.listener.accept()
-                with conn:
-                    conn.settimeout(max(1.0, deadline - time.monotonic()))
-                    token = _recv_exact(conn, len(t.token))
-                    if not hmac.compare_digest(token, t.token.encode()):
-                        logger.warning("transfer %s: connection with a wrong token dropped", t.id)
-                        continue
-                    view = memoryview(buf)
-                    total = t.offer.total_bytes
-                    while t.received < total:
-                        n = conn.recv_into(view[t.received : t.received + _BLOCK])
-                        if n == 0:
-                            break
-                        t.received += n
-                        # Checksummed as it lands, while the sender fills the socket
-                        # again (the block is still in cache).
-                        crcs.feed(buf, t.received)
-                    view.release()
-                    if t.received < total:
-                        t.error = f"sender closed after {t.received} of {total} bytes"
-                    elif conn.recv(1):
-                        t.error = f"sender sent more than the {total} bytes offered"
-                    break
-        except (OSError, ConnectionError) as e:
+            conn = self._accept_sender(t)
+            if conn is None:
+                t.error = f"no connection presented the token within {self._timeout_s}s"
+                return
+            with conn:
+                self._receive_tcp(t, conn)
+        except (OSError, ValueError) as e:  # ValueError: the listener closed (dropped)
             t.error = f"{type(e).__name__}: {e} after {t.received} bytes"
         finally:
             with contextlib.suppress(OSError):
                 t.listener.close()
             t.done.set()
+
+    def _accept_sender(self, t: _Transfer) -> socket.socket | None:
+        """Accept connections until one presents ``t``'s token as its first bytes
+        and return it; None if the transfer stops or times out first. Connections
+        wait concurrently, each for ``token_timeout_s`` at most: one that sends a
+        wrong token, closes, or stays silent is dropped alone."""
+        assert t.listener is not None
+        listener = t.listener
+        token = t.token.encode()
+        deadline = t.created + self._timeout_s
+        # Each waiting connection: the bytes it sent so far and when it must be done.
+        waiting: dict[socket.socket, tuple[bytearray, float]] = {}
+        listener.setblocking(False)
+        with selectors.DefaultSelector() as sel:
+            sel.register(listener, selectors.EVENT_READ)
+            try:
+                while not t.stop.is_set():
+                    now = time.monotonic()
+                    if now >= deadline:
+                        return None
+                    for conn, (_, due) in list(waiting.items()):
+                        if now >= due:
+                            logger.warning(
+                                "transfer %s: connection without the token within %.1fs dropped",
+                                t.id,
+                                self._token_timeout_s,
+                            )
+                            self._drop_conn(sel, waiting, conn)
+                    wake = min([deadline, *(due for _, due in waiting.values())])
+                    events = sel.select(min(_ACCEPT_POLL_S, max(0.0, wake - now)))
+                    for key, _ in events:
+                        if key.fileobj is listener:
+                            self._accept_one(t, sel, waiting)
+                            continue
+                        peer = key.fileobj
+                        assert isinstance(peer, socket.socket)
+                        state = self._read_token(t, peer, waiting[peer][0], token)
+                        if state == "token":
+                            del waiting[peer]
+                            sel.unregister(peer)
+                            peer.setblocking(True)
+                            return peer
+                        if state == "drop":
+                            self._drop_conn(sel, waiting, peer)
+                return None
+            finally:
+                for conn in list(waiting):
+                    self._drop_conn(sel, waiting, conn)
+
+    def _accept_one(
+        self,
+        t: _Transfer,
+        sel: selectors.BaseSelector,
+        waiting: dict[socket.socket, tuple[bytearray, float]],
+    ) -> None:
+        assert t.listener is not None
+        try:
+            conn, _ = t.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        if len(waiting) >= MAX_PENDING_CONNECTIONS:
+            logger.warning(
+                "transfer %s: %d connections already wait to present the token: one more dropped",
+                t.id,
+                len(waiting),
+            )
+            conn.close()
+            return
+        conn.setblocking(False)
+        waiting[conn] = (bytearray(), time.monotonic() + self._token_timeout_s)
+        sel.register(conn, selectors.EVENT_READ)
+
+    @staticmethod
+    def _read_token(
+        t: _Transfer, conn: socket.socket, got: bytearray, token: bytes
+    ) -> Literal["token", "wait", "drop"]:
+        """Read more of what ``conn`` sent of its first ``len(token)`` bytes (into
+        ``got``): ``"token"`` once they are the token, ``"wait"`` while they may still
+        be, ``"drop"`` for a wrong token, a close or an error."""
+        try:
+            part = conn.recv(len(token) - len(got))
+        except (BlockingIOError, InterruptedError):
+            return "wait"
+        except OSError as e:
+            logger.warning("transfer %s: connection failed before its token: %s", t.id, e)
+            return "drop"
+        if not part:
+            return "drop"
+        got += part
+        if len(got) < len(token):
+            return "wait"
+        if hmac.compare_digest(bytes(got), token):
+            return "token"
+        logger.warning("transfer %s: connection with a wrong token dropped", t.id)
+        return "drop"
+
+    @staticmethod
+    def _drop_conn(
+        sel: selectors.BaseSelector,
+        waiting: dict[socket.socket, tuple[bytearray, float]],
+        conn: socket.socket,
+    ) -> None:
+        waiting.pop(conn, None)
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(conn)
+        with contextlib.suppress(OSError):
+            conn.close()
+
+    def _receive_tcp(self, t: _Transfer, conn: socket.socket) -> None:
+        """Read the offered bytes from the data connection into the staging buffer,
+        checksumming each read as it lands."""
+        assert t.crcs is not None and t.listener is not None
+        # The sender is known: no one else may connect any more.
+        with contextlib.suppress(OSError):
+            t.listener.close()
+        buf = t.buffer
+        crcs = t.crcs
+        deadline = t.created + self._timeout_s
+        conn.settimeout(max(1.0, deadline - time.monotonic()))
+        view = memoryview(buf)
+        total = t.offer.total_bytes
+        try:
+            while t.received < total:
+                n = conn.recv_into(view[t.received : t.received + _BLOCK])
+                if n == 0:
+                    break
+                t.received += n
+                # Checksummed as it lands, while the sender fills the socket again
+                # (the block is still in cache).
+                crcs.feed(buf, t.received)
+        finally:
+            view.release()
+        if t.received < total:
+            t.error = f"sender closed after {t.received} of {total} bytes"
+        elif conn.recv(1):
+            t.error = f"sender sent more than the {total} bytes offered"
 
     def _expire(self) -> None:
         now = time.monotonic()

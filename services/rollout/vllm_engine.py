@@ -39,6 +39,7 @@ from typing import Any
 
 from rlfleet.common.errors import FailedPrecondition, InvalidArgument
 from rlfleet.rollout.engine import (
+    CancelCheck,
     EngineInfo,
     FinishReason,
     GenerationRequest,
@@ -230,8 +231,15 @@ class VLLMEngine:
         self,
         requests: Sequence[GenerationRequest],
         on_sample: SampleCallback | None = None,
+        cancelled: CancelCheck | None = None,
     ) -> list[list[SampleOutput]]:
+        """One ``LLM.generate`` call; ``cancelled`` is looked at before it only (a
+        request given up while waiting is skipped; a running call runs to its end)."""
         self.validate(requests)
+        if cancelled is not None:
+            keep = [r for r in range(len(requests)) if not cancelled(r)]
+            if len(keep) < len(requests):
+                return self._generate_kept(requests, keep, on_sample)
         vllm = self._vllm
         from vllm.inputs import TokensPrompt
 
@@ -286,6 +294,25 @@ class VLLMEngine:
                 if on_sample is not None:
                     on_sample(r, sample)
         return results
+
+    def _generate_kept(
+        self,
+        requests: Sequence[GenerationRequest],
+        keep: list[int],
+        on_sample: SampleCallback | None,
+    ) -> list[list[SampleOutput]]:
+        """Generate for ``requests[keep]`` only; the others get no samples."""
+        out: list[list[SampleOutput]] = [[] for _ in requests]
+        if not keep:
+            return out
+
+        def relay(k: int, sample: SampleOutput) -> None:
+            if on_sample is not None:
+                on_sample(keep[k], sample)
+
+        for k, samples in enumerate(self.generate([requests[r] for r in keep], relay)):
+            out[keep[k]] = samples
+        return out
 
     def check_weights(
         self, specs: Mapping[str, tuple[str, tuple[int, ...]]], *, complete: bool = True

@@ -11,7 +11,9 @@ plane in :mod:`rlfleet.rollout.transport`) ends in :meth:`WeightReceiver.apply`:
    failure raises
    :class:`DataLoss` (gRPC ``DATA_LOSS``) naming the chunk / tensor;
 3. **check**: every name, dtype and shape against the model, and that every
-   parameter is covered (``InvalidArgument`` naming the tensor);
+   parameter is covered; every floating value finite, and not every floating
+   tensor all zeros (what a crashed or uninitialised trainer sends)
+   (``InvalidArgument`` naming the tensor);
 4. **swap**: copy into the parameters under the engine's lock, between two
    generation batches, and bump the version; or, for a bulk TCP update on an
    engine that can (the HF engine on CPU), make the verified staging tensors the
@@ -19,7 +21,10 @@ plane in :mod:`rlfleet.rollout.transport`) ends in :meth:`WeightReceiver.apply`:
 
 Until step 4 the old weights keep serving; a failed update leaves no trace.
 Versions may repeat (a re-sync) but never go back: an older version is refused
-with ``FailedPrecondition`` (code ``STALE_VERSION``).
+with ``FailedPrecondition`` (code ``STALE_VERSION``). Nor may they leap: a version
+more than ``max_version_step`` (default :data:`DEFAULT_MAX_VERSION_STEP`) above the
+one serving is refused with ``InvalidArgument`` (code ``VERSION_JUMP``), so that one
+bad push (2**63) cannot lock out every later real one.
 """
 
 from __future__ import annotations
@@ -31,11 +36,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlfleet.common.codec import ChunkLike
-from rlfleet.common.errors import DataLoss, FailedPrecondition
+from rlfleet.common.errors import DataLoss, FailedPrecondition, InvalidArgument
 from rlfleet.common.weight_stream import WeightStreamReceiver
 from rlfleet.rollout.engine import Engine
 
-__all__ = ["DataLoss", "UpdateResult", "WeightReceiver"]
+__all__ = [
+    "DEFAULT_MAX_VERSION_STEP",
+    "DataLoss",
+    "UpdateResult",
+    "WeightReceiver",
+    "check_weight_values",
+]
+
+#: How far one update may raise the weight version.
+DEFAULT_MAX_VERSION_STEP = 1 << 20
+# Elements per isfinite pass: bounds the temporary mask (16 MiB of bools).
+_FINITE_BLOCK = 1 << 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +71,19 @@ class UpdateResult:
 
 
 class WeightReceiver:
-    """Applies weight updates to one engine, one update at a time."""
+    """Applies weight updates to one engine, one update at a time.
 
-    def __init__(self, engine: Engine) -> None:
+    Args:
+        engine: the engine whose weights it replaces.
+        max_version_step: an update's version may exceed the serving one by this
+            much at most.
+    """
+
+    def __init__(self, engine: Engine, *, max_version_step: int = DEFAULT_MAX_VERSION_STEP) -> None:
+        if max_version_step < 0:
+            raise ValueError(f"max_version_step must be >= 0, got {max_version_step}")
         self._engine = engine
+        self.max_version_step = max_version_step
         self._lock = threading.Lock()
         self.updates = 0
         self.last: UpdateResult | None = None
@@ -75,6 +100,14 @@ class WeightReceiver:
                 field="version",
                 value=version,
                 code="STALE_VERSION",
+            )
+        if version > current + self.max_version_step:
+            raise InvalidArgument(
+                f"weight version {version} is more than {self.max_version_step} above the "
+                f"version serving ({current})",
+                field="version",
+                value=version,
+                code="VERSION_JUMP",
             )
 
     def receive_chunks(self, stream: Iterable[tuple[int, ChunkLike]]) -> UpdateResult:
@@ -104,6 +137,7 @@ class WeightReceiver:
         start = time.perf_counter() if start is None else start
         with self._lock:
             self.check_version(version)
+            check_weight_values(tensors)
             adopted = bool(self._engine.update_weights(tensors, version, on_release=on_release))
             nbytes = sum(int(t.numel()) * int(t.element_size()) for t in tensors.values())
             result = UpdateResult(
@@ -117,3 +151,36 @@ class WeightReceiver:
             self.updates += 1
             self.last = result
             return result
+
+
+def check_weight_values(tensors: Mapping[str, Any]) -> None:
+    """Refuse values no trained model holds: raise ``InvalidArgument`` naming the first
+    floating tensor with a NaN or an infinity (code ``NON_FINITE_WEIGHTS``), or, when
+    every floating tensor is all zeros, the first of them (code ``ZERO_WEIGHTS``).
+    One pass over the bytes, in blocks; runs on the tensors' device."""
+    import torch
+
+    floating = [(n, t) for n, t in tensors.items() if t.is_floating_point() and t.numel()]
+    for name, t in floating:
+        flat = t.detach().reshape(-1)
+        for i in range(0, flat.numel(), _FINITE_BLOCK):
+            block = flat[i : i + _FINITE_BLOCK]
+            if not bool(torch.isfinite(block).all()):
+                bad = int((~torch.isfinite(flat)).sum())
+                raise InvalidArgument(
+                    f"tensor {name!r} holds {bad} non-finite values (NaN or Inf) of "
+                    f"{flat.numel()}; nothing applied",
+                    field=f"weights[{name!r}]",
+                    value=name,
+                    code="NON_FINITE_WEIGHTS",
+                )
+    # Typically decided by the first tensor.
+    if floating and not any(bool(t.detach().any()) for _, t in floating):
+        name = floating[0][0]
+        raise InvalidArgument(
+            f"every floating tensor of the update is all zeros ({len(floating)} tensors, "
+            f"first {name!r}); nothing applied",
+            field=f"weights[{name!r}]",
+            value=name,
+            code="ZERO_WEIGHTS",
+        )

@@ -27,6 +27,7 @@ from rlfleet.rollout.client import (  # noqa: E402
 )
 from rlfleet.rollout.core import RolloutCore  # noqa: E402
 from rlfleet.rollout.engine import (  # noqa: E402
+    CancelCheck,
     FinishReason,
     GenerationRequest,
     SampleCallback,
@@ -52,10 +53,13 @@ class CountingEngine:
         self.batches: list[int] = []
 
     def generate(
-        self, requests: Sequence[GenerationRequest], on_sample: SampleCallback | None = None
+        self,
+        requests: Sequence[GenerationRequest],
+        on_sample: SampleCallback | None = None,
+        cancelled: CancelCheck | None = None,
     ) -> list[list[SampleOutput]]:
         self.batches.append(len(requests))
-        return self.inner.generate(requests, on_sample)
+        return self.inner.generate(requests, on_sample, cancelled)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
