@@ -824,7 +824,16 @@ class BulkReceiver:
 
     def _check_layout(self, offer: TransferOffer) -> None:
         offset = 0
+        seen: set[str] = set()
         for i, s in enumerate(offer.tensors):
+            if s.name in seen:
+                raise InvalidArgument(
+                    f"tensor {s.name!r} is offered twice (tensors[{i}] repeats it)",
+                    field=f"tensors[{i}].name",
+                    value=s.name,
+                    code="DUPLICATE_TENSOR",
+                )
+            seen.add(s.name)
             expected = spec_nbytes(s.name, s.dtype, s.shape, field=f"tensors[{i}]")
             if s.nbytes != expected or s.offset != offset:
                 raise InvalidArgument(
