@@ -35,6 +35,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "down": ("rlfleet.scheduler.cli", "stop the cluster `rlfleet up` started"),
     "reward": ("rlfleet.reward.cli", "score files against a running reward service (score, info)"),
     "rollout": ("rlfleet.rollout.cli", "talk to a rollout replica (generate)"),
+    "secrets": (
+        "rlfleet.common.secrets_cli",
+        "make or rotate a cluster's credential set, or its TLS certificates",
+    ),
     "preprocess": (
         "rlfleet.scheduler.data.preprocess",
         "convert raw datasets (gsm8k, math, hellaswag, full_hh_rlhf, arithmetic) to verl parquet",

@@ -78,7 +78,9 @@ __all__ = [
     "RewardModelConfig",
     "Role",
     "RolloutConfig",
+    "SecurityConfig",
     "ServicesConfig",
+    "TLSSection",
     "TrainerConfig",
     "ValKwargs",
     "apply_overrides",
@@ -517,6 +519,12 @@ class TrainerConfig(_Section):
     resume_from_path: str | None = Field(default=None, description="checkpoint for resume_path")
     max_actor_ckpt_to_keep: int | None = Field(default=None, ge=1, description="None: keep all")
     max_critic_ckpt_to_keep: int | None = Field(default=None, ge=1, description="None: keep all")
+    max_request_bytes: int = Field(
+        default=4 * 2**30,
+        ge=1,
+        description="most bytes one batch stream sent to the trainer service may hold; "
+        "a bigger one is refused (RESOURCE_EXHAUSTED) as its chunks arrive",
+    )
     logger: list[Logger] = Field(default_factory=lambda: list[Logger](["console"]))
     log_val_generations: int = Field(default=0, ge=0, description="validation samples to log")
     val_before_train: bool = True
@@ -570,6 +578,39 @@ class ServicesConfig(_Section):
     trainer: Address | None = None
 
 
+class TLSSection(_Section):
+    """TLS material (PEM paths) every service serves and every client dials with."""
+
+    cert: str | None = Field(default=None, description="certificate (chain)")
+    key: str | None = Field(default=None, description="private key of cert")
+    ca: str | None = Field(default=None, description="CA that verifies peers")
+    require_client_cert: bool = Field(default=False, description="mTLS: clients need a cert")
+
+    @model_validator(mode="after")
+    def _pairs(self) -> Self:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("cert and key go together")
+        if self.require_client_cert and self.ca is None:
+            raise ValueError("require_client_cert needs ca")
+        return self
+
+
+class SecurityConfig(_Section):
+    """Authentication and TLS of the services a run starts (see docs/security.md)."""
+
+    auth: bool = Field(
+        default=True,
+        description="per-role bearer tokens on every endpoint; false: NO authentication "
+        "(loopback only, logged as a warning)",
+    )
+    credentials_dir: str | None = Field(
+        default=None,
+        description="a credential set from `rlfleet secrets init` to use; None: a fresh "
+        "one per cluster in <run dir>/secrets",
+    )
+    tls: TLSSection = Field(default_factory=TLSSection)
+
+
 def _default_pools() -> dict[str, list[int]]:
     return {"train_pool": [1], "rollout_pool": [1]}
 
@@ -612,6 +653,7 @@ class Config(BaseModel):
     )
     mapping: MappingConfig = Field(default_factory=_default_mapping)
     services: ServicesConfig = Field(default_factory=ServicesConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     @model_validator(mode="after")
     def _check_and_resolve(self) -> Self:

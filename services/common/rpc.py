@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import ipaddress
 import json
 import logging
 import os
@@ -98,6 +99,8 @@ __all__ = [
     "current_security",
     "error_info",
     "grpc_method",
+    "init_service_security",
+    "is_loopback",
     "security_from_args",
     "set_security",
     "tls_from_env",
@@ -713,6 +716,43 @@ def tls_from_env(env: Mapping[str, str]) -> TLSConfig | None:
             f"{auth.TLS_ENV['require_client_cert']}=1 needs {auth.TLS_ENV['ca']}"
         )
     return TLSConfig(cert=cert, key=key, ca=ca, require_client_cert=require)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a server on this machine only."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def init_service_security(args: Any, *, what: str, host: str) -> Security:
+    """A service process's security from its flags and environment, made process-wide.
+
+    Raises:
+        CredentialError: no credentials and no ``--insecure``; unusable credentials or
+            TLS files; or ``--insecure`` with a ``host`` beyond loopback (services
+            leave loopback only with authentication on).
+    """
+    security = security_from_args(args, what=what)
+    if security.insecure and not is_loopback(host):
+        raise auth.CredentialError(
+            f"{what}: --insecure is refused on {host}: a service listens beyond loopback "
+            "only with authentication on"
+        )
+    set_security(security)
+    if security.credentials is not None:
+        logger.info(
+            "%s: authentication on (role %s, credentials from %s)%s",
+            what,
+            security.credentials.role,
+            security.credentials.source,
+            ", TLS" if security.server_tls() is not None else "",
+        )
+    return security
 
 
 _SECURITY: Security | None = None

@@ -265,10 +265,10 @@ def start_metrics_server(metrics: RewardMetrics, host: str, port: int) -> tuple[
         raise RuntimeError(
             "metrics need the prometheus-client package: pip install prometheus-client"
         )
-    from prometheus_client import start_http_server
+    from rlfleet.common.http import metrics_route, serve_http
 
-    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
-    return server, int(server.server_address[1])
+    endpoint = serve_http(host, port, {"/metrics": metrics_route(metrics.registry)})
+    return endpoint, endpoint.port
 
 
 def merge_expositions(texts: Sequence[str], label: str = PROCESS_LABEL) -> bytes:

@@ -47,10 +47,8 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any
 
@@ -288,14 +286,12 @@ class ProcessGroup:
 
 
 def _scrape(address: str) -> str:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=_SCRAPE_TIMEOUT_S) as r:
-        text: str = r.read().decode()
-        return text
+    from rlfleet.common.http import http_get
+
+    return http_get(address, "/metrics", timeout_s=_SCRAPE_TIMEOUT_S).decode()
 
 
-def start_merged_metrics_server(
-    addresses: Sequence[str], host: str, port: int
-) -> tuple[ThreadingHTTPServer, int]:
+def start_merged_metrics_server(addresses: Sequence[str], host: str, port: int) -> tuple[Any, int]:
     """Serve ``/metrics`` on ``host:port``: the children's at ``addresses``, merged.
 
     A child that cannot be scraped fails the scrape (HTTP 503 naming it): a partial
@@ -303,33 +299,19 @@ def start_merged_metrics_server(
     """
     from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+    from rlfleet.common.http import serve_http
     from rlfleet.reward.metrics import merge_expositions
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            try:
-                body = merge_expositions([_scrape(a) for a in addresses])
-            except OSError as e:
-                logger.error("cannot scrape a reward server process: %s", e)
-                self._reply(503, "text/plain", f"scrape of a server process failed: {e}\n")
-                return
-            self._reply(200, CONTENT_TYPE_PLAIN_0_0_4, body)
+    def page() -> tuple[int, str, bytes]:
+        try:
+            body = merge_expositions([_scrape(a) for a in addresses])
+        except OSError as e:
+            logger.error("cannot scrape a reward server process: %s", e)
+            return 503, "text/plain", f"scrape of a server process failed: {e}\n".encode()
+        return 200, CONTENT_TYPE_PLAIN_0_0_4, body
 
-        def _reply(self, code: int, content_type: str, body: bytes | str) -> None:
-            data = body.encode() if isinstance(body, str) else body
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # one line per scrape is noise
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="rlfleet-metrics", daemon=True).start()
-    return server, int(server.server_address[1])
+    endpoint = serve_http(host, port, {"/metrics": page})
+    return endpoint, endpoint.port
 
 
 # ------------------------------------------------------------------------ parent
@@ -352,6 +334,10 @@ def _child_argv(args: argparse.Namespace, port: int, index: int, count: int) -> 
     ):
         if value:
             argv.append(f"{flag}={value}")
+    if args.tls_require_client_cert:
+        argv.append("--tls-require-client-cert")
+    if args.insecure:
+        argv.append("--insecure")
     argv += [
         f"--max-batch-size={args.max_batch_size}",
         f"--grpc-workers={args.grpc_workers}",

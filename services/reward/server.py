@@ -29,8 +29,15 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from rlfleet.common.auth import SHARED_TOKEN_ENV, CredentialError
 from rlfleet.common.config import ConfigError, RewardConfig, load_config
-from rlfleet.common.rpc import Server, TLSConfig, create_server
+from rlfleet.common.rpc import (
+    Server,
+    TLSConfig,
+    add_security_arguments,
+    create_server,
+    init_service_security,
+)
 from rlfleet.reward.manager import DEFAULT_MAX_BATCH_SIZE, RewardManager
 from rlfleet.reward.metrics import RewardMetrics, start_metrics_server
 from rlfleet.reward.processes import MAX_AUTO_PROCESSES, resolve_processes, serve_processes
@@ -161,9 +168,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="require `authorization: Bearer $VAR` on every call (health exempt)",
     )
-    parser.add_argument("--tls-cert", help="server certificate (PEM); with --tls-key: TLS")
-    parser.add_argument("--tls-key", help="server private key (PEM)")
-    parser.add_argument("--tls-ca", help="CA for client certificates: requires mTLS")
     parser.add_argument(
         "--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, help="samples per request"
     )
@@ -181,6 +185,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--process-index", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--process-count", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="INFO")
+    add_security_arguments(parser)
 
 
 def _processes(text: str) -> int:
@@ -232,7 +237,6 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     processes = resolve_processes(config.num_processes)
-    token = None
     if args.auth_token_env:
         token = os.environ.get(args.auth_token_env)
         if not token:
@@ -241,14 +245,13 @@ def serve_main(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    tls = None
-    if args.tls_cert or args.tls_key:
-        tls = TLSConfig(
-            cert=args.tls_cert,
-            key=args.tls_key,
-            ca=args.tls_ca,
-            require_client_cert=args.tls_ca is not None,
-        )
+        os.environ[SHARED_TOKEN_ENV] = token  # a shared token: its holders are admin
+    try:
+        security = init_service_security(args, what="rlfleet serve reward", host=args.host)
+    except CredentialError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tls = security.server_tls()
     if processes > 1 and not child:
         return serve_processes(args, processes, tls=tls)
     service = start_reward_service(
@@ -257,7 +260,6 @@ def serve_main(args: argparse.Namespace) -> int:
         port=args.port,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
-        auth_token=token,
         tls=tls,
         max_batch_size=args.max_batch_size,
         max_grpc_workers=args.grpc_workers,

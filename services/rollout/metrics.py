@@ -125,8 +125,7 @@ def start_metrics_server(metrics: RolloutMetrics, host: str, port: int) -> str |
     if metrics.registry is None:
         logger.warning("prometheus_client is not installed: no /metrics endpoint")
         return None
-    import prometheus_client as prom
+    from rlfleet.common.http import metrics_route, serve_http
 
-    server, _thread = prom.start_http_server(port, addr=host, registry=metrics.registry)
-    bound = server.server_address[1]
-    return f"{host}:{bound}"
+    endpoint = serve_http(host, port, {"/metrics": metrics_route(metrics.registry)})
+    return endpoint.address

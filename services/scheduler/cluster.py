@@ -59,9 +59,25 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from rlfleet.common.auth import (
+    CREDENTIALS_ENV,
+    INSECURE_ENV,
+    ROLES,
+    CredentialError,
+    credential_set,
+    read_credential_set,
+    write_credential_set,
+)
 from rlfleet.common.config import Config, save_resolved
 from rlfleet.common.errors import Unavailable
-from rlfleet.common.rpc import wait_for_ready
+from rlfleet.common.rpc import (
+    Security,
+    TLSConfig,
+    current_security,
+    is_loopback,
+    set_security,
+    wait_for_ready,
+)
 from rlfleet.scheduler.placement import (
     Device,
     PlacementPlan,
@@ -139,6 +155,8 @@ class ClusterHandle:
         run_dir: where the config and logs are.
         config_path: the resolved config the services read.
         mode: ``colocated`` or ``disaggregated``.
+        credentials_dir: the cluster's credential set ("" when auth is off): clients
+            use ``driver.json`` (``observer.json`` to only read).
     """
 
     scheduler: str | None
@@ -152,6 +170,7 @@ class ClusterHandle:
     run_dir: str = ""
     config_path: str = ""
     mode: str = "disaggregated"
+    credentials_dir: str = ""
 
     def log_path(self, name: str) -> Path:
         return Path(self.run_dir) / "logs" / f"{name}.log"
@@ -262,6 +281,10 @@ class LocalCluster:
         self._atexit: Callable[[], None] | None = None
         self._old_sigterm: Any = None
         self._pdeathsig = False
+        self.security: Security | None = None
+        self.credentials_dir: Path | None = None
+        self._role_env: dict[str, dict[str, str]] = {}
+        self._previous_security: Security | None = None
 
     # ------------------------------------------------------------------ planning
 
@@ -276,6 +299,48 @@ class LocalCluster:
             roles=cfg.enabled_roles(),
             fold_nodes=True,
         )
+
+    def _prepare_security(self) -> None:
+        """A credential set for this cluster; each service gets its role's, this process
+        the driver's (made the process's security until :meth:`stop`)."""
+        sec = self.config.security
+        t = sec.tls
+        tls = (
+            TLSConfig(cert=t.cert, key=t.key, ca=t.ca, require_client_cert=t.require_client_cert)
+            if t.cert is not None or t.ca is not None
+            else None
+        )
+        if not sec.auth:
+            if not is_loopback(self.host):
+                raise CredentialError(
+                    f"security.auth=false is refused with host {self.host}: services listen "
+                    "beyond loopback only with authentication on"
+                )
+            logger.warning("security.auth=false: the cluster's services run WITHOUT authentication")
+            self.security = Security(credentials=None, tls=tls, insecure=True)
+            env = {INSECURE_ENV: "1", **self.security.tls_env()}
+            self._role_env = {role: dict(env) for role in ROLES}
+        else:
+            if sec.credentials_dir is not None:
+                root = Path(sec.credentials_dir)
+                tokens = read_credential_set(root)
+            else:
+                root = write_credential_set(self.run_dir / "secrets")
+                tokens = read_credential_set(root)
+            self.credentials_dir = root
+            creds = credential_set(tokens)
+            self.security = Security(credentials=creds["driver"], tls=tls)
+            tls_env = self.security.tls_env()
+            self._role_env = {
+                role: {
+                    CREDENTIALS_ENV: str(root / f"{role}.json"),
+                    INSECURE_ENV: "",
+                    **tls_env,
+                }
+                for role in ROLES
+            }
+        self._previous_security = current_security()
+        set_security(self.security)
 
     def _devices_env(self, devices: Sequence[Device], procs: int = 1) -> dict[str, str]:
         if self.config.trainer.device == "cpu":
@@ -306,6 +371,7 @@ class LocalCluster:
             "TOKENIZERS_PARALLELISM": "false",
             **self._devices_env(devices, procs),
             **self.env,
+            **self._role_env.get(kind, {}),
         }
         return _Proc(
             name=name,
@@ -455,6 +521,7 @@ class LocalCluster:
         self.placement = plan
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         config_path = save_resolved(self.config, self.run_dir)
+        self._prepare_security()
         scheduler, others = self._build(plan, config_path)
         self._install_stop_hooks()
         try:
@@ -657,6 +724,7 @@ class LocalCluster:
             run_dir=str(self.run_dir),
             config_path=str(config_path),
             mode=plan.mode,
+            credentials_dir=str(self.credentials_dir or ""),
         )
 
     # ------------------------------------------------------------------ stop
@@ -695,6 +763,8 @@ class LocalCluster:
             infos = [ProcessInfo(p.name, p.pid, p.start_time, str(p.log_path)) for p in group]
             popens = {p.pid: p.popen for p in group if p.popen is not None}
             stop_processes(infos, grace_s=grace, popens=popens)
+        if self.security is not None and current_security() is self.security:
+            set_security(self._previous_security)
         logger.info("local cluster stopped (%d processes)", len(procs))
 
     def _deregister_probed(self) -> None:

@@ -31,19 +31,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.server
 import json
 import logging
 import os
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
 
-from rlfleet.common.rpc import Server, check_health, create_channel, create_server
+from rlfleet.common.auth import CredentialError
+from rlfleet.common.http import HttpEndpoint, serve_http
+from rlfleet.common.rpc import (
+    Server,
+    add_security_arguments,
+    check_health,
+    create_channel,
+    create_server,
+    init_service_security,
+)
 from rlfleet.scheduler.registry import Registry, SchedulerCore, ServiceEntry
 from rlfleet.scheduler.servicer import SchedulerServicer
 from rlfleet.v1 import scheduler_pb2_grpc
@@ -166,47 +174,6 @@ def _services_collector(core: SchedulerCore) -> Any:
     return Collector()
 
 
-class _HttpServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], owner: SchedulerServer) -> None:
-        self.owner = owner
-        super().__init__(address, _Handler)
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: _HttpServer
-
-    def do_GET(self) -> None:
-        owner = self.server.owner
-        path = self.path.split("?", 1)[0]
-        if path == "/sd":
-            body = json.dumps(
-                service_discovery(
-                    owner.core.list_services(), scheduler_metrics=owner.metrics_address
-                )
-            ).encode()
-            self._reply(200, "application/json", body)
-        elif path == "/metrics":
-            text = _metrics_text(owner.core, owner.metrics_registry)
-            if text is None:
-                self._reply(501, "text/plain", b"prometheus-client is not installed\n")
-            else:
-                self._reply(200, "text/plain; version=0.0.4; charset=utf-8", text)
-        else:
-            self._reply(404, "text/plain", b"try /metrics or /sd\n")
-
-    def _reply(self, code: int, content_type: str, body: bytes) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("http: " + format, *args)
-
-
 class SchedulerServer:
     """A running scheduler: gRPC server, optional HTTP metrics/SD server, prober."""
 
@@ -225,23 +192,29 @@ class SchedulerServer:
         self.metrics_registry = metrics_registry
         self.address = f"{advertise_host}:{grpc_server.port}"
         self.metrics_address: str | None = None
-        self._http: _HttpServer | None = None
-        self._http_thread: threading.Thread | None = None
+        self._http: HttpEndpoint | None = None
+
+    def _sd_page(self) -> tuple[int, str, bytes]:
+        body = json.dumps(
+            service_discovery(self.core.list_services(), scheduler_metrics=self.metrics_address)
+        ).encode()
+        return 200, "application/json", body
+
+    def _metrics_page(self) -> tuple[int, str, bytes]:
+        text = _metrics_text(self.core, self.metrics_registry)
+        if text is None:
+            return 501, "text/plain", b"prometheus-client is not installed\n"
+        return 200, "text/plain; version=0.0.4; charset=utf-8", text
 
     def _start_http(self, host: str, port: int, advertise_host: str) -> None:
-        self._http = _HttpServer((host, port), self)
-        self.metrics_address = f"{advertise_host}:{self._http.server_address[1]}"
-        self._http_thread = threading.Thread(
-            target=self._http.serve_forever, name="rlfleet-scheduler-http", daemon=True
-        )
-        self._http_thread.start()
+        self._http = serve_http(host, port, {"/sd": self._sd_page, "/metrics": self._metrics_page})
+        self.metrics_address = f"{advertise_host}:{self._http.port}"
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop probing, the HTTP server and gRPC (draining within ``grace_s``)."""
         self.prober.stop()
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.stop()
             self._http = None
         self.grpc_server.stop(grace_s)
 
@@ -266,6 +239,7 @@ def start_scheduler_server(
     metrics_registry: Any = None,
     auth_token: str | None = None,
     probe_interval_s: float | None = None,
+    allowed_hosts: Sequence[str] = (),
 ) -> SchedulerServer:
     """Serve ``core`` over gRPC (health, reflection), start the prober and, with a
     ``metrics_port`` (0: a free one), ``/metrics`` and ``/sd`` over HTTP.
@@ -277,7 +251,12 @@ def start_scheduler_server(
     """
     advertise = advertise_host or (socket.gethostname() if host in ("0.0.0.0", "::") else host)
     grpc_server = create_server(
-        [(scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, SchedulerServicer(core))],
+        [
+            (
+                scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
+                SchedulerServicer(core, allowed_hosts=allowed_hosts),
+            )
+        ],
         host=host,
         port=port,
         auth_token=auth_token,
@@ -346,7 +325,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--forget-dead-after-s", type=float, default=600.0, help="drop DEAD entries after this"
     )
     parser.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
+    parser.add_argument(
+        "--allow-register-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="a host services may register addresses on besides their own (repeatable)",
+    )
     parser.add_argument("--log-level", default="INFO")
+    add_security_arguments(parser)
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -356,6 +343,11 @@ def serve_main(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    try:
+        init_service_security(args, what="rlfleet serve scheduler", host=args.host)
+    except CredentialError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     config = None
     if args.config is not None or args.override:
         from rlfleet.common.config import load_config
@@ -385,7 +377,7 @@ def serve_main(args: argparse.Namespace) -> int:
         advertise_host=args.advertise_host,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
-        auth_token=os.environ.get("RLFLEET_AUTH_TOKEN") or None,
+        allowed_hosts=args.allow_register_host,
     )
     server.grpc_server.install_signal_handlers(grace_s=args.grace_s)
     print(

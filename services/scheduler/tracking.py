@@ -321,8 +321,6 @@ def start_metrics_server(metrics: SchedulerMetrics, port: int, host: str = "127.
     if metrics.registry is None:
         logger.warning("prometheus_client is not installed: no scheduler metrics endpoint")
         return 0
-    import prometheus_client as prom
+    from rlfleet.common.http import metrics_route, serve_http
 
-    server, _thread = prom.start_http_server(port, addr=host, registry=metrics.registry)
-    bound: int = server.server_address[1]
-    return bound
+    return serve_http(host, port, {"/metrics": metrics_route(metrics.registry)}).port

@@ -39,11 +39,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
     parser.add_argument("--address-file", default=None, help="write host:port here when ready")
-    parser.add_argument("--auth-token", default=os.environ.get("RLFLEET_AUTH_TOKEN"))
     parser.add_argument(
         "--total-training-steps", type=int, default=None, help="for the lr schedule"
     )
     parser.add_argument("overrides", nargs="*", help="dotted config overrides key.path=value")
+    from rlfleet.common.rpc import add_security_arguments
+
+    add_security_arguments(parser)
 
 
 def _port(args: argparse.Namespace, configured: str | None) -> int:
@@ -58,14 +60,20 @@ def serve_main(args: argparse.Namespace) -> int:
     """Run the trainer service until stopped; returns the exit code."""
     import torch.distributed as dist
 
+    from rlfleet.common.auth import CredentialError
     from rlfleet.common.config import load_config
-    from rlfleet.common.rpc import create_server
+    from rlfleet.common.rpc import create_server, init_service_security
     from rlfleet.trainer.core import TrainerCore
     from rlfleet.trainer.dispatch import follow
     from rlfleet.trainer.servicer import TrainerServicer
     from rlfleet.v1 import trainer_pb2_grpc
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        init_service_security(args, what="rlfleet serve trainer", host=args.host)
+    except CredentialError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     config = load_config(args.config, args.overrides)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
@@ -84,7 +92,6 @@ def serve_main(args: argparse.Namespace) -> int:
             [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(core))],
             host=args.host,
             port=_port(args, config.services.trainer),
-            auth_token=args.auth_token,
         )
         server.install_signal_handlers()
         if args.address_file:

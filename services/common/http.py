@@ -1,0 +1,222 @@
+"""The HTTP side of every service (``/metrics``, ``/sd``): authenticated, TLS-capable, bounded.
+
+::
+
+    endpoint = serve_http("127.0.0.1", 0, {"/metrics": metrics_route(registry)})
+    endpoint.port                      # the bound port
+    endpoint.stop()
+
+With the process's :class:`~rlfleet.common.rpc.Security` (or one given), a request
+needs ``Authorization: Bearer <token>`` of any role of the credential set (401
+otherwise), and the listener speaks TLS when the security has a certificate
+(client certificates required for mTLS). Prometheus scrapes with the observer's
+token (``authorization: {credentials_file: .../observer.token}``).
+
+Bounds: GET only, a 10 s socket time-out per connection (a slow client holds one
+thread at most that long), at most :data:`MAX_CONNECTIONS` at once (more are
+closed at once), request lines and headers as limited by ``http.server``.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import threading
+import urllib.request
+from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from rlfleet.common.auth import Authenticator
+from rlfleet.common.rpc import Security, TLSConfig, current_security
+
+__all__ = ["MAX_CONNECTIONS", "HttpEndpoint", "Route", "http_get", "metrics_route", "serve_http"]
+
+logger = logging.getLogger(__name__)
+
+Route = Callable[[], tuple[int, str, bytes]]
+"""A page: ``() -> (status, content type, body)``."""
+
+MAX_CONNECTIONS = 64
+_SOCKET_TIMEOUT_S = 10.0
+
+
+def metrics_route(registry: Any) -> Route:
+    """``/metrics`` of a ``prometheus_client`` registry."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    def page() -> tuple[int, str, bytes]:
+        return 200, CONTENT_TYPE_LATEST, bytes(generate_latest(registry))
+
+    return page
+
+
+def _server_context(tls: TLSConfig) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(str(tls.cert), str(tls.key))
+    if tls.ca is not None:
+        ctx.load_verify_locations(str(tls.ca))
+    if tls.require_client_cert:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        routes: Mapping[str, Route],
+        authenticator: Authenticator | None,
+        context: ssl.SSLContext | None,
+    ) -> None:
+        self.routes = dict(routes)
+        self.authenticator = authenticator
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, _Handler)
+        if context is not None:
+            # The handshake happens on the handler's thread (first read), never in
+            # the accept loop, so a silent client cannot stall other connections.
+            self.socket = context.wrap_socket(
+                self.socket, server_side=True, do_handshake_on_connect=False
+            )
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            logger.warning("http: %d connections open, closing one more", MAX_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        logger.debug("http: connection from %s failed", client_address, exc_info=True)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    timeout = _SOCKET_TIMEOUT_S
+
+    def do_GET(self) -> None:
+        if not self._authorized():
+            self._reply(401, "text/plain", b"unauthorized: send Authorization: Bearer <token>\n")
+            return
+        route = self.server.routes.get(self.path.split("?", 1)[0])
+        if route is None:
+            paths = " or ".join(sorted(self.server.routes))
+            self._reply(404, "text/plain", f"try {paths}\n".encode())
+            return
+        status, content_type, body = route()
+        self._reply(status, content_type, body)
+
+    def do_POST(self) -> None:
+        self._reply(405, "text/plain", b"GET only\n")
+
+    do_PUT = do_DELETE = do_PATCH = do_POST
+
+    def _authorized(self) -> bool:
+        auth = self.server.authenticator
+        if auth is None:
+            return True
+        values = self.headers.get_all("Authorization") or []
+        if len(values) != 1 or not values[0].startswith("Bearer "):
+            return False
+        return auth.role_of(values[0][len("Bearer ") :].strip()) is not None
+
+    def _reply(self, code: int, content_type: str, body: bytes) -> None:
+        self.send_response(code)
+        if code == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("http: " + format, *args)
+
+
+class HttpEndpoint:
+    """A running HTTP server (see :func:`serve_http`)."""
+
+    def __init__(self, server: _Server, host: str) -> None:
+        self._server = server
+        self.host = host
+        self.port = int(server.server_address[1])
+        self.tls = isinstance(server.socket, ssl.SSLSocket)
+        self._thread = threading.Thread(
+            target=server.serve_forever, name="rlfleet-http", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+    def shutdown(self) -> None:
+        """Stop serving (``http.server``'s name, so callers of either work alike)."""
+        self._server.shutdown()
+
+    def server_close(self) -> None:
+        self._server.server_close()
+
+
+def serve_http(
+    host: str,
+    port: int,
+    routes: Mapping[str, Route],
+    *,
+    security: Security | None = None,
+) -> HttpEndpoint:
+    """Serve ``routes`` on ``host:port`` (0: a free port) with the security's auth and TLS.
+
+    ``security`` None: the process's (:func:`~rlfleet.common.rpc.current_security`);
+    when that is None too, the endpoint is open plaintext (in-process tests).
+    """
+    security = security if security is not None else current_security()
+    authenticator = None
+    context = None
+    if security is not None:
+        if security.credentials is not None:
+            authenticator = security.credentials.authenticator()
+        tls = security.server_tls()
+        if tls is not None:
+            context = _server_context(tls)
+    server = _Server((host, port), routes, authenticator, context)
+    return HttpEndpoint(server, host)
+
+
+def http_get(
+    address: str, path: str, *, security: Security | None = None, timeout_s: float = 5.0
+) -> bytes:
+    """GET ``path`` from another rlfleet endpoint with this process's token (and TLS)."""
+    security = security if security is not None else current_security()
+    scheme = "http"
+    context = None
+    headers = {}
+    if security is not None:
+        if security.credentials is not None:
+            headers["Authorization"] = f"Bearer {security.credentials.token}"
+        tls = security.client_tls()
+        if tls is not None and security.server_tls() is not None:
+            scheme = "https"
+            context = ssl.create_default_context(cafile=str(tls.ca) if tls.ca else None)
+            if tls.cert is not None:
+                context.load_cert_chain(str(tls.cert), str(tls.key))
+    request = urllib.request.Request(f"{scheme}://{address}{path}", headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout_s, context=context) as r:
+        body: bytes = r.read()
+        return body
