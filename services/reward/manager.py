@@ -19,6 +19,7 @@ Which scorer a data source gets, first match wins:
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -52,6 +53,15 @@ _GROUND_TRUTH_TYPES: dict[str, tuple[type, ...]] = {
     "math": (str, *_NUMBER, list),
     "multiple_choice": (str, *_NUMBER),
 }
+
+
+def _non_finite(ground_truth: Any) -> bool:
+    """A float NaN / infinity, or a list holding one (rule scorers' references)."""
+    if type(ground_truth) is float:
+        return not math.isfinite(ground_truth)
+    if type(ground_truth) is list:
+        return any(type(g) is float and not math.isfinite(g) for g in ground_truth)
+    return False
 
 
 @dataclass
@@ -228,6 +238,14 @@ class RewardManager:
                     raise InvalidArgument(
                         f"ground_truth for scorer {scorer!r} must be {names}, "
                         f"got {type(gt).__name__}",
+                        field=f"{where}.ground_truth",
+                        value=gt,
+                        sample_index=index,
+                    )
+                if _non_finite(gt):
+                    # A NaN is usually a missing value read from a data frame.
+                    raise InvalidArgument(
+                        f"ground_truth for scorer {scorer!r} must be a finite number, got {gt!r}",
                         field=f"{where}.ground_truth",
                         value=gt,
                         sample_index=index,

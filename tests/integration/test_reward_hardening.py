@@ -9,13 +9,17 @@ import textwrap
 import urllib.request
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
 from rlfleet.common.config import CustomRewardFunction, RewardConfig
+from rlfleet.common.errors import InvalidArgument
+from rlfleet.common.rpc import create_channel, to_rlfleet_error
 from rlfleet.reward.client import RewardClient
 from rlfleet.reward.metrics import prometheus_available
 from rlfleet.reward.server import RewardService, start_reward_service
 from rlfleet.reward.types import Sample
+from rlfleet.v1 import reward_pb2, reward_pb2_grpc
 
 CUSTOM = textwrap.dedent(
     """
@@ -96,3 +100,37 @@ def _samples_series(text: str) -> dict[tuple[str, str], float]:
             if sample.name == "rlfleet_reward_samples_total":
                 out[sample.labels["data_source"], sample.labels["scorer"]] = sample.value
     return out
+
+
+# ------------------------------------------------------------ non-finite references
+
+
+def test_a_nan_ground_truth_never_scores_over_grpc(
+    service: RewardService, client: RewardClient
+) -> None:
+    # RewardClient sends a float NaN as the string "nan": the scorers refuse it.
+    results = client.score(
+        [
+            Sample("math500", r"so $\boxed{nan}$", float("nan")),
+            Sample("math500", r"so $\boxed{inf}$", "inf"),
+            Sample("openai/gsm8k", "#### 18", float("nan")),
+            Sample("math500", r"$\boxed{\infty}$", r"\infty"),
+        ]
+    )
+    assert [r.score for r in results] == [0.0, 0.0, 0.0, 1.0]
+    assert all("finite" in r.error or "not a number" in r.error for r in results[:3])
+    # A raw number NaN (another client) is refused with the field and index named.
+    request = reward_pb2.ScoreRequest()
+    ok = request.samples.add(data_source="math500", response=r"$\boxed{1}$")
+    ok.ground_truth.number_value = 1.0
+    bad = request.samples.add(data_source="math500", response=r"$\boxed{nan}$")
+    bad.ground_truth.number_value = float("nan")
+    with create_channel(service.address) as channel:
+        stub = reward_pb2_grpc.RewardServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.Score(request, timeout=30)
+    error = to_rlfleet_error(exc.value)
+    assert isinstance(error, InvalidArgument)
+    assert error.field == "samples[1].ground_truth"
+    assert error.sample_index == 1
+    assert "finite" in error.message

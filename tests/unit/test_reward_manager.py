@@ -109,6 +109,8 @@ def test_other_callers_are_served_while_a_sample_hangs(manager: RewardManager) -
         (Sample("gsm8k", "x", {"a": 1}), "samples[1].ground_truth"),
         (Sample("gsm8k", "x", True), "samples[1].ground_truth"),
         (Sample("gsm8k", 5, "1"), "samples[1].response"),  # type: ignore[arg-type]
+        (Sample("gsm8k", "#### 1", float("nan")), "samples[1].ground_truth"),
+        (Sample("math", r"\boxed{1}", [1, float("inf")]), "samples[1].ground_truth"),
     ],
 )
 def test_invalid_samples_name_field_and_index(

@@ -215,3 +215,61 @@ def test_custom_return_conventions() -> None:
         outcome_from_custom("1.0")
     with pytest.raises(ValueError, match="non-finite"):
         outcome_from_custom(float("nan"))
+
+
+_NON_FINITE_TRUTHS = [
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    "nan",
+    "NaN",
+    "-nan",
+    "inf",
+    "-inf",
+    "Infinity",
+    r"\boxed{nan}",
+    [float("nan")],
+    ["nan", float("inf")],
+]
+_NON_FINITE_RESPONSES = [
+    r"\boxed{nan}",
+    r"\boxed{NaN}",
+    r"\boxed{inf}",
+    r"\boxed{-inf}",
+    r"\boxed{Infinity}",
+    "#### nan",
+    "#### inf",
+    "the answer is nan",
+    "nan",
+    "inf",
+]
+
+
+@pytest.mark.parametrize("truth", _NON_FINITE_TRUTHS, ids=repr)
+@pytest.mark.parametrize("scorer", ["math", "gsm8k", "gsm8k_flexible", "multiple_choice"])
+def test_a_non_finite_ground_truth_never_scores(scorer: str, truth: Any) -> None:
+    """NaN (a missing value read from a data frame) or infinity is no answer: an error or 0."""
+    for response in _NON_FINITE_RESPONSES:
+        try:
+            outcome = run_scorer(scorer, scorer, response, truth, {})
+        except (ValueError, TypeError):
+            continue
+        assert outcome.score == 0.0, (scorer, truth, response, outcome)
+
+
+def test_math_infinity_in_latex_is_still_an_answer() -> None:
+    assert math.compute_score(r"so $\boxed{\infty}$", r"\infty").score == 1.0
+    assert math.compute_score(r"$\boxed{[0, \infty)}$", r"[0,\infty)").score == 1.0
+    assert math.compute_score(r"$\boxed{nan}$", r"\infty").score == 0.0
+
+
+def test_math_huge_exponents_compare_without_overflow_or_bignums() -> None:
+    # Exact values: no float overflow on 1e400 (it raised OverflowError), and a
+    # 10**999999999 is never built (seconds and gigabytes) for a short answer.
+    assert math.compute_score(r"\boxed{1e400}", "1e401").score == 0.0
+    assert math.compute_score(r"\boxed{1e400}", "10e399").score == 1.0
+    assert (
+        math.compute_score(r"\boxed{1e999999999}", "1e999999998", use_math_verify=False).score
+        == 0.0
+    )
+    assert math.compute_score(r"\boxed{1e999999999}", "1e999999999").score == 1.0

@@ -71,11 +71,14 @@ def _reference(ground_truth: Any) -> Decimal | None:
     if isinstance(ground_truth, bool):
         return None
     if isinstance(ground_truth, int | float):
-        return (
+        value = (
             Decimal(repr(ground_truth))
             if isinstance(ground_truth, float)
             else Decimal(ground_truth)
         )
+        # A NaN (a missing value in a data frame) or an infinity is no reference:
+        # nothing a response can write should match it.
+        return value if value.is_finite() else None
     if isinstance(ground_truth, str):
         text = ground_truth
         if "####" in text:  # a whole GSM8K answer: its final number

@@ -24,6 +24,7 @@ The full list of what is matched is in ``docs/reward.md``.
 
 from __future__ import annotations
 
+import math as _pymath
 import re
 import threading
 from fractions import Fraction
@@ -186,11 +187,18 @@ def normalize(answer: str) -> str:
 
 
 _FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$")
-_NUMBER = re.compile(r"^-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?$")
+_NUMBER = re.compile(r"^-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE]([-+]?\d+))?$")
+_MAX_EXPONENT = 400
+"""Numbers with a larger decimal exponent compare as strings only: ``Fraction("1e999999999")``
+builds the exact integer, gigabytes and seconds of work on a short answer."""
 
 
-def _to_number(s: str) -> Fraction | float | None:
-    if _NUMBER.match(s):
+def _to_number(s: str) -> Fraction | None:
+    m = _NUMBER.match(s)
+    if m:
+        exponent = m.group(1)
+        if exponent is not None and (len(exponent) > 6 or abs(int(exponent)) > _MAX_EXPONENT):
+            return None
         try:
             return Fraction(s)
         except (ValueError, ZeroDivisionError):
@@ -230,8 +238,8 @@ def _strings_equal(a: str, b: str) -> bool:
     if x is not None and y is not None:
         if x == y:
             return True
-        fx, fy = float(x), float(y)
-        return abs(fx - fy) <= 1e-9 * max(1.0, abs(fx), abs(fy))
+        # Relative, on the exact values: float() of a big fraction would overflow.
+        return abs(x - y) <= Fraction(1, 10**9) * max(Fraction(1), abs(x), abs(y))
     return False
 
 
@@ -290,14 +298,35 @@ def is_equiv(pred: str, gold: str, *, use_math_verify: bool = True) -> tuple[boo
     return False, "none"
 
 
+def _non_finite(answer: str) -> bool:
+    """Whether an answer reads as a float NaN or infinity (``nan``, ``-inf``, ``Infinity``).
+
+    Such a reference is a data error (a missing value read as NaN), not an answer, and
+    a response that writes the same text must not be given credit for it. LaTeX's
+    ``\\infty`` is an answer (a limit, an interval's end) and is not caught here.
+    """
+    text = normalize(answer)
+    if len(text) > 12 or not text or text[-1] not in "nNfFyY":
+        return False
+    try:
+        return not _pymath.isfinite(float(text))
+    except ValueError:
+        return False
+
+
 def _reference(ground_truth: Any) -> list[str]:
     if isinstance(ground_truth, bool):
         raise ValueError(f"ground_truth is not an answer: {ground_truth!r}")
     if isinstance(ground_truth, int | float):
+        if isinstance(ground_truth, float) and not _pymath.isfinite(ground_truth):
+            raise ValueError(f"ground_truth is not a finite number: {ground_truth!r}")
         return [repr(ground_truth) if isinstance(ground_truth, float) else str(ground_truth)]
     if isinstance(ground_truth, str):
         boxed = last_boxed(ground_truth) if "\\boxed" in ground_truth else None
-        return [boxed if boxed is not None else ground_truth]
+        answer = boxed if boxed is not None else ground_truth
+        if _non_finite(answer):
+            raise ValueError(f"ground_truth is not a finite number: {ground_truth!r}")
+        return [answer]
     if isinstance(ground_truth, list) and ground_truth:
         return [a for g in ground_truth for a in _reference(g)]
     raise ValueError(f"ground_truth is not an answer: {ground_truth!r}")
