@@ -12,7 +12,7 @@ from typing import Any
 from google.protobuf import struct_pb2
 
 from rlfleet.common.errors import InvalidArgument
-from rlfleet.reward.types import ChatMessage, RewardInfo, Sample, ScoreResult
+from rlfleet.reward.types import ChatMessage, RewardInfo, Sample, SampleLimits, ScoreResult
 from rlfleet.v1 import reward_pb2
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 _MAX_DEPTH = 32
+_NO_LIMITS = SampleLimits(max_text_chars=1 << 62, max_name_chars=1 << 62)
 
 
 def value_to_python(value: struct_pb2.Value, depth: int = 0) -> Any:
@@ -98,31 +99,84 @@ def _fill_struct(struct: struct_pb2.Struct, data: dict[str, Any]) -> None:
             set_value(fields[str(k)], v)
 
 
-def sample_from_proto(msg: reward_pb2.RewardSample, index: int) -> Sample:
-    # Runs once per sample on the hot path: string ground truths and empty
-    # extra_info / prompt_messages (the common case) skip the general converters.
-    try:
-        gt = msg.ground_truth
-        kind = gt.WhichOneof("kind")
-        ground_truth = gt.string_value if kind == "string_value" else value_to_python(gt)
-        extra = msg.extra_info
-        extra_info = struct_to_dict(extra) if extra.fields else {}
-    except ValueError as exc:
-        raise InvalidArgument(str(exc), field=f"samples[{index}]", sample_index=index) from exc
-    messages = msg.prompt_messages
-    return Sample(
-        msg.data_source,
-        msg.response,
-        ground_truth,
-        msg.prompt,
-        [ChatMessage(m.role, m.content) for m in messages] if messages else [],
-        extra_info,
-        msg.id,
+def _too_long(index: int, name: str, size: int, limit: int, unit: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"{name} of sample {index} has {size} {unit}, over the limit of {limit}",
+        field=f"samples[{index}].{name}",
+        value=size,
+        sample_index=index,
+        code="TOO_LARGE",
     )
 
 
-def samples_from_request(request: reward_pb2.ScoreRequest, offset: int = 0) -> list[Sample]:
-    return [sample_from_proto(s, offset + i) for i, s in enumerate(request.samples)]
+def sample_from_proto(
+    msg: reward_pb2.RewardSample, index: int, limits: SampleLimits = _NO_LIMITS
+) -> Sample:
+    """One sample, its fields checked against ``limits`` (``InvalidArgument`` naming the
+    field, with the size as the value and the sample's index)."""
+    # Runs once per sample on the hot path: string ground truths and empty
+    # extra_info / prompt_messages (the common case) skip the general converters.
+    text_max, name_max = limits.max_text_chars, limits.max_name_chars
+    data_source, response, prompt, sample_id = msg.data_source, msg.response, msg.prompt, msg.id
+    if len(data_source) > name_max:
+        raise _too_long(index, "data_source", len(data_source), name_max, "characters")
+    if len(sample_id) > name_max:
+        raise _too_long(index, "id", len(sample_id), name_max, "characters")
+    if len(response) > text_max:
+        raise _too_long(index, "response", len(response), text_max, "characters")
+    if len(prompt) > text_max:
+        raise _too_long(index, "prompt", len(prompt), text_max, "characters")
+    try:
+        gt = msg.ground_truth
+        kind = gt.WhichOneof("kind")
+        if kind == "string_value":
+            ground_truth = gt.string_value
+            if len(ground_truth) > text_max:
+                raise _too_long(index, "ground_truth", len(ground_truth), text_max, "characters")
+        else:
+            if kind in ("list_value", "struct_value") and gt.ByteSize() > text_max:
+                raise _too_long(index, "ground_truth", gt.ByteSize(), text_max, "bytes")
+            ground_truth = value_to_python(gt)
+        extra = msg.extra_info
+        extra_info: dict[str, Any] = {}
+        if extra.fields:
+            if extra.ByteSize() > text_max:
+                raise _too_long(index, "extra_info", extra.ByteSize(), text_max, "bytes")
+            extra_info = struct_to_dict(extra)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc), field=f"samples[{index}]", sample_index=index) from exc
+    messages = msg.prompt_messages
+    chat: list[ChatMessage] = []
+    if messages:
+        chat = [ChatMessage(m.role, m.content) for m in messages]
+        size = sum(len(m.role) + len(m.content) for m in chat)
+        if size > text_max:
+            raise _too_long(index, "prompt_messages", size, text_max, "characters")
+    return Sample(data_source, response, ground_truth, prompt, chat, extra_info, sample_id)
+
+
+def samples_from_request(
+    request: reward_pb2.ScoreRequest,
+    offset: int = 0,
+    *,
+    max_samples: int | None = None,
+    limits: SampleLimits = _NO_LIMITS,
+) -> list[Sample]:
+    """The request's samples, indexed from ``offset`` (a stream's running count).
+
+    Raises:
+        InvalidArgument: more than ``max_samples`` samples (checked before any is
+            converted), or a field over ``limits``.
+    """
+    count = len(request.samples)
+    if max_samples is not None and count > max_samples:
+        raise InvalidArgument(
+            f"request of {count} samples is over the limit of {max_samples}",
+            field="samples",
+            value=count,
+            code="TOO_LARGE",
+        )
+    return [sample_from_proto(s, offset + i, limits) for i, s in enumerate(request.samples)]
 
 
 def sample_to_proto(sample: Sample) -> reward_pb2.RewardSample:

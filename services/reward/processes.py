@@ -340,6 +340,8 @@ def _child_argv(args: argparse.Namespace, port: int, index: int, count: int) -> 
         argv.append("--insecure")
     argv += [
         f"--max-batch-size={args.max_batch_size}",
+        f"--max-text-chars={args.max_text_chars}",
+        f"--max-name-chars={args.max_name_chars}",
         f"--grpc-workers={args.grpc_workers}",
         f"--log-level={args.log_level}",
         "--processes=1",

@@ -42,6 +42,7 @@ from rlfleet.reward.manager import DEFAULT_MAX_BATCH_SIZE, RewardManager
 from rlfleet.reward.metrics import RewardMetrics, start_metrics_server
 from rlfleet.reward.processes import MAX_AUTO_PROCESSES, resolve_processes, serve_processes
 from rlfleet.reward.servicer import RewardServicer
+from rlfleet.reward.types import DEFAULT_MAX_NAME_CHARS, DEFAULT_MAX_TEXT_CHARS, SampleLimits
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc
 
 __all__ = [
@@ -102,12 +103,14 @@ def start_reward_service(
     manager: RewardManager | None = None,
     reuse_port: bool = False,
     processes: int = 1,
+    limits: SampleLimits | None = None,
 ) -> RewardService:
     """Build the core, start the gRPC server (and ``/metrics`` when ``metrics_port`` is set).
 
     ``port=0`` / ``metrics_port=0`` pick free ports (read ``address`` / ``metrics_port``).
     ``reuse_port``: share the port with other processes (``SO_REUSEPORT``);
     ``processes``: how many do, as ``GetInfo`` reports it.
+    ``max_batch_size`` and ``limits`` (default :class:`SampleLimits`) bound each request.
     """
     metrics = manager.metrics if manager is not None else RewardMetrics()
     if manager is None:
@@ -117,7 +120,7 @@ def start_reward_service(
             [
                 (
                     reward_pb2_grpc.add_RewardServiceServicer_to_server,
-                    RewardServicer(manager, processes=processes),
+                    RewardServicer(manager, processes=processes, limits=limits),
                 )
             ],
             host=host,
@@ -171,6 +174,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, help="samples per request"
     )
+    parser.add_argument(
+        "--max-text-chars",
+        type=_positive,
+        default=DEFAULT_MAX_TEXT_CHARS,
+        metavar="N",
+        help="most characters per text field of a sample (response, prompt, prompt_messages, "
+        "ground_truth) and bytes of extra_info / a structured ground_truth",
+    )
+    parser.add_argument(
+        "--max-name-chars",
+        type=_positive,
+        default=DEFAULT_MAX_NAME_CHARS,
+        metavar="N",
+        help="most characters of a sample's data_source and id",
+    )
     parser.add_argument("--grpc-workers", type=int, default=32, help="gRPC handler threads")
     parser.add_argument(
         "--processes",
@@ -186,6 +204,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--process-count", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="INFO")
     add_security_arguments(parser)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
 
 
 def _processes(text: str) -> int:
@@ -262,6 +290,7 @@ def serve_main(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         tls=tls,
         max_batch_size=args.max_batch_size,
+        limits=SampleLimits(args.max_text_chars, args.max_name_chars),
         max_grpc_workers=args.grpc_workers,
         reuse_port=child,
         processes=args.process_count if child else 1,

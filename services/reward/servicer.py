@@ -27,7 +27,7 @@ from rlfleet.reward.convert import (
 )
 from rlfleet.reward.manager import RewardManager
 from rlfleet.reward.metrics import RewardMetrics
-from rlfleet.reward.types import ScoreResult
+from rlfleet.reward.types import Sample, SampleLimits, ScoreResult
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc
 
 __all__ = ["STREAM_REQUESTS_IN_FLIGHT", "RewardServicer"]
@@ -44,12 +44,33 @@ def _time_left(context: grpc.ServicerContext) -> float | None:
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
+    """The RewardService RPCs over a :class:`RewardManager`.
+
+    Args:
+        manager: the core.
+        metrics: default: the manager's.
+        processes: reported by GetInfo: how many processes serve this port.
+        limits: bounds on each sample's fields; samples per request are bounded by
+            the manager's ``max_batch_size``, checked before any sample is converted.
+    """
+
     def __init__(
-        self, manager: RewardManager, metrics: RewardMetrics | None = None, *, processes: int = 1
+        self,
+        manager: RewardManager,
+        metrics: RewardMetrics | None = None,
+        *,
+        processes: int = 1,
+        limits: SampleLimits | None = None,
     ) -> None:
         self.manager = manager
         self.metrics = metrics or manager.metrics
-        self.processes = processes  # reported by GetInfo: how many serve this port
+        self.processes = processes
+        self.limits = limits if limits is not None else SampleLimits()
+
+    def _samples(self, request: reward_pb2.ScoreRequest, offset: int = 0) -> list[Sample]:
+        return samples_from_request(
+            request, offset, max_samples=self.manager.max_batch_size, limits=self.limits
+        )
 
     def _record(self, method: str, started: float, code: str) -> None:
         self.metrics.request(method, code, time.perf_counter() - started)
@@ -60,7 +81,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         started = time.perf_counter()
         code = "INTERNAL"
         try:
-            samples = samples_from_request(request)
+            samples = self._samples(request)
             results = self.manager.score(samples, timeout_s=_time_left(context))
             response = results_to_proto(results)
             code = "OK"
@@ -101,7 +122,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 for request in request_iterator:
                     if stop.is_set():
                         break
-                    samples = samples_from_request(request, offset)
+                    samples = self._samples(request, offset)
                     scorers = self.manager.validate(samples, offset)
                     slots.acquire()
                     futures.append(executor.submit(score_one, samples, scorers, offset))

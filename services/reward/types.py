@@ -10,7 +10,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ChatMessage", "RewardInfo", "Sample", "ScoreOutcome", "ScoreResult"]
+__all__ = [
+    "DEFAULT_MAX_NAME_CHARS",
+    "DEFAULT_MAX_TEXT_CHARS",
+    "ChatMessage",
+    "RewardInfo",
+    "Sample",
+    "SampleLimits",
+    "ScoreOutcome",
+    "ScoreResult",
+]
+
+DEFAULT_MAX_TEXT_CHARS = 1 << 20
+"""Per text field of a sample (1 Mi characters): long responses fit, a runaway one not."""
+DEFAULT_MAX_NAME_CHARS = 1024
+"""Per ``data_source`` and ``id``: names, not texts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +56,28 @@ class Sample:
     prompt_messages: list[ChatMessage] = field(default_factory=list)
     extra_info: dict[str, Any] = field(default_factory=dict)
     id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SampleLimits:
+    """Bounds on each sample a request carries (checked at the gRPC edge).
+
+    Attributes:
+        max_text_chars: most characters of ``response``, of ``prompt`` and of
+            ``prompt_messages`` (all roles and contents together), of a text
+            ``ground_truth``; most encoded bytes of a structured ``ground_truth``
+            and of ``extra_info``.
+        max_name_chars: most characters of ``data_source`` and of ``id``.
+    """
+
+    max_text_chars: int = DEFAULT_MAX_TEXT_CHARS
+    max_name_chars: int = DEFAULT_MAX_NAME_CHARS
+
+    def __post_init__(self) -> None:
+        for name in ("max_text_chars", "max_name_chars"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass(slots=True)

@@ -16,9 +16,10 @@ from rlfleet.common.config import CustomRewardFunction, RewardConfig
 from rlfleet.common.errors import InvalidArgument
 from rlfleet.common.rpc import create_channel, to_rlfleet_error
 from rlfleet.reward.client import RewardClient
+from rlfleet.reward.manager import RewardManager
 from rlfleet.reward.metrics import prometheus_available
 from rlfleet.reward.server import RewardService, start_reward_service
-from rlfleet.reward.types import Sample
+from rlfleet.reward.types import DEFAULT_MAX_TEXT_CHARS, ChatMessage, Sample, SampleLimits
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc
 
 CUSTOM = textwrap.dedent(
@@ -134,3 +135,95 @@ def test_a_nan_ground_truth_never_scores_over_grpc(
     assert error.field == "samples[1].ground_truth"
     assert error.sample_index == 1
     assert "finite" in error.message
+
+
+# ------------------------------------------------------------------ request bounds
+
+
+@pytest.fixture(scope="module")
+def small() -> Iterator[RewardService]:
+    """A service with small bounds."""
+    limits = SampleLimits(max_text_chars=1000, max_name_chars=40)
+    with start_reward_service(
+        port=0, manager=RewardManager(max_batch_size=10, num_workers=0), limits=limits
+    ) as svc:
+        yield svc
+
+
+def _ok(i: int = 0) -> Sample:
+    return Sample("openai/gsm8k", f"#### {i}", str(i))
+
+
+@pytest.mark.parametrize(
+    ("sample", "field", "size"),
+    [
+        (Sample("openai/gsm8k", "#### 1" + "x" * 1000, "1"), "response", 1006),
+        (Sample("openai/gsm8k", "#### 1", "1", prompt="p" * 1001), "prompt", 1001),
+        (Sample("openai/gsm8k", "#### 1", "1" * 1001), "ground_truth", 1001),
+        (Sample("math", r"\boxed{1}", ["1" * 600, "2" * 600]), "ground_truth", None),
+        (Sample("openai/gsm8k", "#### 1", "1", extra_info={"k": "v" * 1000}), "extra_info", None),
+        (
+            Sample(
+                "openai/gsm8k",
+                "#### 1",
+                "1",
+                prompt_messages=[
+                    ChatMessage("user", "u" * 600),
+                    ChatMessage("assistant", "a" * 400),
+                ],
+            ),
+            "prompt_messages",
+            1013,
+        ),
+        (Sample("openai/gsm8k" + "/" * 40, "#### 1", "1"), "data_source", 52),
+        (Sample("openai/gsm8k", "#### 1", "1", id="i" * 41), "id", 41),
+    ],
+)
+def test_each_field_over_its_bound_is_refused_by_name(
+    small: RewardService, sample: Sample, field: str, size: int | None
+) -> None:
+    with RewardClient(small.address, timeout_s=60) as c:
+        with pytest.raises(InvalidArgument) as exc:
+            c.score([_ok(), _ok(1), sample])
+        error = exc.value
+        assert error.field == f"samples[2].{field}"
+        assert error.sample_index == 2
+        assert error.code == "TOO_LARGE"
+        assert "over the limit of" in error.message
+        if size is not None:
+            assert error.value == str(size)
+            assert f"has {size} " in error.message
+        else:
+            assert int(str(error.value)) > 1000
+        # In a stream, the index counts samples across its requests.
+        with pytest.raises(InvalidArgument) as exc:
+            list(c.score_stream([[_ok(), _ok(1)], [_ok(2), sample]]))
+        assert exc.value.field == f"samples[3].{field}"
+        assert exc.value.sample_index == 3
+        # Within the bounds, the same service scores.
+        assert [r.score for r in c.score([_ok(i) for i in range(10)])] == [1.0] * 10
+
+
+def test_samples_per_request_are_bounded(small: RewardService) -> None:
+    with RewardClient(small.address, timeout_s=60) as c:
+        with pytest.raises(InvalidArgument) as exc:
+            c.score([_ok(i) for i in range(11)])
+        assert exc.value.field == "samples"
+        assert exc.value.value == "11"
+        assert "over the limit of 10" in exc.value.message
+        with pytest.raises(InvalidArgument) as exc:
+            list(c.score_stream([[_ok()] * 10, [_ok()] * 11]))
+        assert exc.value.field == "samples"
+        assert exc.value.value == "11"
+
+
+def test_default_bounds_take_a_long_response(client: RewardClient) -> None:
+    """Default: 1 Mi characters per text field, so long responses fit, one more does not."""
+    limit = DEFAULT_MAX_TEXT_CHARS
+    long = "x" * (limit - 8) + "\n#### 18"
+    assert len(long) == limit
+    assert client.score([Sample("openai/gsm8k", long, "18")])[0].score == 1.0
+    with pytest.raises(InvalidArgument) as exc:
+        client.score([Sample("openai/gsm8k", long + " ", "18")])
+    assert exc.value.field == "samples[0].response"
+    assert exc.value.value == str(limit + 1)

@@ -61,3 +61,29 @@ def test_rows_from_jsonl_and_verl_parquet() -> None:
     with pytest.raises(InvalidArgument) as exc:
         sample_from_row({"data_source": "gsm8k"}, 4)
     assert exc.value.field == "samples[4].response"
+
+
+def test_sample_limits_check_sizes_at_the_bound_exactly() -> None:
+    from rlfleet.reward.types import SampleLimits
+
+    limits = SampleLimits(max_text_chars=10, max_name_chars=5)
+    at = sample_to_proto(Sample("gsm8k", "r" * 10, "g" * 10, prompt="p" * 10, id="i" * 5))
+    assert sample_from_proto(at, 0, limits).response == "r" * 10
+    over = sample_to_proto(Sample("gsm8k", "r" * 11, "1"))
+    with pytest.raises(InvalidArgument) as exc:
+        sample_from_proto(over, 7, limits)
+    assert (exc.value.field, exc.value.value, exc.value.sample_index) == (
+        "samples[7].response",
+        11,
+        7,
+    )
+    # Without limits (the default), a converter only converts.
+    assert sample_from_proto(over, 0).response == "r" * 11
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5])
+def test_sample_limits_are_validated(bad: object) -> None:
+    from rlfleet.reward.types import SampleLimits
+
+    with pytest.raises(ValueError, match="max_text_chars must be an integer >= 1"):
+        SampleLimits(max_text_chars=bad)  # type: ignore[arg-type]
