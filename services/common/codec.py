@@ -75,6 +75,7 @@ __all__ = [
     "ChunkView",
     "CodecError",
     "PieceView",
+    "StreamTooLarge",
     "TensorSpec",
     "assemble_chunks",
     "decode_batch",
@@ -96,9 +97,28 @@ U8Array = npt.NDArray[np.uint8]
 #: Below gRPC's default 4 MiB receive limit, with room for the framing.
 DEFAULT_MAX_CHUNK_BYTES = 4_000_000
 
+# What the assembler charges against ``max_bytes`` for each chunk and each piece
+# besides their bytes (bookkeeping), so that a stream of empty chunks is bounded too.
+_CHUNK_CHARGE = 256
+_PIECE_CHARGE = 128
+
 
 class CodecError(ValueError):
-    """A batch cannot be encoded, or a message / chunk stream is malformed."""
+    """A batch cannot be encoded, or a message / chunk stream is malformed.
+
+    ``field`` names the offending chunk field or tensor where the assembler knows it
+    (``"seq"``, ``"total_bytes"``, a tensor or column name), else ``""``; ``value`` is
+    the offending value.
+    """
+
+    def __init__(self, message: str, *, field: str = "", value: object = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.value = value
+
+
+class StreamTooLarge(CodecError):
+    """A chunk stream declared or sent more bytes than its assembler's ``max_bytes``."""
 
 
 # --------------------------------------------------------------------------- dtypes
@@ -998,9 +1018,20 @@ class ChunkAssembler:
     pieces that arrive in byte order with no gap, overlap or overflow; on the last
     chunk ``num_chunks``, ``total_bytes``, every tensor complete, and ``digest``;
     nothing after the last chunk.
+
+    ``max_bytes`` bounds what the stream may make the assembler hold, checked as chunks
+    arrive, before anything is allocated for them: each tensor's declared ``nbytes``
+    (charged when its first piece arrives, since its buffer is allocated then), the
+    serialized columns and meta, and a fixed charge per chunk and piece; a chunk that
+    declares ``total_bytes`` over the limit is refused as it arrives. Over the limit:
+    :class:`StreamTooLarge` (a CodecError) naming the tensor, column or field.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._held = 0  # bytes charged against max_bytes so far
         self._next_seq = 0
         self._error: CodecError | None = None
         self._stream_id: str | None = None
@@ -1037,14 +1068,27 @@ class ChunkAssembler:
     def _add(self, view: ChunkView) -> bool:
         where = f"stream {self._stream_id or view.stream_id!r} chunk seq {view.seq}"
         if self._done:
-            raise CodecError(f"{where} arrived after the last chunk (seq {self._next_seq - 1})")
+            raise CodecError(
+                f"{where} arrived after the last chunk (seq {self._next_seq - 1})",
+                field="seq",
+                value=view.seq,
+            )
         if view.seq != self._next_seq:
-            raise CodecError(f"{where} arrived, expected seq {self._next_seq}")
+            raise CodecError(
+                f"{where} arrived, expected seq {self._next_seq}", field="seq", value=view.seq
+            )
         if self._stream_id is None:
             self._stream_id = view.stream_id
         elif view.stream_id != self._stream_id:
             raise CodecError(
                 f"{where} has stream_id {view.stream_id!r}, expected {self._stream_id!r}"
+            )
+        if self.max_bytes is not None and view.total_bytes > self.max_bytes:
+            raise StreamTooLarge(
+                f"{where} declares total_bytes={view.total_bytes}, over the limit of "
+                f"{self.max_bytes} bytes",
+                field="total_bytes",
+                value=view.total_bytes,
             )
         crc = _crc32c([p.data for p in view.pieces])
         if crc != view.crc32c:
@@ -1052,6 +1096,14 @@ class ChunkAssembler:
                 f"{where}: crc32c of piece data is {crc:#010x}, the chunk says {view.crc32c:#010x}"
             )
         col_bytes = [c.SerializeToString() for c in view.columns]
+        meta_bytes = sum(len(k) + len(v) for k, v in view.meta.items())
+        self._charge(
+            _CHUNK_CHARGE + _PIECE_CHARGE * len(view.pieces) + meta_bytes,
+            "chunks",
+            f"{where} ({len(view.pieces)} pieces, {meta_bytes} bytes of meta)",
+        )
+        for col, data in zip(view.columns, col_bytes, strict=True):
+            self._charge(len(data), col.name, f"{where}: column {col.name!r} ({len(data)} bytes)")
         for col in view.columns:
             self._add_column(col, where)
         for p in view.pieces:
@@ -1098,6 +1150,12 @@ class ChunkAssembler:
                 )
             if name in self._columns:
                 raise CodecError(f"{where}: tensor {name!r} has the name of a column")
+            self._charge(
+                p.nbytes,
+                name,
+                f"{where}: tensor {name!r} {_dtype_name(p.dtype)} {list(p.shape)} "
+                f"({p.nbytes} bytes)",
+            )
             slot = _Slot(p.dtype, p.shape, p.nbytes, np.empty(p.nbytes, dtype=np.uint8))
             self._slots[name] = slot
         else:
@@ -1125,6 +1183,20 @@ class ChunkAssembler:
             slot.buf[p.offset : p.offset + n] = np.frombuffer(p.data, dtype=np.uint8)
         slot.filled += n
         self._bytes += n
+
+    def _charge(self, nbytes: int, field: str, what: str) -> None:
+        """Count ``nbytes`` more against ``max_bytes``; StreamTooLarge if over."""
+        if self.max_bytes is None:
+            return
+        held = self._held + nbytes
+        if held > self.max_bytes:
+            raise StreamTooLarge(
+                f"{what} would make the stream hold {held} bytes, over the limit of "
+                f"{self.max_bytes} bytes",
+                field=field,
+                value=held,
+            )
+        self._held = held
 
     def _finish(self, view: ChunkView, where: str) -> None:
         count = view.seq + 1

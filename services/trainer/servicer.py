@@ -1,8 +1,11 @@
 """TrainerService over gRPC: reassemble, call :class:`TrainerCore`, encode the answer.
 
-Batches arrive as chunk streams (:mod:`rlfleet.common.codec`); a malformed stream is
-``INVALID_ARGUMENT``. Streaming operations answer with the keys they add, and their
-metrics as JSON in the ``metrics`` meta entry. Errors raised by the core
+Batches arrive as chunk streams (:mod:`rlfleet.common.codec`); a malformed stream
+(a chunk out of order or after the last one, a bad checksum, ...) is
+``INVALID_ARGUMENT``, and a stream that would hold more than
+``trainer.max_request_bytes`` is ``RESOURCE_EXHAUSTED`` as soon as a chunk declares or
+brings that much, without reading the rest. Streaming operations answer with the keys
+they add, and their metrics as JSON in the ``metrics`` meta entry. Errors raised by the core
 (``InvalidArgument`` naming the key and shapes, ``FailedPrecondition`` for a role this
 trainer does not hold) map to status codes through :mod:`rlfleet.common.rpc`.
 """
@@ -15,8 +18,8 @@ from typing import Any
 
 import grpc
 
-from rlfleet.common.codec import ChunkAssembler, CodecError, iter_chunks
-from rlfleet.common.errors import InvalidArgument
+from rlfleet.common.codec import ChunkAssembler, CodecError, StreamTooLarge, iter_chunks
+from rlfleet.common.errors import InvalidArgument, ResourceExhausted
 from rlfleet.trainer import checkpoint
 from rlfleet.trainer.core import TrainerCore
 from rlfleet.trainer.models import torch_dtype
@@ -28,16 +31,32 @@ __all__ = ["METRICS_META_KEY", "TrainerServicer", "decode_stream", "encode_resul
 METRICS_META_KEY = "metrics"
 
 
-def decode_stream(chunks: Iterable[common_pb2.TensorBatchChunk]) -> dict[str, Any]:
-    """Reassemble a request stream into a batch; CodecError -> InvalidArgument."""
-    asm = ChunkAssembler()
+def decode_stream(
+    chunks: Iterable[common_pb2.TensorBatchChunk], *, max_bytes: int | None = None
+) -> dict[str, Any]:
+    """Reassemble a request stream into a batch, reading it to its end (a chunk after
+    the last one is refused).
+
+    Raises:
+        ResourceExhausted: the stream would hold more than ``max_bytes`` (checked per
+            chunk as it arrives).
+        InvalidArgument: a malformed stream; ``field`` names the chunk field or tensor.
+    """
+    asm = ChunkAssembler(max_bytes=max_bytes)
     try:
         for chunk in chunks:
-            if asm.add(chunk):
-                break
+            asm.add(chunk)
         values, _meta = asm.result(to="torch")
+    except StreamTooLarge as e:
+        raise ResourceExhausted(
+            f"batch stream too large (trainer.max_request_bytes={max_bytes}): {e}",
+            field=e.field or "chunks",
+            value=e.value,
+        ) from e
     except CodecError as e:
-        raise InvalidArgument(f"malformed batch stream: {e}", field="chunks") from e
+        raise InvalidArgument(
+            f"malformed batch stream: {e}", field=e.field or "chunks", value=e.value
+        ) from e
     return values
 
 
@@ -55,28 +74,32 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     ) -> None:
         self.core = core
         self.default_bucket_bytes = default_bucket_bytes
+        self.max_request_bytes = core.config.trainer.max_request_bytes
+
+    def _batch(self, chunks: Iterator[common_pb2.TensorBatchChunk]) -> dict[str, Any]:
+        return decode_stream(chunks, max_bytes=self.max_request_bytes)
 
     # -------------------------------------------------------------- batch in, batch out
 
     def ComputeLogProb(
         self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
     ) -> Iterator[common_pb2.TensorBatchChunk]:
-        return encode_result(*self.core.compute_log_prob(decode_stream(request_iterator)))
+        return encode_result(*self.core.compute_log_prob(self._batch(request_iterator)))
 
     def ComputeRefLogProb(
         self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
     ) -> Iterator[common_pb2.TensorBatchChunk]:
-        return encode_result(*self.core.compute_ref_log_prob(decode_stream(request_iterator)))
+        return encode_result(*self.core.compute_ref_log_prob(self._batch(request_iterator)))
 
     def ComputeValues(
         self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
     ) -> Iterator[common_pb2.TensorBatchChunk]:
-        return encode_result(*self.core.compute_values(decode_stream(request_iterator)))
+        return encode_result(*self.core.compute_values(self._batch(request_iterator)))
 
     def ComputeAdvantage(
         self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
     ) -> Iterator[common_pb2.TensorBatchChunk]:
-        return encode_result(*self.core.compute_advantage(decode_stream(request_iterator)))
+        return encode_result(*self.core.compute_advantage(self._batch(request_iterator)))
 
     # -------------------------------------------------------------- updates
 
@@ -90,22 +113,22 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def UpdateCritic(
         self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
     ) -> trainer_pb2.UpdateResponse:
-        return self._update(self.core.update_critic(decode_stream(request_iterator)))
+        return self._update(self.core.update_critic(self._batch(request_iterator)))
 
     def UpdateActor(
         self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
     ) -> trainer_pb2.UpdateResponse:
-        return self._update(self.core.update_actor(decode_stream(request_iterator)))
+        return self._update(self.core.update_actor(self._batch(request_iterator)))
 
     def TrainStep(
         self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
     ) -> trainer_pb2.UpdateResponse:
-        return self._update(self.core.train_step(decode_stream(request_iterator)))
+        return self._update(self.core.train_step(self._batch(request_iterator)))
 
     def SFTStep(
         self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
     ) -> trainer_pb2.UpdateResponse:
-        return self._update(self.core.sft_step(decode_stream(request_iterator)))
+        return self._update(self.core.sft_step(self._batch(request_iterator)))
 
     # -------------------------------------------------------------- lifecycle
 

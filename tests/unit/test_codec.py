@@ -572,6 +572,75 @@ def test_assembler_reports_completion() -> None:
     assert values["c"] == ["x"] and values["a"].dtype == np.float32
 
 
+def test_max_bytes_refuses_a_declared_tensor_before_allocating_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    allocated: list[int] = []
+    real_empty = np.empty
+
+    def spy(n: Any, *args: Any, **kwargs: Any) -> Any:
+        allocated.append(int(n))
+        return real_empty(n, *args, **kwargs)
+
+    msgs = list(codec.iter_chunks({"x": torch.zeros(4096)}, max_chunk_bytes=1024))
+    asm = codec.ChunkAssembler(max_bytes=8192)
+    monkeypatch.setattr(codec.np, "empty", spy)
+    with pytest.raises(codec.StreamTooLarge, match="over the limit of 8192") as info:
+        asm.add(msgs[0])
+    held = info.value.value
+    assert info.value.field == "x" and isinstance(held, int) and held > 16384
+    assert isinstance(info.value, CodecError) and allocated == []
+    with pytest.raises(CodecError, match="failed earlier"):
+        asm.add(msgs[1])
+
+
+def test_max_bytes_counts_tensors_columns_and_chunks_as_they_arrive() -> None:
+    batch = {"a": torch.zeros(256), "b": torch.zeros(256), "rows": ["r" * 100] * 20}
+    msgs = list(codec.iter_chunks(batch, max_chunk_bytes=600))
+    values, _ = codec.assemble_chunks(msgs)
+    enough = codec.ChunkAssembler(max_bytes=1_000_000)
+    assert [enough.add(m) for m in msgs][-1] is True
+    assert torch.equal(enough.result()[0]["b"], values["b"])
+    fields = []
+    for cap in (100, 2500, 3100):
+        asm = codec.ChunkAssembler(max_bytes=cap)
+        with pytest.raises(codec.StreamTooLarge) as info:
+            for m in msgs:
+                asm.add(m)
+        held = info.value.value
+        assert isinstance(held, int) and held > cap
+        fields.append(info.value.field)
+    assert fields[0] in ("chunks", "rows") and set(fields[1:]) <= {"a", "b", "rows", "chunks"}
+    # Empty chunks are charged too: an endless stream of them is refused.
+    asm = codec.ChunkAssembler(max_bytes=10_000)
+    with pytest.raises(codec.StreamTooLarge, match="over the limit") as empty:
+        for seq in range(1000):
+            asm.add(common_pb2.TensorBatchChunk(stream_id="s", seq=seq, crc32c=0))
+    assert empty.value.field == "chunks"
+
+
+def test_max_bytes_refuses_a_declared_total_over_the_cap() -> None:
+    msgs = stream()
+    msgs[0].total_bytes = 10**12
+    with pytest.raises(codec.StreamTooLarge, match="total_bytes=1000000000000") as info:
+        codec.ChunkAssembler(max_bytes=10**9).add(msgs[0])
+    assert info.value.field == "total_bytes"
+
+
+def test_seq_errors_name_the_field() -> None:
+    msgs = stream()
+    asm = codec.ChunkAssembler()
+    with pytest.raises(CodecError) as info:
+        asm.add(msgs[1])
+    assert (info.value.field, info.value.value) == ("seq", 1)
+    done = codec.ChunkAssembler()
+    for m in msgs:
+        done.add(m)
+    with pytest.raises(CodecError, match="after the last chunk") as info:
+        done.add(msgs[0])
+    assert info.value.field == "seq"
+
+
 # --------------------------------------------------------------------------- raw layer
 
 

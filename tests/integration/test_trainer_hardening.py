@@ -1,0 +1,259 @@
+"""The TrainerService refuses what it must not act on, through a real gRPC server on
+127.0.0.1: checkpoint paths outside its run dir, batch streams over
+``trainer.max_request_bytes`` (early, without reading the rest), malformed chunk
+sequences, and batches whose values the models cannot take."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from rlfleet.common.codec import iter_chunks
+from rlfleet.common.errors import InvalidArgument, ResourceExhausted, RlfleetError
+from rlfleet.common.rpc import create_channel, create_server, to_rlfleet_error
+from rlfleet.trainer.client import RemoteTrainerClient
+from rlfleet.trainer.core import TrainerCore
+from rlfleet.trainer.servicer import TrainerServicer
+from rlfleet.trainer.testing import make_batch, make_config
+from rlfleet.v1 import common_pb2, trainer_pb2_grpc
+
+MAX_REQUEST_BYTES = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hardening") / "run"
+
+
+@pytest.fixture(scope="module")
+def core(tiny_model_dir: Path, run_dir: Path) -> TrainerCore:
+    cfg = make_config(
+        str(tiny_model_dir),
+        algorithm={"adv_estimator": "gae"},
+        actor={"ppo_micro_batch_size": 2},
+        trainer={"default_local_dir": str(run_dir), "max_request_bytes": MAX_REQUEST_BYTES},
+    )
+    return TrainerCore(cfg)
+
+
+@pytest.fixture(scope="module")
+def address(core: TrainerCore) -> Iterator[str]:
+    server = create_server(
+        [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(core))]
+    )
+    yield server.address
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def remote(address: str) -> Iterator[RemoteTrainerClient]:
+    client = RemoteTrainerClient(address, timeout_s=120)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def stub(address: str) -> Iterator[trainer_pb2_grpc.TrainerServiceStub]:
+    channel = create_channel(address)
+    yield trainer_pb2_grpc.TrainerServiceStub(channel)
+    channel.close()
+
+
+def _params(core: TrainerCore) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in core.backend.iter_full_params("actor")}
+
+
+def _refused_without_update(core: TrainerCore, call: Callable[[], Any]) -> RlfleetError:
+    """Run ``call``, which must fail with an rlfleet error, and check that neither the
+    weights nor the counters moved."""
+    before = _params(core)
+    counters = (core.global_step, core.weight_version)
+    with pytest.raises(RlfleetError) as info:
+        call()
+    after = _params(core)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert (core.global_step, core.weight_version) == counters
+    return info.value
+
+
+# ------------------------------------------------------------------ checkpoint paths
+
+
+def _assert_path_refused(err: RlfleetError, path: str) -> None:
+    assert isinstance(err, InvalidArgument), err
+    assert err.field == "path" and err.value == path, (err.field, err.value)
+
+
+def test_checkpoint_path_traversal_is_refused(remote: RemoteTrainerClient, run_dir: Path) -> None:
+    for path in ("../escaped", "checkpoints/../../escaped", "../" + run_dir.name + "-sibling"):
+        with pytest.raises(InvalidArgument) as save:
+            remote.save_checkpoint(path)
+        _assert_path_refused(save.value, path)
+        with pytest.raises(InvalidArgument) as load:
+            remote.load_checkpoint(path)
+        _assert_path_refused(load.value, path)
+    assert not (run_dir.parent / "escaped").exists()
+    assert not (run_dir.parent / (run_dir.name + "-sibling")).exists()
+
+
+def test_absolute_checkpoint_path_outside_is_refused(
+    remote: RemoteTrainerClient, run_dir: Path
+) -> None:
+    outside = run_dir.parent / "outside-abs"
+    with pytest.raises(InvalidArgument) as save:
+        remote.save_checkpoint(str(outside))
+    _assert_path_refused(save.value, str(outside))
+    assert not outside.exists()
+    with pytest.raises(InvalidArgument) as load:
+        remote.load_checkpoint("/")
+    _assert_path_refused(load.value, "/")
+
+
+def test_symlink_pointing_outside_is_refused(remote: RemoteTrainerClient, run_dir: Path) -> None:
+    outside = run_dir.parent / "outside-link-target"
+    outside.mkdir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "link").symlink_to(outside, target_is_directory=True)
+    for path in ("link", "link/ckpt", str(run_dir / "link")):
+        with pytest.raises(InvalidArgument) as save:
+            remote.save_checkpoint(path)
+        _assert_path_refused(save.value, path)
+        with pytest.raises(InvalidArgument) as load:
+            remote.load_checkpoint(path)
+        _assert_path_refused(load.value, path)
+    assert list(outside.iterdir()) == []
+
+
+def test_checkpoint_path_inside_the_run_dir_works(
+    remote: RemoteTrainerClient, run_dir: Path
+) -> None:
+    saved = remote.save_checkpoint("mine", extra_state_json='{"k": 1}')
+    assert Path(saved.path) == (run_dir / "mine" / "global_step_0").resolve()
+    loaded = remote.load_checkpoint("mine")
+    assert loaded.path == saved.path and loaded.extra_state_json == '{"k": 1}'
+    # An absolute path inside, and one with a ".." that stays inside, name the same root.
+    assert remote.load_checkpoint(str(run_dir / "mine")).path == saved.path
+    assert remote.load_checkpoint("other/../mine").path == saved.path
+    assert remote.load_checkpoint(saved.path).path == saved.path
+
+
+def test_stale_tmp_cleanup_stays_in_the_checkpoint_root(
+    remote: RemoteTrainerClient, run_dir: Path
+) -> None:
+    root = run_dir / "cleanup"
+    root.mkdir(parents=True)
+    victim = run_dir.parent / "cleanup-victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
+    (root / ".tmp-global_step_9-evil").symlink_to(victim, target_is_directory=True)
+    (root / ".tmp-global_step_8-dead").mkdir()
+    remote.save_checkpoint("cleanup", step=1)
+    assert (victim / "keep.txt").read_text() == "precious"
+    assert sorted(p.name for p in root.iterdir()) == [
+        "global_step_1",
+        "latest_checkpointed_iteration.txt",
+    ]
+
+
+# ------------------------------------------------------------------ stream bounds
+
+
+class _Counting:
+    """Yields ``chunks`` (at most ``limit``) and counts how many the client took."""
+
+    def __init__(self, chunks: Iterator[common_pb2.TensorBatchChunk], limit: int) -> None:
+        self.chunks = chunks
+        self.limit = limit
+        self.yielded = 0
+
+    def __iter__(self) -> Iterator[common_pb2.TensorBatchChunk]:
+        for chunk in self.chunks:
+            if self.yielded >= self.limit:
+                return
+            self.yielded += 1
+            yield chunk
+
+
+def _call(method: Callable[..., Any], requests: Any) -> Any:
+    try:
+        return method(iter(requests), timeout=120)
+    except grpc.RpcError as e:
+        raise to_rlfleet_error(e) from e
+
+
+def test_oversize_tensor_is_refused_at_its_first_chunk(
+    core: TrainerCore, stub: trainer_pb2_grpc.TrainerServiceStub
+) -> None:
+    big = {**make_batch(seed=1), "big": torch.zeros(16 * 1024 * 1024)}  # 64 MiB
+    total = sum(1 for _ in iter_chunks(big, max_chunk_bytes=64 * 1024))
+    assert total > 1000
+    sent = _Counting(iter_chunks(big, max_chunk_bytes=64 * 1024), total)
+    err = _refused_without_update(core, lambda: _call(stub.TrainStep, sent))
+    assert isinstance(err, ResourceExhausted), err
+    assert err.field == "big" and "max_request_bytes" in err.message
+    assert sent.yielded < total  # refused before the client had sent everything
+
+
+def test_stream_over_the_cap_in_many_small_tensors_is_refused_early(
+    core: TrainerCore, stub: trainer_pb2_grpc.TrainerServiceStub
+) -> None:
+    # 16 KiB tensors, each under the cap; together 32 MiB, 512x the cap.
+    batch = {f"t{i:04d}": torch.zeros(4096) for i in range(2048)}
+    total = sum(1 for _ in iter_chunks(batch, max_chunk_bytes=64 * 1024))
+    assert total > 500
+    sent = _Counting(iter_chunks(batch, max_chunk_bytes=64 * 1024), total)
+    err = _refused_without_update(core, lambda: _call(stub.TrainStep, sent))
+    assert isinstance(err, ResourceExhausted), err
+    assert err.field.startswith("t") and isinstance(err.value, str)
+    assert int(err.value) > MAX_REQUEST_BYTES
+    assert sent.yielded < total
+
+
+def test_declared_total_over_the_cap_is_refused(
+    core: TrainerCore, stub: trainer_pb2_grpc.TrainerServiceStub
+) -> None:
+    first = next(iter_chunks(make_batch(seed=2)))
+    first.total_bytes = 2**40
+    err = _refused_without_update(core, lambda: _call(stub.TrainStep, [first]))
+    assert isinstance(err, ResourceExhausted) and err.field == "total_bytes", err
+
+
+def _small_chunks(seed: int) -> list[common_pb2.TensorBatchChunk]:
+    batch = {**make_batch(seed=seed), "scores": torch.ones(4)}
+    chunks = list(iter_chunks(batch, max_chunk_bytes=300))
+    assert len(chunks) >= 3
+    return chunks
+
+
+def test_chunk_out_of_order_is_refused(
+    core: TrainerCore, stub: trainer_pb2_grpc.TrainerServiceStub
+) -> None:
+    chunks = _small_chunks(3)
+    chunks[1], chunks[2] = chunks[2], chunks[1]
+    err = _refused_without_update(core, lambda: _call(stub.TrainStep, chunks))
+    assert isinstance(err, InvalidArgument) and err.field == "seq", err
+    assert "expected seq 1" in err.message
+
+
+def test_chunk_after_the_last_is_refused(
+    core: TrainerCore, stub: trainer_pb2_grpc.TrainerServiceStub
+) -> None:
+    chunks = _small_chunks(4)
+    extra = common_pb2.TensorBatchChunk()
+    extra.CopyFrom(chunks[0])
+    extra.seq = len(chunks)
+    err = _refused_without_update(core, lambda: _call(stub.TrainStep, [*chunks, extra]))
+    assert isinstance(err, InvalidArgument) and err.field == "seq", err
+    assert "after the last chunk" in err.message
+    # The same stream without the extra chunk is a good batch.
+    assert _call(stub.TrainStep, chunks).global_step == core.global_step
+
+
+def test_batch_under_the_cap_still_works(remote: RemoteTrainerClient) -> None:
+    lp, _ = remote.compute_log_prob(make_batch(seed=5))
+    assert lp["old_log_probs"].shape == (4, 5)
