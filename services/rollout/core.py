@@ -40,7 +40,13 @@ from rlfleet.rollout.engine import (
     SamplingParams,
 )
 from rlfleet.rollout.metrics import RolloutMetrics
-from rlfleet.rollout.transport import AbortResult, BulkReceiver, TransferOffer, TransferPlan
+from rlfleet.rollout.transport import (
+    TOKEN_TIMEOUT_S,
+    AbortResult,
+    BulkReceiver,
+    TransferOffer,
+    TransferPlan,
+)
 from rlfleet.rollout.weights import UpdateResult, WeightReceiver
 
 __all__ = ["GenerationHandle", "RolloutCore", "RolloutStatusInfo"]
@@ -137,6 +143,8 @@ class RolloutCore:
         limits: what one request may ask for (``GenerateLimits()``: the defaults).
         max_version_step: a weight update may raise the version by this much at
             most (``WeightReceiver``).
+        bulk_token_timeout_s: a bulk TCP connection must present its transfer's
+            token within this (``BulkReceiver``).
     """
 
     def __init__(
@@ -150,6 +158,7 @@ class RolloutCore:
         metrics: RolloutMetrics | None = None,
         limits: GenerateLimits | None = None,
         max_version_step: int | None = None,
+        bulk_token_timeout_s: float = TOKEN_TIMEOUT_S,
     ) -> None:
         if max_batch_samples < 1:
             raise ValueError(f"max_batch_samples must be >= 1, got {max_batch_samples}")
@@ -164,7 +173,11 @@ class RolloutCore:
             else WeightReceiver(engine, max_version_step=max_version_step)
         )
         self._bulk = BulkReceiver(
-            self._weights, engine, host=bulk_host, timeout_s=transfer_timeout_s
+            self._weights,
+            engine,
+            host=bulk_host,
+            timeout_s=transfer_timeout_s,
+            token_timeout_s=bulk_token_timeout_s,
         )
         self._cond = threading.Condition()
         self._pending: collections.deque[GenerationHandle] = collections.deque()

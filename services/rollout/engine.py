@@ -293,7 +293,8 @@ def validate_sampling(p: SamplingParams) -> None:
     a temperature that is not 0 (greedy) or a finite number >= ``MIN_TEMPERATURE``,
     ``top_p`` outside (0, 1], ``top_k`` below -1 (-1 and 0 disable it)."""
     t = p.temperature
-    if not (t == 0 or (math.isfinite(t) and t >= MIN_TEMPERATURE)):
+    # Compared in float32: the proto field's precision (0.01 arrives as 0.0099999998).
+    if not (t == 0 or (math.isfinite(t) and t >= float(np.float32(MIN_TEMPERATURE)))):
         raise InvalidArgument(
             f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t}",
             field="sampling.temperature",

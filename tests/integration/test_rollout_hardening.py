@@ -1,0 +1,475 @@
+"""A rollout replica bounded against bad or hostile input, through a real gRPC server
+on 127.0.0.1 (port 0) with the tiny model: Generate limits and sampling ranges, a
+caller that gives up stops its generation, weight updates with non-finite or all-zero
+values or a leaping version change nothing, malformed weight streams and offers are
+refused, and a stranger on the bulk TCP listener does not hold up the real sender."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rlfleet.common.codec import iter_chunks  # noqa: E402
+from rlfleet.common.errors import InvalidArgument, RlfleetError  # noqa: E402
+from rlfleet.common.rpc import to_rlfleet_error  # noqa: E402
+from rlfleet.common.weight_stream import bucket_meta  # noqa: E402
+from rlfleet.rollout import serde  # noqa: E402
+from rlfleet.rollout.client import RemoteRolloutClient, push_weights  # noqa: E402
+from rlfleet.rollout.core import RolloutCore  # noqa: E402
+from rlfleet.rollout.engine import (  # noqa: E402
+    CancelCheck,
+    GenerateLimits,
+    GenerationRequest,
+    SampleCallback,
+    SampleOutput,
+    SamplingParams,
+)
+from rlfleet.rollout.hf_engine import HFEngine  # noqa: E402
+from rlfleet.rollout.server import start_rollout_server  # noqa: E402
+from rlfleet.rollout.transport import make_offer, send_tcp, tensor_crcs  # noqa: E402
+from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 12, 13, 14, 15, 16, 17, 18]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+class WatchedEngine:
+    """An HFEngine that records each batch: its request count, whether it was told
+    about cancellation, and how many samples it returned; ``started`` is set when a
+    batch begins."""
+
+    def __init__(self, inner: HFEngine) -> None:
+        self.inner = inner
+        self.started = threading.Event()
+        self.batches: list[tuple[int, int]] = []  # (requests, samples returned)
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        on_sample: SampleCallback | None = None,
+        cancelled: CancelCheck | None = None,
+    ) -> list[list[SampleOutput]]:
+        self.started.set()
+        out = self.inner.generate(requests, on_sample, cancelled)
+        self.batches.append((len(requests), sum(len(s) for s in out)))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@contextlib.contextmanager
+def _serve(core: RolloutCore) -> Iterator[str]:
+    server = start_rollout_server(core)
+    try:
+        yield server.address
+    finally:
+        server.stop(0)
+        core.close()
+
+
+@pytest.fixture()
+def served(tiny_model_dir: Path) -> Iterator[tuple[RolloutCore, str, WatchedEngine]]:
+    engine = WatchedEngine(HFEngine(tiny_model_dir))
+    core = RolloutCore(engine, replica_id="r0", bulk_token_timeout_s=120.0)  # type: ignore[arg-type]
+    with _serve(core) as address:
+        yield core, address, engine
+
+
+def _stub(address: str) -> tuple[grpc.Channel, rollout_pb2_grpc.RolloutServiceStub]:
+    channel = grpc.insecure_channel(address)
+    return channel, rollout_pb2_grpc.RolloutServiceStub(channel)
+
+
+def _request(prompts: Sequence[Sequence[int]], **sampling: Any) -> rollout_pb2.GenerateRequest:
+    return rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=list(p)) for p in prompts],
+        sampling=rollout_pb2.SamplingParams(**sampling),
+    )
+
+
+def _refusal(stub: rollout_pb2_grpc.RolloutServiceStub, req: Any) -> RlfleetError:
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(req, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    return to_rlfleet_error(e.value)
+
+
+def _greedy(address: str) -> list[list[int]]:
+    with RemoteRolloutClient(address) as client:
+        samples = sorted(client.generate(PROMPTS, GREEDY), key=lambda s: s.prompt_index)
+    return [s.token_ids for s in samples]
+
+
+def _perturbed(engine: HFEngine, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        n: p.detach() + 0.1 * torch.randn(p.shape, generator=g)
+        for n, p in engine.model.named_parameters()
+    }
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+def test_generate_limits_name_the_field_and_value(tiny_model_dir: Path) -> None:
+    limits = GenerateLimits(
+        max_n=4,
+        max_prompts=3,
+        max_samples=6,
+        max_new_tokens=32,
+        max_request_tokens=200,
+        max_stop_token_ids=2,
+    )
+    core = RolloutCore(HFEngine(tiny_model_dir), limits=limits)
+    with _serve(core) as address:
+        channel, stub = _stub(address)
+        cases = [
+            (_request([[1]], n=5), "sampling.n", 5),
+            (_request([[1]] * 4), "prompts", 4),
+            (_request([[1]] * 3, n=3), "sampling.n", 9),  # 9 samples > 6
+            (_request([[1]], max_tokens=33), "sampling.max_tokens", 33),
+            (_request([[1]], stop_token_ids=[1, 2, 3]), "sampling.stop_token_ids", 3),
+            (_request([[1] * 60] * 2, n=2, max_tokens=32), "prompts", 2 * (120 + 64)),
+        ]
+        for req, field, value in cases:
+            err = _refusal(stub, req)
+            assert (err.field, err.value, err.code) == (field, str(value), "LIMIT_EXCEEDED")
+        # At the limits, it serves.
+        ok = list(stub.Generate(_request([[1, 2]] * 3, n=2, max_tokens=8), timeout=60))
+        assert len(ok) == 6
+        channel.close()
+
+
+def test_default_limits_and_the_models_length(served) -> None:
+    _, address, _ = served
+    channel, stub = _stub(address)
+    err = _refusal(stub, _request([[1]], n=65))
+    assert (err.field, err.value) == ("sampling.n", "65")
+    err = _refusal(stub, _request([[1]] * 8193))
+    assert (err.field, err.value) == ("prompts", "8193")
+    err = _refusal(stub, _request([[1]], max_tokens=2**32 - 1))
+    assert err.field == "sampling.max_tokens"
+    # Within the caps but past the model's 2048 positions: the engine's own check.
+    err = _refusal(stub, _request([[1] * 2040], max_tokens=9))
+    assert (err.field, err.value) == ("sampling.max_tokens", "9")
+    channel.close()
+
+
+def test_in_process_submit_is_bounded_too(tiny_model_dir: Path) -> None:
+    core = RolloutCore(HFEngine(tiny_model_dir), limits=GenerateLimits(max_n=2))
+    try:
+        with pytest.raises(InvalidArgument) as e:
+            core.submit([[1, 2]], SamplingParams(n=3))
+        assert e.value.field == "sampling.n"
+    finally:
+        core.close()
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+def test_sampling_ranges_and_vocabulary(served) -> None:
+    _, address, _ = served
+    channel, stub = _stub(address)
+    cases = [
+        (_request([[1]], temperature=1.4e-45), "sampling.temperature"),
+        (_request([[1]], temperature=1e-3), "sampling.temperature"),
+        (_request([[1]], temperature=math.inf), "sampling.temperature"),
+        (_request([[1]], temperature=math.nan), "sampling.temperature"),
+        (_request([[1]], top_p=1.5), "sampling.top_p"),
+        (_request([[1]], top_p=math.nan), "sampling.top_p"),
+        (_request([[1]], top_p=-0.5), "sampling.top_p"),
+        (_request([[5, 2048]]), "prompts[0].token_ids"),
+        (_request([[5], [-1]]), "prompts[1].token_ids"),
+        (_request([[5]], stop_token_ids=[4096]), "sampling.stop_token_ids"),
+    ]
+    for req, field in cases:
+        assert _refusal(stub, req).field == field
+    # The smallest temperature served gives finite log-probs.
+    [s] = stub.Generate(
+        _request([[5, 6]], temperature=0.01, max_tokens=4, logprobs=True, seed=1), timeout=60
+    )
+    assert len(s.logprobs) == 4 and all(math.isfinite(x) for x in s.logprobs)
+    channel.close()
+
+
+def test_in_process_top_k_below_minus_one_is_refused(served) -> None:
+    core, _, _ = served
+    with pytest.raises(InvalidArgument) as e:
+        core.submit([[1, 2]], SamplingParams(top_k=-2))
+    assert e.value.field == "sampling.top_k"
+
+
+# ------------------------------------------------------------------------ cancellation
+
+BIG = {"n": 64, "temperature": 1.0, "max_tokens": 2000, "ignore_eos": True, "seed": 1}
+
+
+def _small_after(address: str) -> list[SampleOutput]:
+    with RemoteRolloutClient(address) as client:
+        return list(client.generate(PROMPTS[:1], GREEDY))
+
+
+def test_cancelled_generate_stops_and_frees_the_engine(served) -> None:
+    """A caller cancels a request that would run for many decode steps: the engine
+    stops it between two steps, and a small request then runs (alone, right after)."""
+    core, address, engine = served
+    channel, stub = _stub(address)
+    big = stub.Generate(_request(PROMPTS, **BIG), timeout=170)
+    assert engine.started.wait(60)
+    big.cancel()
+    small = _small_after(address)
+    assert len(small) == 1 and len(small[0].token_ids) == 6
+    # The big batch ended with no sample: had it run on, all 192 would have come
+    # (ignore_eos, one length: they all end at the last step).
+    assert engine.batches == [(1, 0), (1, 1)]
+    status = core.status()
+    assert status.requests_cancelled == 1
+    assert status.generated_tokens_total == 6 and status.queue_depth == 0
+    with pytest.raises(grpc.RpcError) as e:
+        list(big)
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    channel.close()
+
+
+def test_generate_past_its_deadline_stops(served) -> None:
+    """A big request whose client deadline passes (while it runs or waits) is given
+    up: the small request behind it is served, and the big one yields nothing."""
+    core, address, engine = served
+    channel, stub = _stub(address)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(_request(PROMPTS, **BIG), timeout=1.0))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    small = _small_after(address)
+    assert len(small) == 1
+    status = core.status()
+    assert status.requests_cancelled == 1
+    assert status.generated_tokens_total == 6  # the small request's only
+    assert all(samples == 0 for _, samples in engine.batches[:-1])
+    channel.close()
+
+
+def test_cancelling_one_request_keeps_its_batch_mates(tiny_model_dir: Path) -> None:
+    """In one engine batch, a cancelled request stops; the other runs to its end."""
+    engine = HFEngine(tiny_model_dir)
+    keep = GenerationRequest(
+        [[5, 6]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    )
+    drop = GenerationRequest(
+        [[7, 8]], SamplingParams(temperature=0, max_tokens=20, n=4, ignore_eos=True)
+    )
+    steps: list[int] = []
+
+    def cancelled(r: int) -> bool:
+        steps.append(r)
+        return r == 1 and len(steps) > 4
+
+    out = engine.generate([keep, drop], cancelled=cancelled)
+    [alone] = engine.generate([keep])
+    assert [s.token_ids for s in out[0]] == [s.token_ids for s in alone]
+    assert out[1] == []
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+@pytest.mark.parametrize("poison", ["nan", "inf", "zeros"])
+def test_poisoned_weights_are_refused_and_the_old_ones_serve(
+    served, transport: str, poison: str
+) -> None:
+    core, address, engine = served
+    before = _greedy(address)
+    w = _perturbed(engine.inner, 5)
+    name = "model.layers.1.mlp.up_proj.weight"
+    if poison == "nan":
+        w[name][3, 7] = math.nan
+    elif poison == "inf":
+        w[name][0, 0] = -math.inf
+    else:
+        w = {n: torch.zeros_like(t) for n, t in w.items()}
+    with pytest.raises(InvalidArgument) as e:
+        push_weights(address, w, 1, transports=(transport,))
+    if poison == "zeros":
+        assert e.value.code == "ZERO_WEIGHTS" and e.value.field.startswith("weights[")
+    else:
+        assert e.value.code == "NON_FINITE_WEIGHTS"
+        assert e.value.field == f"weights[{name!r}]"
+    assert _greedy(address) == before
+    assert core.status().weight_version == 0
+    # A sound update still applies afterwards.
+    assert (
+        push_weights(address, _perturbed(engine.inner, 6), 1, transports=(transport,)).version == 1
+    )
+
+
+def test_poisoned_in_process_update_is_refused(served) -> None:
+    core, address, engine = served
+    before = _greedy(address)
+    w = _perturbed(engine.inner, 5)
+    w["model.norm.weight"][0] = math.inf
+    with pytest.raises(InvalidArgument, match=r"model\.norm\.weight"):
+        core.update_weights(w, 2)
+    assert _greedy(address) == before
+
+
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+def test_a_leaping_version_is_refused_and_later_pushes_apply(served, transport: str) -> None:
+    core, address, engine = served
+    before = _greedy(address)
+    w = _perturbed(engine.inner, 8)
+    for version in (2**63, 2**64 - 1, 2**20 + 1):
+        with pytest.raises(InvalidArgument) as e:
+            push_weights(address, w, version, transports=(transport,))
+        assert (e.value.field, e.value.code) == ("version", "VERSION_JUMP")
+    assert _greedy(address) == before and core.status().weight_version == 0
+    assert push_weights(address, w, 2**20, transports=(transport,)).version == 2**20
+    assert push_weights(address, w, 2**20 + 7, transports=(transport,)).version == 2**20 + 7
+
+
+def test_version_step_is_configurable(tiny_model_dir: Path) -> None:
+    engine = HFEngine(tiny_model_dir)
+    core = RolloutCore(engine, max_version_step=10)
+    w = _perturbed(engine, 2)
+    with _serve(core) as address:
+        with pytest.raises(InvalidArgument, match="more than 10 above"):
+            push_weights(address, w, 11, transports=("grpc",))
+        assert push_weights(address, w, 10, transports=("grpc",)).version == 10
+
+
+def _update_error(address: str, chunks: list[rollout_pb2.WeightChunk]) -> grpc.RpcError:
+    channel, stub = _stub(address)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.UpdateWeights(iter(chunks), timeout=60)
+    channel.close()
+    return e.value
+
+
+def test_chunk_stream_after_the_last_chunk_or_with_a_tensor_twice(served) -> None:
+    core, address, engine = served
+    before = _greedy(address)
+    w = _perturbed(engine.inner, 9)
+    chunks = [rollout_pb2.WeightChunk(version=1, chunk=c) for c in iter_chunks(w)]
+    # A chunk after the one marked last.
+    extra = rollout_pb2.WeightChunk(version=1, chunk=next(iter(iter_chunks(w))))
+    err = _update_error(address, [*chunks, extra])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "after the final" in err.details()
+    # Two buckets naming one tensor.
+    names = list(w)
+    first = {n: w[n] for n in names[:5]}
+    second = {n: w[n] for n in names[4:]}  # repeats names[4]
+    buckets = [
+        *iter_chunks(first, bucket_meta(1, 0, final=False)),
+        *iter_chunks(second, bucket_meta(1, 1, final=True, tensors=len(names))),
+    ]
+    err = _update_error(address, [rollout_pb2.WeightChunk(version=1, chunk=c) for c in buckets])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert names[4] in err.details() and "twice" in err.details()
+    assert _greedy(address) == before and core.status().weight_version == 0
+
+
+def test_bulk_offer_naming_a_tensor_twice_is_refused(served) -> None:
+    _, address, engine = served
+    w = _perturbed(engine.inner, 10)
+    offer = serde.offer_to_proto(make_offer(w, 1, ("tcp",)))
+    offer.tensors.append(offer.tensors[0])
+    channel, stub = _stub(address)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.OpenWeightTransfer(offer, timeout=30)
+    err = to_rlfleet_error(e.value)
+    last = len(offer.tensors) - 1
+    assert (err.field, err.value, err.code) == (
+        f"tensors[{last}].name",
+        offer.tensors[0].name,
+        "DUPLICATE_TENSOR",
+    )
+    channel.close()
+
+
+# ------------------------------------------------------------------ bulk TCP listener
+
+
+def _open_tcp(address: str, w: dict[str, torch.Tensor], version: int) -> Any:
+    offer = make_offer(w, version, ("tcp",))
+    channel, stub = _stub(address)
+    plan = serde.plan_from_proto(stub.OpenWeightTransfer(serde.offer_to_proto(offer), timeout=30))
+    assert plan.transport == "tcp"
+    return channel, stub, offer, plan
+
+
+def _connect(endpoint: str) -> socket.socket:
+    host, _, port = endpoint.rpartition(":")
+    assert host.startswith("127.")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def test_a_stranger_on_the_listener_does_not_hold_up_the_push(served, tiny_model_dir) -> None:
+    """A connection that sends 31 bytes (one short of a token) and stays open, and one
+    with a wrong token, do not delay the real sender; the stranger is closed once the
+    sender is in. (The token deadline here is 120 s: only the new listener can
+    serve the push while the stranger waits.)"""
+    core, address, engine = served
+    w = _perturbed(engine.inner, 11)
+    channel, stub, offer, plan = _open_tcp(address, w, 3)
+    stranger = _connect(plan.endpoint)
+    stranger.sendall(b"x" * 31)
+    wrong = _connect(plan.endpoint)
+    wrong.sendall(b"y" * len(plan.token))
+    assert wrong.recv(1) == b""  # dropped at once: a full, wrong token
+    try:
+        crcs = send_tcp(plan, w, offer.tensors, timeout_s=60)
+        assert stranger.fileno() >= 0  # still connected while the push went through
+        result = stub.CommitWeightTransfer(
+            rollout_pb2.WeightTransferCommit(transfer_id=plan.transfer_id, crc32c=crcs),
+            timeout=60,
+        )
+        assert result.version == 3
+        assert crcs == tensor_crcs(w, offer.tensors)
+        # Once the sender was in, the listener closed the stranger.
+        assert stranger.recv(1) == b""
+    finally:
+        stranger.close()
+        wrong.close()
+        channel.close()
+    assert core.status().weight_version == 3
+    expected = HFEngine(tiny_model_dir)
+    expected.update_weights(w, 3)
+    [out] = expected.generate([GenerationRequest(PROMPTS, GREEDY)])
+    assert _greedy(address) == [s.token_ids for s in out]
+
+
+def test_a_silent_connection_is_dropped_after_the_token_deadline(tiny_model_dir: Path) -> None:
+    """With a short token deadline, a connection that never sends its token is closed
+    by the replica while the transfer stays open; the real sender then pushes."""
+    engine = HFEngine(tiny_model_dir)
+    core = RolloutCore(engine, bulk_token_timeout_s=0.3)
+    w = _perturbed(engine, 12)
+    with _serve(core) as address:
+        channel, stub, offer, plan = _open_tcp(address, w, 1)
+        silent = _connect(plan.endpoint)
+        try:
+            silent.sendall(b"z" * 5)
+            assert silent.recv(1) == b""  # closed by the replica (bounded: 30 s timeout)
+            crcs = send_tcp(plan, w, offer.tensors, timeout_s=60)
+            result = stub.CommitWeightTransfer(
+                rollout_pb2.WeightTransferCommit(transfer_id=plan.transfer_id, crc32c=crcs),
+                timeout=60,
+            )
+            assert result.version == 1
+        finally:
+            silent.close()
+            channel.close()
