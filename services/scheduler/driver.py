@@ -855,7 +855,7 @@ class PPOTrainer:
         tracking = Tracking(
             t.logger, self.run_dir, project=t.project_name, experiment=t.experiment_name,
             config=cfg.model_dump(mode="json"), total_steps=self.total_training_steps,
-            initial_step=self.global_steps,
+            initial_step=self.global_steps, resume_step=self.global_steps if resumed else None,
         )  # fmt: skip
         if resumed:
             tracking.note(f"resumed at step {self.global_steps}")

@@ -7,7 +7,9 @@
   summary per validation; without a terminal, one plain line per step;
 * ``jsonl`` -- ``<run dir>/metrics.jsonl``, one JSON object per step
   (``{"step", "time", "metrics", ...extra}``), appended to, so a resumed run
-  continues the same file;
+  continues the same file; resumed at step ``k`` (``resume_step``), the records of
+  steps after ``k`` (written after the checkpoint, about to be run again) are
+  dropped first, so the file holds each step once;
 * ``tensorboard`` -- ``<run dir>/tensorboard`` when ``torch.utils.tensorboard``
   can be imported (the ``tensorboard`` package); skipped with a warning otherwise;
 * ``wandb`` -- when ``wandb`` is installed; skipped with a warning otherwise.
@@ -22,13 +24,20 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["PHASES", "SchedulerMetrics", "Tracking", "start_metrics_server"]
+__all__ = [
+    "PHASES",
+    "SchedulerMetrics",
+    "Tracking",
+    "drop_records_after",
+    "start_metrics_server",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +117,54 @@ class _Console:
             self.bar.close()
 
 
+def drop_records_after(path: Path, step: int) -> int:
+    """Rewrite the JSONL file at ``path`` without the records of steps after ``step``.
+
+    Atomic: a new file in the same directory replaces the old one, so a crash
+    leaves one or the other whole. A last line cut short (a run killed while
+    writing it) is dropped too, as appending after it would corrupt the next
+    record; other lines that are not step records are kept as they are.
+
+    Returns:
+        How many lines were dropped (0 also when the file does not exist).
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return 0
+    lines = text.splitlines(keepends=True)
+    kept: list[str] = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if i == len(lines) - 1 and not line.endswith("\n"):
+                continue  # torn last write
+            kept.append(line)
+            continue
+        later = (
+            isinstance(record, dict)
+            and isinstance(record.get("step"), int)
+            and not isinstance(record["step"], bool)
+            and record["step"] > step
+        )
+        if not later:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    dropped = len(lines) - len(kept)
+    if dropped == 0 and (not lines or lines[-1].endswith("\n")):
+        return 0
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dropped
+
+
 class Tracking:
     """Sends each step's metrics to the configured loggers (see the module docstring).
 
@@ -117,6 +174,9 @@ class Tracking:
         project, experiment: W&B project and run name.
         config: the resolved config as a dict (recorded by W&B).
         total_steps, initial_step: for the progress bar.
+        resume_step: the step of the checkpoint the run resumed from:
+            ``metrics.jsonl``'s records of later steps are dropped. None (a run
+            that did not resume): append to the file as it is.
         stream: console output (default ``sys.stderr``).
     """
 
@@ -130,6 +190,7 @@ class Tracking:
         config: Mapping[str, Any] | None = None,
         total_steps: int = 0,
         initial_step: int = 0,
+        resume_step: int | None = None,
         stream: TextIO | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
@@ -142,7 +203,16 @@ class Tracking:
             self._console = _Console(total_steps, initial_step, stream or sys.stderr)
         if "jsonl" in loggers:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+            if resume_step is not None:
+                dropped = drop_records_after(self.jsonl_path, resume_step)
+                if dropped:
+                    logger.info(
+                        "%s: dropped %d records of steps after %d (to be run again)",
+                        self.jsonl_path,
+                        dropped,
+                        resume_step,
+                    )
+            self._jsonl = self.jsonl_path.open("a", encoding="utf-8")
         if "tensorboard" in loggers:
             try:
                 from torch.utils.tensorboard import SummaryWriter

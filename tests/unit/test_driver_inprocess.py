@@ -140,6 +140,9 @@ def test_killed_run_resumes_with_same_data_order(
     # The checkpoint is at step 2: step 3 is redone with the same prompts, then 4.
     assert [r.step for r in resumed] == [3, 4]
     assert [r.indices for r in resumed] == reference[2:]
+    # metrics.jsonl holds each step once: step 3's first record was dropped on resume.
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["kind"] == "train"] == [1, 2, 3, 4]
 
 
 def test_role_worker_mapping_and_reward_fn(
