@@ -37,9 +37,10 @@ from rlfleet.common.rpc import (
     init_service_security,
 )
 from rlfleet.rollout.core import RolloutCore, RolloutStatusInfo
-from rlfleet.rollout.engine import Engine
+from rlfleet.rollout.engine import Engine, GenerateLimits
 from rlfleet.rollout.metrics import start_metrics_server
 from rlfleet.rollout.servicer import Detokenizer, RolloutServicer
+from rlfleet.rollout.weights import DEFAULT_MAX_VERSION_STEP
 from rlfleet.v1 import rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = [
@@ -257,6 +258,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-batch-samples", type=int, default=256, help="rows (prompts x n) per engine batch"
     )
+    # Per-request bounds (GenerateLimits; docs/rollout.md, Limits).
+    limits = GenerateLimits()
+    for flag, attr, what in (
+        ("--max-n", "max_n", "samples per prompt"),
+        ("--max-prompts", "max_prompts", "prompts per request"),
+        ("--max-samples", "max_samples", "samples (prompts x n) per request"),
+        ("--max-new-tokens", "max_new_tokens", "max_tokens of a request"),
+        ("--max-request-tokens", "max_request_tokens", "prompt + new tokens per request"),
+    ):
+        parser.add_argument(
+            flag, type=int, default=getattr(limits, attr), help=f"{what} at most; more: refused"
+        )
+    parser.add_argument(
+        "--max-version-step",
+        type=int,
+        default=DEFAULT_MAX_VERSION_STEP,
+        help="a weight update may raise the version by this much at most",
+    )
     parser.add_argument(
         "--metrics-port", type=int, default=0, help="/metrics port; 0 picks a free one, -1: off"
     )
@@ -296,6 +315,19 @@ def serve_main(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.torch_threads)
+    try:  # checked before the model loads
+        limits = GenerateLimits(
+            max_n=args.max_n,
+            max_prompts=args.max_prompts,
+            max_samples=args.max_samples,
+            max_new_tokens=args.max_new_tokens,
+            max_request_tokens=args.max_request_tokens,
+        )
+        if args.max_version_step < 0:
+            raise ValueError(f"--max-version-step must be >= 0, got {args.max_version_step}")
+    except ValueError as e:
+        print(f"rlfleet serve rollout: {e}", file=sys.stderr)
+        return 2
     extra: dict[str, Any] = {}
     if args.engine == "vllm":
         extra["gpu_memory_utilization"] = args.gpu_memory_utilization
@@ -310,6 +342,8 @@ def serve_main(args: argparse.Namespace) -> int:
         replica_id=args.replica_id or "",
         max_batch_samples=args.max_batch_samples,
         bulk_host=args.host if args.host not in ("0.0.0.0", "::") else advertise,
+        limits=limits,
+        max_version_step=args.max_version_step,
     )
     server = start_rollout_server(
         core,

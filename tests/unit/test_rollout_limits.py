@@ -1,0 +1,92 @@
+"""Request limits, sampling ranges and weight value checks of the rollout replica."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from rlfleet.common.errors import InvalidArgument
+from rlfleet.rollout.engine import (
+    GenerateLimits,
+    GenerationRequest,
+    SamplingParams,
+    validate_sampling,
+)
+
+
+def _check(limits: GenerateLimits, prompts: list[list[int]], **params: object) -> InvalidArgument:
+    with pytest.raises(InvalidArgument) as e:
+        limits.check(GenerationRequest(prompts, SamplingParams(**params)))  # type: ignore[arg-type]
+    return e.value
+
+
+def test_each_limit_names_its_field_value_and_limit() -> None:
+    limits = GenerateLimits(max_n=2, max_prompts=2, max_samples=3, max_new_tokens=10)
+    err = _check(limits, [[1]], n=3)
+    assert (err.field, err.value, err.code) == ("sampling.n", 3, "LIMIT_EXCEEDED")
+    assert "limit of 2" in str(err)
+    assert _check(limits, [[1]] * 3).field == "prompts"
+    assert (_check(limits, [[1]] * 2, n=2).field, _check(limits, [[1]] * 2, n=2).value) == (
+        "sampling.n",
+        4,
+    )
+    assert _check(limits, [[1]], max_tokens=11).field == "sampling.max_tokens"
+    tokens = GenerateLimits(max_request_tokens=20)
+    err = _check(tokens, [[1] * 5, [2] * 5], n=1, max_tokens=6)  # 10 + 2 x 6 = 22
+    assert (err.field, err.value) == ("prompts", 22)
+    GenerateLimits(max_request_tokens=22).check(
+        GenerationRequest([[1] * 5, [2] * 5], SamplingParams(max_tokens=6))
+    )
+
+
+def test_limits_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_n=0"):
+        GenerateLimits(max_n=0)
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"temperature": 1.4e-45}, "sampling.temperature"),
+        ({"temperature": 0.005}, "sampling.temperature"),
+        ({"temperature": math.inf}, "sampling.temperature"),
+        ({"temperature": math.nan}, "sampling.temperature"),
+        ({"top_k": -2}, "sampling.top_k"),
+    ],
+)
+def test_sampling_out_of_range(params: dict[str, float], field: str) -> None:
+    with pytest.raises(InvalidArgument) as e:
+        validate_sampling(SamplingParams(**params))  # type: ignore[arg-type]
+    assert e.value.field == field
+
+
+def test_sampling_in_range() -> None:
+    for params in ({"temperature": 0.0}, {"temperature": 0.01}, {"top_k": 0}, {"top_k": -1}):
+        validate_sampling(SamplingParams(**params))  # type: ignore[arg-type]
+
+
+def test_weight_values() -> None:
+    torch = pytest.importorskip("torch")
+    from rlfleet.rollout.weights import check_weight_values
+
+    good = {"a": torch.ones(3), "b": torch.zeros(2), "step": torch.zeros(1, dtype=torch.long)}
+    check_weight_values(good)
+    with pytest.raises(InvalidArgument) as e:
+        check_weight_values({**good, "a": torch.tensor([1.0, math.nan, math.inf])})
+    assert (e.value.field, e.value.code) == ("weights['a']", "NON_FINITE_WEIGHTS")
+    assert "2 non-finite" in str(e.value)
+    with pytest.raises(InvalidArgument) as e:
+        check_weight_values({"a": torch.zeros(3, dtype=torch.bfloat16), "b": torch.zeros(2)})
+    assert (e.value.field, e.value.code) == ("weights['a']", "ZERO_WEIGHTS")
+
+
+def test_server_arguments_carry_the_limits() -> None:
+    pytest.importorskip("grpc")
+    from rlfleet.rollout.server import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--max-n", "3", "--max-version-step", "9"])
+    assert (args.max_n, args.max_samples, args.max_version_step) == (3, 8192, 9)
