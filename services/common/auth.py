@@ -58,6 +58,7 @@ __all__ = [
     "ROLES",
     "SHARED_TOKEN_ENV",
     "TLS_ENV",
+    "TLS_SERVER_NAME",
     "Authenticator",
     "CredentialError",
     "Credentials",
@@ -92,7 +93,10 @@ TLS_ENV = {
     "key": "RLFLEET_TLS_KEY",
     "ca": "RLFLEET_TLS_CA",
     "require_client_cert": "RLFLEET_TLS_REQUIRE_CLIENT_CERT",
+    "server_name": "RLFLEET_TLS_SERVER_NAME",
 }
+TLS_SERVER_NAME = "rlfleet"
+"""A name `rlfleet secrets tls` puts in every certificate (see RLFLEET_TLS_SERVER_NAME)."""
 """Environment variables of the TLS material every service and client reads."""
 
 _CALLERS = frozenset({"driver", "trainer", "rollout"})

@@ -660,6 +660,8 @@ class Security:
         }
         if self.tls.require_client_cert:
             env[auth.TLS_ENV["require_client_cert"]] = "1"
+        if self.tls.server_name_override:
+            env[auth.TLS_ENV["server_name"]] = self.tls.server_name_override
         return env
 
     @classmethod
@@ -715,7 +717,10 @@ def tls_from_env(env: Mapping[str, str]) -> TLSConfig | None:
         raise auth.CredentialError(
             f"{auth.TLS_ENV['require_client_cert']}=1 needs {auth.TLS_ENV['ca']}"
         )
-    return TLSConfig(cert=cert, key=key, ca=ca, require_client_cert=require)
+    server_name = env.get(auth.TLS_ENV["server_name"]) or None
+    return TLSConfig(
+        cert=cert, key=key, ca=ca, require_client_cert=require, server_name_override=server_name
+    )
 
 
 def is_loopback(host: str) -> bool:

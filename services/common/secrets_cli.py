@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rlfleet.common.auth import ROLES, write_credential_set
+from rlfleet.common.auth import ROLES, TLS_SERVER_NAME, write_credential_set
 
 __all__ = ["add_arguments", "make_tls", "run"]
 
@@ -29,6 +29,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="secrets_command", metavar="ACTION", required=True)
     init = sub.add_parser("init", help="write a new credential set (refuses to overwrite)")
     init.add_argument("--dir", required=True, help="directory to write (made 0700)")
+    init.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="succeed without writing when the directory already holds a set (init containers)",
+    )
+    init.add_argument(
+        "--tls-host",
+        action="append",
+        default=None,
+        metavar="HOST",
+        help="also make TLS material in DIR/tls for these hosts (see `tls`)",
+    )
     rotate = sub.add_parser("rotate", help="replace a credential set with new tokens")
     rotate.add_argument("--dir", required=True)
     tls = sub.add_parser("tls", help="a CA and a server/client certificate for the hosts")
@@ -47,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     if args.secrets_command == "init":
         if any((root / f"{role}.json").exists() for role in ROLES):
+            if args.if_missing:
+                print(f"{root} already holds credentials: kept")
+                return 0
             print(
                 f"rlfleet secrets init: {root} already holds credentials; use "
                 "`rlfleet secrets rotate` to replace them",
@@ -55,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
         write_credential_set(root)
         print(f"wrote credentials for {', '.join(ROLES)} to {root}")
+        if args.tls_host is not None:
+            make_tls(root / "tls", args.tls_host)
+            print(f"wrote a CA and a certificate to {root / 'tls'}")
         return 0
     if args.secrets_command == "rotate":
         write_credential_set(root)
@@ -66,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"rlfleet secrets tls: {e}", file=sys.stderr)
         return 1
     print("\n".join(f"{k}: {v}" for k, v in paths.items()))
+    print(f"every certificate also names {TLS_SERVER_NAME!r} (RLFLEET_TLS_SERVER_NAME)")
     return 0
 
 
@@ -85,7 +104,9 @@ def make_tls(directory: str | Path, hosts: list[str], *, days: int = 365) -> dic
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     root.chmod(0o700)
-    names = ["127.0.0.1", "localhost", *hosts]
+    # TLS_SERVER_NAME is in every certificate: clients that dial replicas by
+    # addresses no certificate can list (container ids, DHCP) verify this name.
+    names = ["127.0.0.1", "localhost", TLS_SERVER_NAME, *hosts]
     san = []
     for name in dict.fromkeys(names):
         try:

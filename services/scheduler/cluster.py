@@ -530,7 +530,7 @@ class LocalCluster:
                 self._await([scheduler], deadline)
                 self.scheduler_address = scheduler.address
             for proc in others:
-                if proc.kind == "rollout" and self.scheduler_address:
+                if proc.kind in ("rollout", "trainer") and self.scheduler_address:
                     proc.argv += ["--scheduler", self.scheduler_address]
                 self._launch(proc)
             self._await(others, deadline)

@@ -21,7 +21,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = ["add_serve_arguments", "main", "serve_main"]
@@ -40,6 +40,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
     parser.add_argument("--address-file", default=None, help="write host:port here when ready")
     parser.add_argument(
+        "--scheduler",
+        default=None,
+        help="scheduler host:port: PushWeights sends weights only to the rollout replicas "
+        "registered there (default: only to services.rollout and loopback addresses)",
+    )
+    parser.add_argument(
         "--total-training-steps", type=int, default=None, help="for the lr schedule"
     )
     parser.add_argument("overrides", nargs="*", help="dotted config overrides key.path=value")
@@ -54,6 +60,20 @@ def _port(args: argparse.Namespace, configured: str | None) -> int:
     if configured and not configured.startswith("unix:"):
         return int(configured.rpartition(":")[2])
     return 0
+
+
+def _registered_replicas(scheduler: str | None) -> Callable[[], set[str]] | None:
+    """The addresses of the alive rollout replicas registered with ``scheduler``."""
+    if not scheduler:
+        return None
+    from rlfleet.scheduler.servicer import SchedulerClient
+
+    client = SchedulerClient(scheduler, timeout_s=10.0)
+
+    def addresses() -> set[str]:
+        return {e.spec.address for e in client.list_services("rollout", alive_only=True)}
+
+    return addresses
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -89,7 +109,12 @@ def serve_main(args: argparse.Namespace) -> int:
             follow(core.ops)
             return 0
         server = create_server(
-            [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(core))],
+            [
+                (
+                    trainer_pb2_grpc.add_TrainerServiceServicer_to_server,
+                    TrainerServicer(core, push_targets=_registered_replicas(args.scheduler)),
+                )
+            ],
             host=args.host,
             port=_port(args, config.services.trainer),
         )

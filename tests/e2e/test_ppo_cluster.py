@@ -195,12 +195,17 @@ def test_rlfleet_train_killed_and_resumed(
 
 
 def _start_rollout(
-    model: Path, scheduler: str, replica_id: str, log: Path
+    model: Path, scheduler: str, replica_id: str, log: Path, credentials_dir: str
 ) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "rlfleet.rollout.server", "--model", str(model)]
     cmd += ["--port", "0", "--metrics-port", "-1", "--scheduler", scheduler]
     cmd += ["--replica-id", replica_id, "--grace-s", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The cluster's rollout credential, as an operator hands it to a replica it adds.
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "RLFLEET_CREDENTIALS": str(Path(credentials_dir) / "rollout.json"),
+    }
     with open(log, "wb") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
@@ -251,7 +256,11 @@ def test_rollout_replica_joins_mid_run(
 
     def scale_after_first_step(record: StepRecord) -> None:
         if record.step == 1:
-            started.append(_start_rollout(tiny_model_dir, scheduler, "rollout-joined", log))
+            started.append(
+                _start_rollout(
+                    tiny_model_dir, scheduler, "rollout-joined", log, handle.credentials_dir
+                )
+            )
             _await_rollouts(scheduler, 2, started[0], log)
 
     cfg = _config(raw, tmp_path / "run", "trainer.total_training_steps=3")
@@ -288,7 +297,9 @@ def test_killed_rollout_replica_work_is_requeued(
     raw, handle = elastic
     scheduler: str = handle.scheduler  # type: ignore[attr-defined]
     log = tmp_path / "rollout-victim.log"
-    victim = _start_rollout(tiny_model_dir, scheduler, "rollout-victim", log)
+    victim = _start_rollout(
+        tiny_model_dir, scheduler, "rollout-victim", log, handle.credentials_dir
+    )
     killed: list[int] = []
     try:
         _await_rollouts(scheduler, 2, victim, log)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 import yaml
 
 from rlfleet.common.config import config_from_dict
+from rlfleet.common.http import http_get
 from rlfleet.common.rpc import Server, check_health, create_channel, create_server
 from rlfleet.scheduler import cli
 from rlfleet.scheduler.cluster import LocalCluster, ServiceStartError
@@ -102,9 +104,19 @@ def test_cluster_starts_every_service_pinned_and_stops_them_all(
         assert all(e.state is ServiceState.ALIVE for e in entries.values())
         assert entries["rollout"].spec.address == h.rollout[0]
         assert entries["trainer"].spec.capabilities["roles"] == "actor,critic"
-        with urllib.request.urlopen(f"http://{h.metrics['scheduler']}/sd", timeout=5) as r:
-            targets = {g["labels"]["role"] for g in json.loads(r.read())}
+        # Secure by default: a per-cluster credential set; this process is the driver;
+        # /sd needs a token, and no service has a token in its command line.
+        assert cluster.security is not None and cluster.security.role == "driver"
+        assert h.credentials_dir and (Path(h.credentials_dir) / "observer.token").is_file()
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(f"http://{h.metrics['scheduler']}/sd", timeout=5)
+        targets = {g["labels"]["role"] for g in json.loads(http_get(h.metrics["scheduler"], "/sd"))}
         assert {"scheduler", "rollout", "reward"} <= targets
+        for name, pid in pids.items():
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert b"token" not in cmdline.lower(), name
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            assert f"RLFLEET_CREDENTIALS={h.credentials_dir}".encode() in environ, name
     for name, pid in pids.items():
         assert gone(pid), f"{name} (pid {pid}) survived stop()"
 

@@ -1,0 +1,268 @@
+"""The attacks of the secure-by-default issue, each against a cluster started as
+`rlfleet train` starts one (``LocalCluster`` with the default config: auth on, a
+fresh credential set, every service its role's file), each of which must fail.
+
+The attacker is this test: first with no token or a wrong one (someone who only
+reaches the ports), then with a *stolen role token* (least privilege: a broken-into
+rollout replica or a read-only observer must not get further). Addresses are
+plain strings; nothing but 127.0.0.1 is ever dialed.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from rlfleet.common.auth import read_credential_set
+from rlfleet.common.config import config_from_dict
+from rlfleet.common.rpc import Security, create_channel
+from rlfleet.scheduler.cluster import ClusterHandle, LocalCluster
+from rlfleet.v1 import (
+    rollout_pb2,
+    rollout_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+NO_AUTH = Security(credentials=None, insecure=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ClusterHandle, dict[str, str]]]:
+    run = tmp_path_factory.mktemp("attacks") / "run"
+    config = config_from_dict(
+        {
+            "actor": {"model_path": str(tiny_model_dir)},
+            "trainer": {"device": "cpu", "default_local_dir": str(run)},
+            "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
+        }
+    )
+    assert config.security.auth  # the default
+    with LocalCluster(config, run, heartbeat_interval_s=0.5) as c:
+        handle = c.start(timeout_s=180)
+        yield handle, read_credential_set(handle.credentials_dir)
+
+
+def _channel(address: str, token: str | None) -> grpc.Channel:
+    if token is None:
+        return create_channel(address, security=NO_AUTH, retry_unavailable=False)
+    return create_channel(address, auth_token=token, retry_unavailable=False)
+
+
+def _code(call: Any) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    code: grpc.StatusCode = info.value.code()
+    return code
+
+
+def _as(address: str, token: str | None, stub_cls: Any) -> Any:
+    return stub_cls(_channel(address, token))
+
+
+ATTACKERS = [None, "not-a-token-0123456789abcdef"]
+
+
+@pytest.mark.parametrize("token", ATTACKERS)
+def test_strangers_are_refused_everywhere(
+    cluster: tuple[ClusterHandle, dict[str, str]], token: str | None
+) -> None:
+    h, _ = cluster
+    trainer = _as(h.trainer, token, trainer_pb2_grpc.TrainerServiceStub)
+    rollout = _as(h.rollout[0], token, rollout_pb2_grpc.RolloutServiceStub)
+    sched = _as(h.scheduler or "", token, scheduler_pb2_grpc.SchedulerServiceStub)
+    unauth = grpc.StatusCode.UNAUTHENTICATED
+    calls = {
+        # run code on the trainer / write and delete its files / steal the model
+        "LoadCheckpoint": lambda: trainer.LoadCheckpoint(
+            trainer_pb2.LoadCheckpointRequest(path="/tmp/evil.pt"), timeout=10
+        ),
+        "SaveCheckpoint": lambda: trainer.SaveCheckpoint(
+            trainer_pb2.SaveCheckpointRequest(path="../../elsewhere"), timeout=10
+        ),
+        "PushWeights": lambda: trainer.PushWeights(
+            trainer_pb2.PushWeightsRequest(
+                targets=[trainer_pb2.RolloutTarget(address="127.0.0.1:9")]
+            ),
+            timeout=10,
+        ),
+        # break replicas
+        "Sleep": lambda: rollout.Sleep(rollout_pb2.SleepRequest(level=1), timeout=10),
+        "UpdateWeights": lambda: rollout.UpdateWeights(
+            iter([rollout_pb2.WeightChunk(version=2**63)]), timeout=10
+        ),
+        # poison training / rewrite the registry
+        "Register": lambda: sched.Register(
+            scheduler_pb2.RegisterRequest(
+                info=scheduler_pb2.ServiceInfo(
+                    role=scheduler_pb2.ROLE_ROLLOUT, address="127.0.0.1:9"
+                )
+            ),
+            timeout=10,
+        ),
+        "Deregister": lambda: sched.Deregister(
+            scheduler_pb2.DeregisterRequest(service_id="rollout-1"), timeout=10
+        ),
+        "SetTrainingStatus": lambda: sched.SetTrainingStatus(
+            scheduler_pb2.TrainingStatus(state="done"), timeout=10
+        ),
+        "ListServices": lambda: sched.ListServices(scheduler_pb2.ListServicesRequest(), timeout=10),
+    }
+    codes = {name: _code(call) for name, call in calls.items()}
+    assert codes == dict.fromkeys(calls, unauth)
+
+
+def test_metrics_and_service_discovery_need_a_token(
+    cluster: tuple[ClusterHandle, dict[str, str]],
+) -> None:
+    h, tokens = cluster
+    for name, address in h.metrics.items():
+        for path in ("/metrics", "/sd") if name == "scheduler" else ("/metrics",):
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(f"http://{address}{path}", timeout=5)
+            assert info.value.code == 401, (name, path)
+    # Prometheus' observer token reads them.
+    request = urllib.request.Request(
+        f"http://{h.metrics['scheduler']}/sd",
+        headers={"Authorization": f"Bearer {tokens['observer']}"},
+    )
+    with urllib.request.urlopen(request, timeout=5) as r:
+        assert {g["labels"]["role"] for g in json.loads(r.read())} >= {"rollout", "reward"}
+
+
+def test_stolen_role_tokens_get_no_further_than_their_role(
+    cluster: tuple[ClusterHandle, dict[str, str]],
+) -> None:
+    h, tokens = cluster
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    # An observer only reads; a rollout replica cannot train, save, load or push.
+    for role in ("observer", "rollout", "reward"):
+        trainer = _as(h.trainer, tokens[role], trainer_pb2_grpc.TrainerServiceStub)
+        assert (
+            _code(
+                lambda t=trainer: t.LoadCheckpoint(
+                    trainer_pb2.LoadCheckpointRequest(path="evil.pt"), timeout=10
+                )
+            )
+            == denied
+        )
+        assert (
+            _code(
+                lambda t=trainer: t.PushWeights(
+                    trainer_pb2.PushWeightsRequest(
+                        targets=[trainer_pb2.RolloutTarget(address="127.0.0.1:9")]
+                    ),
+                    timeout=10,
+                )
+            )
+            == denied
+        )
+        assert trainer.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=10) is not None
+    # Only the trainer (and the driver) may sleep replicas or push weights to them.
+    for role in ("observer", "reward", "rollout", "scheduler"):
+        rollout = _as(h.rollout[0], tokens[role], rollout_pb2_grpc.RolloutServiceStub)
+        assert _code(lambda r=rollout: r.Sleep(rollout_pb2.SleepRequest(level=1), timeout=10)) == (
+            denied
+        )
+        assert (
+            _code(lambda r=rollout: r.UpdateWeights(iter([rollout_pb2.WeightChunk()]), timeout=10))
+            == denied
+        )
+    # Only the driver publishes the training status.
+    sched = _as(h.scheduler or "", tokens["rollout"], scheduler_pb2_grpc.SchedulerServiceStub)
+    assert (
+        _code(
+            lambda: sched.SetTrainingStatus(scheduler_pb2.TrainingStatus(state="done"), timeout=10)
+        )
+        == denied
+    )
+
+
+def test_registry_cannot_be_rewritten_with_a_rollout_token(
+    cluster: tuple[ClusterHandle, dict[str, str]],
+) -> None:
+    h, tokens = cluster
+    sched = _as(h.scheduler or "", tokens["rollout"], scheduler_pb2_grpc.SchedulerServiceStub)
+    entries = sched.ListServices(scheduler_pb2.ListServicesRequest(), timeout=10).services
+    replica = next(e for e in entries if e.info.role == scheduler_pb2.ROLE_ROLLOUT)
+    denied = grpc.StatusCode.PERMISSION_DENIED
+
+    def register(**info: Any) -> Any:
+        fields = {"role": scheduler_pb2.ROLE_ROLLOUT, "address": "127.0.0.1:9", **info}
+        return sched.Register(
+            scheduler_pb2.RegisterRequest(info=scheduler_pb2.ServiceInfo(**fields)), timeout=10
+        )
+
+    # Deregister a replica by its guessable id, or beat for it: not its owner.
+    assert (
+        _code(
+            lambda: sched.Deregister(
+                scheduler_pb2.DeregisterRequest(service_id=replica.info.service_id), timeout=10
+            )
+        )
+        == denied
+    )
+    assert (
+        _code(
+            lambda: sched.Heartbeat(
+                scheduler_pb2.HeartbeatRequest(service_id=replica.info.service_id), timeout=10
+            )
+        )
+        == denied
+    )
+    # Take over the replica's entry by registering its address, or its id.
+    assert _code(lambda: register(address=replica.info.address)) == denied
+    assert _code(lambda: register(service_id=replica.info.service_id)) == denied
+    # Put another host's address (cloud metadata) into /sd, or register another role.
+    assert _code(lambda: register(metrics_address="169.254.169.254:80")) == denied
+    assert _code(lambda: register(address="192.0.2.7:50051")) == denied
+    assert _code(lambda: register(role=scheduler_pb2.ROLE_TRAINER)) == denied
+    assert _code(lambda: register(role=scheduler_pb2.ROLE_SCHEDULER)) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    # The real replica is still there, alive.
+    after = sched.ListServices(scheduler_pb2.ListServicesRequest(), timeout=10).services
+    same = [e for e in after if e.info.service_id == replica.info.service_id]
+    assert same and same[0].info.address == replica.info.address
+
+
+def test_the_driver_cannot_be_made_to_leak_or_misplace_files(
+    cluster: tuple[ClusterHandle, dict[str, str]], tmp_path: Path
+) -> None:
+    """Even the driver's token cannot push the model to an unregistered address or
+    read/write checkpoints outside the run directory."""
+    h, tokens = cluster
+    trainer = _as(h.trainer, tokens["driver"], trainer_pb2_grpc.TrainerServiceStub)
+    push = trainer_pb2.PushWeightsRequest(
+        targets=[trainer_pb2.RolloutTarget(replica_id="thief", address="127.0.0.1:9")]
+    )
+    assert _code(lambda: trainer.PushWeights(push, timeout=30)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    outside = tmp_path / "outside"
+    for request in (
+        lambda: trainer.SaveCheckpoint(
+            trainer_pb2.SaveCheckpointRequest(path="../../outside", step=1), timeout=60
+        ),
+        lambda: trainer.SaveCheckpoint(
+            trainer_pb2.SaveCheckpointRequest(path=str(outside), step=1), timeout=60
+        ),
+        lambda: trainer.LoadCheckpoint(
+            trainer_pb2.LoadCheckpointRequest(path=str(outside)), timeout=60
+        ),
+    ):
+        assert _code(request) == grpc.StatusCode.INVALID_ARGUMENT
+    assert not outside.exists()
