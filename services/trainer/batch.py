@@ -24,6 +24,10 @@ key                    shape / type        meaning
 
 Validation raises :class:`~rlfleet.common.errors.InvalidArgument` naming the key and the
 shapes, and happens before any model is touched, so a bad batch never half-updates.
+Besides shapes it checks values, vectorised: masks hold only 0 and 1, token ids lie in
+``[0, vocab_size)`` (an id outside would index past the embedding), position ids are
+non-negative, and float inputs are finite everywhere, padding included (a NaN on a
+masked position still reaches the gradient through ``0 * NaN``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ __all__ = [
 ]
 
 _INT_KEYS = ("input_ids", "responses", "position_ids")
+_TOKEN_KEYS = ("input_ids", "responses")
+_MASK_KEYS = ("attention_mask", "response_mask")
 _SEQ_KEYS = ("input_ids", "attention_mask", "position_ids")
 _RESP_KEYS = (
     "responses",
@@ -115,13 +121,72 @@ def _check_tensor(batch: Batch, key: str) -> torch.Tensor:
     return v
 
 
-def validate_ppo_batch(batch: Batch, op: str, required: Sequence[str]) -> None:
-    """Check presence, dtypes, shapes and finiteness of every trainer key in ``batch``.
+def _bad_rows(bad: torch.Tensor) -> list[int]:
+    rows: list[int] = torch.nonzero(bad.reshape(bad.shape[0], -1).any(dim=-1)).flatten().tolist()
+    return rows
+
+
+def _check_values(batch: Batch, vocab_size: int | None) -> None:
+    """Masks 0/1, token ids in ``[0, vocab_size)``, position ids >= 0 (shapes checked)."""
+    for key in _MASK_KEYS:
+        if key not in batch:
+            continue
+        m = batch[key]
+        if m.dtype == torch.bool:
+            continue
+        bad = (m != 0) & (m != 1)
+        if bool(bad.any()):
+            rows = _bad_rows(bad)
+            found = torch.unique(m[bad])[:8].tolist()
+            raise InvalidArgument(
+                f"must hold only 0 and 1, found {found} in rows {rows[:8]}",
+                field=key,
+                value=found,
+                sample_index=rows[0],
+                code="BAD_MASK",
+            )
+    for key in _TOKEN_KEYS:
+        if key not in batch:
+            continue
+        ids = batch[key]
+        bad = ids < 0
+        if vocab_size is not None:
+            bad |= ids >= vocab_size
+        if bool(bad.any()):
+            rows = _bad_rows(bad)
+            found = ids[bad]
+            span = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise InvalidArgument(
+                f"token ids must lie in {span}, found {found[:8].tolist()} in rows {rows[:8]} "
+                f"(min {int(found.min())}, max {int(found.max())})",
+                field=key,
+                value=int(found[0]),
+                sample_index=rows[0],
+                code="OUT_OF_VOCAB",
+            )
+    if "position_ids" in batch:
+        pos = batch["position_ids"]
+        bad = pos < 0
+        if bool(bad.any()):
+            rows = _bad_rows(bad)
+            raise InvalidArgument(
+                f"must be >= 0, found {pos[bad][:8].tolist()} in rows {rows[:8]}",
+                field="position_ids",
+                value=int(pos[bad][0]),
+                sample_index=rows[0],
+            )
+
+
+def validate_ppo_batch(
+    batch: Batch, op: str, required: Sequence[str], *, vocab_size: int | None = None
+) -> None:
+    """Check presence, dtypes, shapes and values of every trainer key in ``batch``.
 
     Every known key present is checked, not only ``required``: ``input_ids`` and masks
     are ``(bs, L)``, per-token keys ``(bs, R)`` with R = ``responses.shape[1]`` < L,
-    ``responses`` equal the last R columns of ``input_ids``, float keys are finite on
-    valid tokens, lists have ``bs`` entries.
+    ``responses`` equal the last R columns of ``input_ids``, masks hold only 0/1, token
+    ids lie in ``[0, vocab_size)`` (``vocab_size`` None: only ``>= 0``), float keys are
+    finite at every position, lists have ``bs`` entries.
     """
     require(batch, required, op)
     if "input_ids" not in batch:
@@ -196,7 +261,7 @@ def validate_ppo_batch(batch: Batch, op: str, required: Sequence[str]) -> None:
                 raise InvalidArgument(
                     f"has {n} entries, the batch has {bs} rows", field=key, value=_shape(v)
                 )
-    mask = _response_mask(batch, resp_len)
+    _check_values(batch, vocab_size)
     for key in _FLOAT_FINITE:
         if key not in batch:
             continue
@@ -204,10 +269,8 @@ def validate_ppo_batch(batch: Batch, op: str, required: Sequence[str]) -> None:
         if not t.is_floating_point():
             raise InvalidArgument("must be a float tensor", field=key, value=_shape(t))
         bad = ~torch.isfinite(t)
-        if t.dim() == 2 and mask is not None:
-            bad = bad & (mask != 0)
         if bool(bad.any()):
-            rows = torch.nonzero(bad.reshape(bs, -1).any(dim=-1)).flatten().tolist()
+            rows = _bad_rows(bad.reshape(bs, -1))
             raise InvalidArgument(
                 f"has NaN or inf in rows {rows[:8]} (shape {tuple(t.shape)})",
                 field=key,
@@ -215,16 +278,6 @@ def validate_ppo_batch(batch: Batch, op: str, required: Sequence[str]) -> None:
                 sample_index=int(rows[0]),
                 code="NOT_FINITE",
             )
-
-
-def _response_mask(batch: Batch, resp_len: int | None) -> torch.Tensor | None:
-    if "response_mask" in batch:
-        m: torch.Tensor = batch["response_mask"]
-        return m
-    if resp_len is not None and "attention_mask" in batch:
-        am: torch.Tensor = batch["attention_mask"][:, -resp_len:]
-        return am
-    return None
 
 
 def ensure_defaults(batch: Batch) -> Batch:

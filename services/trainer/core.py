@@ -69,6 +69,31 @@ def build_backend(config: Config, *, total_training_steps: int | None = None) ->
     return FSDPBackend(config, total_training_steps=total_training_steps)
 
 
+def model_vocab_size(config: Config, roles: Sequence[str]) -> int | None:
+    """The smallest ``vocab_size`` in the Hugging Face configs of the models that
+    ``roles`` load (None when no config states one): a token id at or above it would
+    index past an embedding."""
+    from transformers import AutoConfig
+
+    actor = config.actor.model_path
+    paths = {
+        "actor": actor,
+        "critic": config.critic.model_path or actor,
+        "ref": config.ref.model_path or actor,
+    }
+    sizes = []
+    for path in sorted({paths[r] for r in roles if r in paths}):
+        hf = AutoConfig.from_pretrained(
+            path, trust_remote_code=config.actor.trust_remote_code, local_files_only=True
+        )
+        size = getattr(hf, "vocab_size", None)
+        if size is None and hasattr(hf, "get_text_config"):
+            size = getattr(hf.get_text_config(), "vocab_size", None)
+        if size:
+            sizes.append(int(size))
+    return min(sizes) if sizes else None
+
+
 def _data_metrics(batch: Batch) -> dict[str, float]:
     mask = batch["response_mask"]
     m = {
@@ -112,6 +137,8 @@ class TrainerCore:
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = core_algos.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.state = TrainerState(kl_coef=self.kl_ctrl.value)
+        # Token ids are checked against it before any model sees them.
+        self.vocab_size = model_vocab_size(config, self.roles)
         # One operation at a time: gRPC serves calls on a thread pool, and the
         # followers must see the operations in one order.
         self.lock = threading.RLock()
@@ -223,7 +250,7 @@ class TrainerCore:
 
     def compute_log_prob(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """``old_log_probs`` and ``entropys`` ``(bs, R)`` under the current actor."""
-        B.validate_ppo_batch(batch, "compute_log_prob", _MODEL_KEYS)
+        self._validate(batch, "compute_log_prob", _MODEL_KEYS)
         batch = B.ensure_defaults(batch)
         with self.lock:
             out = self._forward_on_ranks("compute_log_prob", self._model_view(batch))
@@ -233,7 +260,7 @@ class TrainerCore:
     def compute_ref_log_prob(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """``ref_log_prob`` ``(bs, R)`` under the reference policy."""
         self._need("ref", "compute_ref_log_prob")
-        B.validate_ppo_batch(batch, "compute_ref_log_prob", _MODEL_KEYS)
+        self._validate(batch, "compute_ref_log_prob", _MODEL_KEYS)
         batch = B.ensure_defaults(batch)
         with self.lock:
             return self._forward_on_ranks("compute_ref_log_prob", self._model_view(batch)), {}
@@ -241,10 +268,13 @@ class TrainerCore:
     def compute_values(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """``values`` ``(bs, R)`` from the critic."""
         self._need("critic", "compute_values")
-        B.validate_ppo_batch(batch, "compute_values", _MODEL_KEYS)
+        self._validate(batch, "compute_values", _MODEL_KEYS)
         batch = B.ensure_defaults(batch)
         with self.lock:
             return self._forward_on_ranks("compute_values", self._model_view(batch)), {}
+
+    def _validate(self, batch: Batch, op: str, required: Sequence[str]) -> None:
+        B.validate_ppo_batch(batch, op, required, vocab_size=self.vocab_size)
 
     @staticmethod
     def _model_view(batch: Batch) -> Batch:
@@ -273,7 +303,7 @@ class TrainerCore:
         the last valid response token). Returns ``token_level_scores``,
         ``token_level_rewards``, ``advantages`` and ``returns``.
         """
-        B.validate_ppo_batch(batch, "compute_advantage", self._advantage_keys(batch))
+        self._validate(batch, "compute_advantage", self._advantage_keys(batch))
         batch = B.ensure_defaults(batch)
         with self.lock:
             return self._advantage(batch)
@@ -338,7 +368,7 @@ class TrainerCore:
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """PPO value updates on ``values`` and ``returns``."""
         self._need("critic", "update_critic")
-        B.validate_ppo_batch(batch, "update_critic", (*_MODEL_KEYS, "values", "returns"))
+        self._validate(batch, "update_critic", (*_MODEL_KEYS, "values", "returns"))
         batch = B.ensure_defaults(batch)
         c = self.config.critic
         mini = self._mini_size(B.batch_size(batch), c.ppo_mini_batch_size or 1, "update_critic")
@@ -360,7 +390,7 @@ class TrainerCore:
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO policy updates: ``ppo_epochs`` x mini-batches x micro-batches."""
-        B.validate_ppo_batch(batch, "update_actor", self._actor_keys())
+        self._validate(batch, "update_actor", self._actor_keys())
         batch = B.ensure_defaults(batch)
         a = self.config.actor
         mini = self._mini_size(B.batch_size(batch), a.ppo_mini_batch_size, "update_actor")
@@ -372,7 +402,7 @@ class TrainerCore:
 
     def sft_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of cross-entropy on the response tokens."""
-        B.validate_ppo_batch(batch, "sft_step", _MODEL_KEYS)
+        self._validate(batch, "sft_step", _MODEL_KEYS)
         batch = B.ensure_defaults(batch)
         view = {k: batch[k] for k in (*_MODEL_KEYS, "position_ids", "response_mask")}
         bs = B.batch_size(batch)
@@ -407,7 +437,7 @@ class TrainerCore:
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One PPO step on a scored batch, in verl's order (see the module docstring)."""
-        B.validate_ppo_batch(batch, "train_step", self._train_step_keys(batch))
+        self._validate(batch, "train_step", self._train_step_keys(batch))
         batch = B.ensure_defaults(batch)
         bs = B.batch_size(batch)
         a = self.config.actor

@@ -257,3 +257,135 @@ def test_chunk_after_the_last_is_refused(
 def test_batch_under_the_cap_still_works(remote: RemoteTrainerClient) -> None:
     lp, _ = remote.compute_log_prob(make_batch(seed=5))
     assert lp["old_log_probs"].shape == (4, 5)
+
+
+# ------------------------------------------------------------------ batch values
+
+
+def _scored(seed: int) -> dict[str, Any]:
+    return {**make_batch(seed=seed), "scores": torch.ones(4)}
+
+
+def _set(key: str, row: int, col: int, value: float) -> Callable[[dict[str, Any]], None]:
+    def mutate(batch: dict[str, Any]) -> None:
+        t = batch[key].clone()
+        t[row, col] = value
+        batch[key] = t
+        if key == "input_ids" and "responses" in batch:
+            batch["responses"] = t[:, -batch["responses"].shape[1] :]
+
+    return mutate
+
+
+def _lp(batch: dict[str, Any]) -> None:
+    batch["old_log_probs"] = torch.zeros(4, 5)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field", "code"),
+    [
+        (_set("attention_mask", 1, 3, 2), "attention_mask", "BAD_MASK"),
+        (_set("attention_mask", 2, 0, -1), "attention_mask", "BAD_MASK"),
+        (
+            lambda b: b.update(response_mask=torch.full((4, 5), 0.5)),
+            "response_mask",
+            "BAD_MASK",
+        ),
+        (_set("input_ids", 0, 2, 10**9), "input_ids", "OUT_OF_VOCAB"),
+        (_set("input_ids", 3, 0, -5), "input_ids", "OUT_OF_VOCAB"),
+        (_set("input_ids", 2, -2, 10**9), "input_ids", "OUT_OF_VOCAB"),  # also responses
+        (
+            lambda b: b.update(responses=torch.full((4, 5), 10**9)),
+            "responses",
+            None,
+        ),
+        (_set("position_ids", 1, 1, -3), "position_ids", None),
+        (
+            lambda b: (_lp(b), _set("old_log_probs", 0, 4, float("nan"))(b)),
+            "old_log_probs",
+            "NOT_FINITE",
+        ),
+        (
+            lambda b: b.update(token_level_scores=torch.full((4, 5), float("inf"))),
+            "token_level_scores",
+            "NOT_FINITE",
+        ),
+        (
+            lambda b: b.update(scores=torch.tensor([1.0, float("-inf"), 0.0, 0.0])),
+            "scores",
+            "NOT_FINITE",
+        ),
+        (lambda b: b.update(values=torch.full((4, 5), float("nan"))), "values", "NOT_FINITE"),
+    ],
+    ids=[
+        "mask-2",
+        "mask-neg",
+        "response-mask-half",
+        "id-over-vocab",
+        "id-negative",
+        "response-id-over-vocab",
+        "responses-not-input-ids",
+        "position-negative",
+        "nan-old-log-prob-on-padding",
+        "inf-token-scores",
+        "inf-score",
+        "nan-values",
+    ],
+)
+def test_bad_values_are_invalid_argument_over_grpc(
+    core: TrainerCore,
+    remote: RemoteTrainerClient,
+    mutate: Callable[[dict[str, Any]], Any],
+    field: str,
+    code: str | None,
+) -> None:
+    batch = _scored(21)
+    batch.setdefault("position_ids", (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0))
+    mutate(batch)
+    err = _refused_without_update(core, lambda: remote.train_step(batch))
+    assert isinstance(err, InvalidArgument), err
+    assert err.field == field, (err.field, err.message)
+    if code is not None:
+        assert err.code == code, err
+
+
+def test_out_of_vocab_id_is_refused_by_every_operation(
+    core: TrainerCore, remote: RemoteTrainerClient
+) -> None:
+    assert core.vocab_size is not None
+    batch = _scored(22)
+    _set("input_ids", 1, 1, core.vocab_size)(batch)
+    lp = torch.zeros(4, 5)
+    calls: list[Callable[[], Any]] = [
+        lambda: remote.compute_log_prob(batch),
+        lambda: remote.compute_values(batch),
+        lambda: remote.update_critic({**batch, "values": lp, "returns": lp}),
+        lambda: remote.update_actor({**batch, "old_log_probs": lp, "advantages": lp}),
+        lambda: remote.sft_step(batch),
+        lambda: remote.train_step(batch),
+    ]
+    for call in calls:
+        err = _refused_without_update(core, call)
+        assert isinstance(err, InvalidArgument) and err.field == "input_ids", err
+        assert str(core.vocab_size) in err.message
+    # The largest valid id goes through.
+    ok = _scored(22)
+    _set("input_ids", 1, 1, core.vocab_size - 1)(ok)
+    assert remote.compute_log_prob(ok)[0]["old_log_probs"].shape == (4, 5)
+
+
+def test_nan_advantage_on_padding_is_refused(
+    core: TrainerCore, remote: RemoteTrainerClient
+) -> None:
+    batch = make_batch(seed=23)  # row 0's last response token is padding
+    assert int(batch["attention_mask"][0, -1]) == 0
+    adv = torch.ones(4, 5)
+    adv[0, -1] = float("nan")
+    err = _refused_without_update(
+        core,
+        lambda: remote.update_actor(
+            {**batch, "old_log_probs": torch.zeros(4, 5), "advantages": adv}
+        ),
+    )
+    assert isinstance(err, InvalidArgument) and err.field == "advantages", err
+    assert err.code == "NOT_FINITE" and err.sample_index == 0
