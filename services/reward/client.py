@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeAlias
 
 import grpc
 
-from rlfleet.common.errors import InvalidArgument
+from rlfleet.common.errors import InvalidArgument, RlfleetError, Unavailable
 from rlfleet.common.rpc import TLSConfig, call_options, create_channel, to_rlfleet_error
 from rlfleet.reward.convert import result_from_proto, sample_to_proto
 from rlfleet.reward.manager import RewardManager
@@ -31,6 +31,7 @@ from rlfleet.reward.types import ChatMessage, RewardInfo, Sample, ScoreResult
 from rlfleet.v1 import reward_pb2, reward_pb2_grpc
 
 __all__ = [
+    "DEFAULT_CONNECT_TIMEOUT_S",
     "InProcessRewardClient",
     "RewardClient",
     "RewardClientProtocol",
@@ -163,14 +164,46 @@ def _shifted(error: Any, offset: int) -> Any:
     )
 
 
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+"""How long a call waits for a connection to the service before failing ``Unavailable``."""
+
+
+class _Connection:
+    """A channel, its stub, and whether gRPC reports it connected (READY) now."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.channel = channel
+        self.stub = reward_pb2_grpc.RewardServiceStub(channel)
+        self.ready = threading.Event()
+        channel.subscribe(self._on_state, try_to_connect=False)
+
+    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
+        if state is grpc.ChannelConnectivity.READY:
+            self.ready.set()
+        else:
+            self.ready.clear()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.channel.unsubscribe(self._on_state)
+        self.channel.close()
+
+
 class RewardClient:
     """The client interface over gRPC (torch-free).
+
+    A dead or unreachable service fails a call within ``connect_timeout_s`` with
+    :class:`~rlfleet.common.errors.Unavailable` naming the service and its address:
+    each call first waits, at most that long, for a connection (the service being
+    up) unless one is open already, then runs with its own deadline
+    (``timeout_s``), so a slow service that is up gets its whole time.
 
     Args:
         address: ``"host:port"``.
         auth_token: bearer token, when the service requires one.
         tls: TLS material; None: plaintext.
         timeout_s: default per-call deadline.
+        connect_timeout_s: how long a call waits for a connection to the service.
         options: more channel arguments. A service run with ``--processes N`` is
             balanced per connection, and channels in one process with the same
             arguments share one: ``[("grpc.use_local_subchannel_pool", 1)]`` gives
@@ -192,6 +225,7 @@ class RewardClient:
         auth_token: str | None = None,
         tls: TLSConfig | None = None,
         timeout_s: float = 60.0,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         options: Sequence[tuple[str, Any]] = (),
         connections: int = 1,
         min_part: int = 64,
@@ -200,24 +234,61 @@ class RewardClient:
             raise ValueError(
                 f"connections must be >= 0 (0: as the service reports), got {connections}"
             )
+        if not connect_timeout_s > 0:
+            raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
         self.address = address
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self.min_part = max(1, min_part)
         self._auto = connections == 0
-        extra = [("grpc.use_local_subchannel_pool", 1)] if connections != 1 else []
+        extra: list[tuple[str, Any]] = []
+        if connections != 1:
+            extra.append(("grpc.use_local_subchannel_pool", 1))
+        if not any(key == "grpc.max_reconnect_backoff_ms" for key, _ in options):
+            # After a long outage gRPC waits up to 2 minutes between attempts: a
+            # service back up would still be refused. Two attempts per connect window.
+            backoff_ms = max(100, int(connect_timeout_s * 500))
+            extra.append(("grpc.max_reconnect_backoff_ms", backoff_ms))
         self._open = functools.partial(
             create_channel, address, tls=tls, auth_token=auth_token, options=[*options, *extra]
         )
-        self._channels = [self._open() for _ in range(max(1, connections))]
-        self._channel = self._channels[0]
-        self._stubs = [reward_pb2_grpc.RewardServiceStub(c) for c in self._channels]
-        self._stub = self._stubs[0]
+        self._connections = [_Connection(self._open()) for _ in range(max(1, connections))]
         self._lock = threading.Lock()
 
     @property
     def connections(self) -> int:
         """Connections open now (``connections=0`` opens the rest at the first score)."""
-        return len(self._channels)
+        return len(self._connections)
+
+    def _connected(self, connection: _Connection) -> reward_pb2_grpc.RewardServiceStub:
+        """The connection's stub once it is connected; ``Unavailable`` when it cannot be."""
+        if not connection.ready.is_set():
+            future = grpc.channel_ready_future(connection.channel)
+            try:
+                future.result(timeout=self.connect_timeout_s)
+            except grpc.FutureTimeoutError:
+                future.cancel()
+                raise Unavailable(
+                    f"reward service at {self.address} is unreachable: no connection "
+                    f"within {self.connect_timeout_s:g}s (is it running?)",
+                    value=self.address,
+                ) from None
+        return connection.stub
+
+    def _error(self, exc: grpc.RpcError, offset: int = 0) -> RlfleetError:
+        error = _shifted(to_rlfleet_error(exc), offset)
+        if isinstance(error, Unavailable) and not error.field:
+            return Unavailable(
+                f"reward service at {self.address} is unavailable: {error.message}",
+                value=self.address,
+                code=error.code,
+            )
+        return error
+
+    def _call_options(self, timeout_s: float | None) -> dict[str, Any]:
+        # Connected first (above), so a call fails at once if the connection drops
+        # instead of waiting its whole deadline for the service to come back.
+        return call_options(timeout_s or self.timeout_s, wait_for_ready=False)
 
     def _connect_all(self) -> None:
         """``connections=0``: open one connection per server process, once."""
@@ -225,10 +296,9 @@ class RewardClient:
             if not self._auto:
                 return
             wanted = min(self.info().processes, _MAX_AUTO_CONNECTIONS)
-            while len(self._channels) < wanted:
-                channel = self._open()
-                self._channels.append(channel)
-                self._stubs.append(reward_pb2_grpc.RewardServiceStub(channel))
+            while len(self._connections) < wanted:
+                connection = _Connection(self._open())
+                self._connections.append(connection)
             self._auto = False
 
     def score(
@@ -237,12 +307,13 @@ class RewardClient:
         if self._auto:
             self._connect_all()
         protos = [sample_to_proto(as_sample(s, i)) for i, s in enumerate(samples)]
-        parts = min(len(self._stubs), len(protos) // self.min_part) or 1
+        parts = min(len(self._connections), len(protos) // self.min_part) or 1
         bounds = [len(protos) * k // parts for k in range(parts + 1)]
-        options = call_options(timeout_s or self.timeout_s, wait_for_ready=True)
+        stubs = [self._connected(c) for c in self._connections[:parts]]
+        options = self._call_options(timeout_s)
         futures = [
             stub.Score.future(reward_pb2.ScoreRequest(samples=protos[lo:hi]), **options)
-            for stub, lo, hi in zip(self._stubs, bounds, bounds[1:], strict=False)
+            for stub, lo, hi in zip(stubs, bounds, bounds[1:], strict=False)
         ]
         results: list[ScoreResult] = []
         for future, offset in zip(futures, bounds, strict=False):
@@ -251,7 +322,7 @@ class RewardClient:
             except grpc.RpcError as exc:
                 for other in futures:
                     other.cancel()
-                raise _shifted(to_rlfleet_error(exc), offset) from exc
+                raise self._error(exc, offset) from exc
             for r in response.results:
                 result = result_from_proto(r)
                 result.index += offset
@@ -271,25 +342,23 @@ class RewardClient:
                 )
                 offset += len(batch)
 
-        call = self._stub.ScoreStream(
-            requests(), **call_options(timeout_s or self.timeout_s, wait_for_ready=True)
-        )
+        stub = self._connected(self._connections[0])
+        call = stub.ScoreStream(requests(), **self._call_options(timeout_s))
         try:
             for result in call:
                 yield result_from_proto(result)
         except grpc.RpcError as exc:
-            raise to_rlfleet_error(exc) from exc
+            raise self._error(exc) from exc
         finally:
             with contextlib.suppress(Exception):
                 call.cancel()
 
     def info(self) -> RewardInfo:
+        stub = self._connected(self._connections[0])
         try:
-            msg = self._stub.GetInfo(
-                reward_pb2.GetRewardInfoRequest(), **call_options(self.timeout_s)
-            )
+            msg = stub.GetInfo(reward_pb2.GetRewardInfoRequest(), **self._call_options(None))
         except grpc.RpcError as exc:
-            raise to_rlfleet_error(exc) from exc
+            raise self._error(exc) from exc
         return RewardInfo(
             scorers=tuple(msg.scorers),
             data_sources=dict(msg.data_sources),
@@ -301,8 +370,8 @@ class RewardClient:
         )
 
     def close(self) -> None:
-        for channel in self._channels:
-            channel.close()
+        for connection in self._connections:
+            connection.close()
 
     def __enter__(self) -> RewardClient:
         return self

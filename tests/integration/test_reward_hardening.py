@@ -4,6 +4,7 @@ a dead service seen by its client. Real gRPC servers on 127.0.0.1 (port 0)."""
 from __future__ import annotations
 
 import random
+import socket
 import string
 import textwrap
 import urllib.request
@@ -13,7 +14,7 @@ import grpc
 import pytest
 
 from rlfleet.common.config import CustomRewardFunction, RewardConfig
-from rlfleet.common.errors import InvalidArgument
+from rlfleet.common.errors import InvalidArgument, Unavailable
 from rlfleet.common.rpc import create_channel, to_rlfleet_error
 from rlfleet.reward.client import RewardClient
 from rlfleet.reward.manager import RewardManager
@@ -227,3 +228,59 @@ def test_default_bounds_take_a_long_response(client: RewardClient) -> None:
         client.score([Sample("openai/gsm8k", long + " ", "18")])
     assert exc.value.field == "samples[0].response"
     assert exc.value.value == str(limit + 1)
+
+
+# ------------------------------------------------------------ a dead service, seen by its client
+
+
+def _assert_names_the_service(error: Unavailable, address: str) -> None:
+    assert "reward service" in error.message
+    assert address in error.message
+    assert error.recoverable
+
+
+def test_a_port_nobody_listens_on_fails_fast_as_unavailable() -> None:
+    # Bound, never listening: connections are refused, and no one else gets the port.
+    with socket.socket() as reserved:
+        reserved.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{reserved.getsockname()[1]}"
+        # The call's own deadline (120 s) is not what ends it: the connect one is.
+        with RewardClient(address, timeout_s=120, connect_timeout_s=0.5) as c:
+            with pytest.raises(Unavailable) as exc:
+                c.score([_ok()])
+            _assert_names_the_service(exc.value, address)
+            with pytest.raises(Unavailable) as exc:
+                c.info()
+            _assert_names_the_service(exc.value, address)
+            with pytest.raises(Unavailable) as exc:
+                list(c.score_stream([[_ok()]]))
+            _assert_names_the_service(exc.value, address)
+
+
+def test_a_stopped_service_fails_fast_as_unavailable() -> None:
+    svc = start_reward_service(port=0, manager=RewardManager(num_workers=0))
+    address = svc.address
+    try:
+        with RewardClient(address, timeout_s=120, connect_timeout_s=0.5) as c:
+            assert c.score([_ok(3)])[0].score == 1.0
+            svc.stop(grace_s=0.0)
+            for _ in range(2):  # the call that finds it gone, and the next one
+                with pytest.raises(Unavailable) as exc:
+                    c.score([_ok(3)])
+                _assert_names_the_service(exc.value, address)
+    finally:
+        svc.stop(grace_s=0.0)
+
+
+def test_a_slow_service_that_is_up_gets_its_whole_call_deadline(client: RewardClient) -> None:
+    # Scoring takes 4 connect time-outs: a connected service is not cut short by it.
+    with RewardClient(client.address, timeout_s=60, connect_timeout_s=0.5) as c:
+        (result,) = c.score([Sample("my/source", "slow 2", "slow 2")])
+        assert result.score == 1.0 and not result.error
+        (result,) = c.score_stream([[Sample("my/source", "slow 2", "x")]])
+        assert result.score == 0.0 and not result.error
+
+
+def test_connect_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="connect_timeout_s must be > 0"):
+        RewardClient("127.0.0.1:1", connect_timeout_s=0)

@@ -56,6 +56,7 @@ def _serve(log: Path, *args: str, env: dict[str, str] | None = None) -> subproce
                 "rlfleet.reward.server",
                 "--port=0",
                 "--log-level=WARNING",
+                "--insecure",  # loopback only: the tests here are not about credentials
                 *args,
             ],
             stdout=subprocess.PIPE,
