@@ -576,6 +576,15 @@ class ServicesConfig(_Section):
     rollout: list[Address] = Field(default_factory=list, description="one address per replica")
     reward: Address | None = None
     trainer: Address | None = None
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="times a launched rollout replica or reward service that dies is "
+        "restarted (on its port, with backoff); 0: never",
+    )
+    restart_backoff_s: float = Field(
+        default=1.0, gt=0, description="wait before the first restart; doubles each time"
+    )
 
 
 class TLSSection(_Section):

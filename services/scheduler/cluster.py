@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -285,6 +286,9 @@ class LocalCluster:
         self.credentials_dir: Path | None = None
         self._role_env: dict[str, dict[str, str]] = {}
         self._previous_security: Security | None = None
+        self.restarts: dict[str, int] = {}
+        self._supervisor: threading.Thread | None = None
+        self.given_up: set[str] = set()
 
     # ------------------------------------------------------------------ planning
 
@@ -541,12 +545,106 @@ class LocalCluster:
             self.stop()
             raise
         self.handle = self._make_handle(plan, config_path)
+        if self.config.services.max_restarts > 0 and not self.detach:
+            self._supervisor = threading.Thread(
+                target=self._supervise, name="rlfleet-supervisor", daemon=True
+            )
+            self._supervisor.start()
         logger.info(
             "local cluster up (%s): %s",
             plan.mode,
             ", ".join(f"{p.name}={p.address}" for p in self._procs),
         )
         return self.handle
+
+    # ------------------------------------------------------------------ self-healing
+
+    def _supervise(self) -> None:
+        """Restart rollout replicas and the reward service that die during the run.
+
+        Each is restarted at most ``services.max_restarts`` times, on its old port
+        (so every client's address stays valid), after ``restart_backoff_s`` doubling
+        with each restart. The trainer is not restarted: its state lives in memory
+        (resume the run from its last checkpoint). Everything is logged.
+        """
+        while not self._stopped:
+            time.sleep(0.5)
+            with self._lock:
+                if self._stopped:
+                    return
+                dead = [
+                    p
+                    for p in self._procs
+                    if p.popen is not None
+                    and p.popen.poll() is not None
+                    and p.name not in self.given_up
+                ]
+            for proc in dead:
+                code = proc.popen.returncode if proc.popen is not None else None
+                if proc.kind not in ("rollout", "reward"):
+                    logger.error(
+                        "%s (%s, pid %d) died with code %s: it is not restarted (its state is "
+                        "in memory); resume the run from its last checkpoint "
+                        "(trainer.resume_mode=auto)",
+                        proc.name, proc.address, proc.pid, code,
+                    )  # fmt: skip
+                    self.given_up.add(proc.name)
+                    continue
+                done = self.restarts.get(proc.name, 0)
+                if done >= self.config.services.max_restarts:
+                    logger.error(
+                        "%s (%s) died with code %s after %d restart(s): giving up on it",
+                        proc.name, proc.address, code, done,
+                    )  # fmt: skip
+                    self.given_up.add(proc.name)
+                    continue
+                self._restart(proc, code, done)
+
+    def _restart(self, proc: _Proc, code: int | None, done: int) -> None:
+        backoff = self.config.services.restart_backoff_s * 2.0**done
+        logger.warning(
+            "%s (%s, pid %d) died with code %s: restarting it in %.1fs (restart %d of %d); "
+            "log %s",
+            proc.name, proc.address, proc.pid, code, backoff, done + 1,
+            self.config.services.max_restarts, proc.log_path,
+        )  # fmt: skip
+        time.sleep(backoff)
+        if self._stopped:
+            return
+        self.restarts[proc.name] = done + 1
+        port = proc.address.rpartition(":")[2] if proc.address else "0"
+        argv = list(proc.argv)
+        if "--port" in argv:
+            argv[argv.index("--port") + 1] = port
+        if proc.kind == "rollout" and self.scheduler_address and proc.address:
+            self._forget(proc.address)
+        fresh = dataclasses.replace(
+            proc, argv=argv, popen=None, start_time=None, address=None, metrics_address=None
+        )
+        with self._lock:
+            if self._stopped:
+                return
+            self._procs.remove(proc)
+        try:
+            self._launch(fresh)
+            self._await([fresh], time.monotonic() + 120.0)
+        except Exception as e:
+            logger.error("restarting %s failed: %s", proc.name, e)
+            return
+        logger.warning("%s restarted at %s (pid %d)", fresh.name, fresh.address, fresh.pid)
+
+    def _forget(self, address: str) -> None:
+        """Drop a dead replica's registry entry, so its restart may take the address."""
+        from rlfleet.scheduler.servicer import SchedulerClient
+
+        assert self.scheduler_address is not None
+        try:
+            with SchedulerClient(self.scheduler_address, timeout_s=5.0) as client:
+                for e in client.list_services("rollout"):
+                    if e.spec.address == address:
+                        client.deregister(e.service_id)
+        except Exception as e:  # the restart registers anyway once the entry is dead
+            logger.info("could not drop the registry entry of %s: %s", address, e)
 
     def _launch(self, proc: _Proc) -> None:
         if proc.address_file is not None:
@@ -565,6 +663,8 @@ class LocalCluster:
             log.flush()
             proc._read = log.tell()
             with self._lock:
+                if self._stopped:  # a restart racing stop(): start nothing it would miss
+                    raise ServiceStartError(f"{proc.name}: the cluster is stopping")
                 proc.popen = subprocess.Popen(
                     argv,
                     stdin=subprocess.DEVNULL,

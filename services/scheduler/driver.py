@@ -596,7 +596,7 @@ class PPOTrainer:
                     extra_info=dict(extra) if isinstance(extra, dict) else {},
                 )
             )
-        results = reward_fn.score(items) if hasattr(reward_fn, "score") else reward_fn(items)
+        results = self._call_reward(reward_fn, items)
         scores: list[float] = []
         details: list[dict[str, Any]] = []
         for r in results:
@@ -612,6 +612,21 @@ class PPOTrainer:
         if len(scores) != len(items):
             raise RuntimeError(f"reward returned {len(scores)} scores for {len(items)} samples")
         return scores, details
+
+    def _call_reward(self, reward_fn: RewardFn, items: list[Any]) -> Any:
+        """Score ``items``; a recoverable failure (the service restarting, a dropped
+        connection) is retried :data:`_REWARD_ATTEMPTS` times with backoff."""
+        for attempt in range(_REWARD_ATTEMPTS):
+            try:
+                return reward_fn.score(items) if hasattr(reward_fn, "score") else reward_fn(items)
+            except RlfleetError as e:
+                if not e.recoverable or attempt == _REWARD_ATTEMPTS - 1:
+                    raise
+                pause = min(2.0**attempt, 5.0)
+                logger.warning("reward: %s; retrying in %.0fs (attempt %d of %d)",
+                               e, pause, attempt + 2, _REWARD_ATTEMPTS)  # fmt: skip
+                time.sleep(pause)
+        raise AssertionError("unreachable")
 
     def _produce(self, step: int, min_version: int) -> GeneratedBatch:
         prompts, state, epoch = self._next_prompts()
@@ -812,8 +827,10 @@ class PPOTrainer:
             "dataloader": loader_state,
             "policy_version": self._policy_version,
         }
+        # Relative to the trainer's run directory, where it confines checkpoints (the
+        # same folder as checkpoint_dir when the trainer reads this run's config).
         self._w.trainer.save_checkpoint(
-            str(self.checkpoint_dir), step=self.global_steps, extra_state_json=json.dumps(extra)
+            _CHECKPOINTS, step=self.global_steps, extra_state_json=json.dumps(extra)
         )
         return time.perf_counter() - t0
 
@@ -821,7 +838,7 @@ class PPOTrainer:
         t = self.config.trainer
         if t.resume_mode == "disable":
             return False
-        path = str(self.checkpoint_dir)
+        path = _CHECKPOINTS
         if t.resume_mode == "resume_path":
             if not t.resume_from_path:
                 raise ValueError("trainer.resume_mode is resume_path but resume_from_path is unset")
@@ -996,6 +1013,10 @@ class PPOTrainer:
         if self.on_step is not None:
             self.on_step(record)
         return record
+
+
+_CHECKPOINTS = "checkpoints"
+_REWARD_ATTEMPTS = 4  # about 7 s of backoff: a reward service restarting comes back in that
 
 
 def _replace_seed(p: SamplingParams, seed: int) -> SamplingParams:

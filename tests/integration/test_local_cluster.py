@@ -228,3 +228,44 @@ def test_cli_up_status_down(
     assert cli.read_state(state_dir) is None
     for name, pid in pids.items():
         assert gone(pid), f"{name} (pid {pid}) survived `rlfleet down`"
+
+
+def test_dead_rollout_and_reward_are_restarted_on_their_ports(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = config_from_dict(
+        base_config(
+            tiny_model_dir,
+            tmp_path / "run",
+            services={"max_restarts": 1, "restart_backoff_s": 0.2},
+        )
+    )
+    with LocalCluster(config, tmp_path / "run", heartbeat_interval_s=0.5, grace_s=10) as cluster:
+        h = cluster.start(timeout_s=180)
+        old = {name: h.pids[name] for name in ("reward", "rollout-0", "trainer")}
+        for name in ("reward", "rollout-0"):
+            os.kill(old[name], signal.SIGKILL)
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            pids = cluster.pids
+            if all(pids.get(n) not in (None, old[n]) for n in ("reward", "rollout-0")) and all(
+                healthy(a) for a in (h.reward, h.rollout[0])
+            ):
+                break
+            time.sleep(0.5)
+        assert cluster.restarts == {"reward": 1, "rollout-0": 1}
+        assert healthy(h.reward) and healthy(h.rollout[0])  # the same addresses
+        with SchedulerClient(h.scheduler) as client:  # type: ignore[arg-type]
+            while time.monotonic() < deadline:
+                alive = [e.spec.address for e in client.list_services("rollout", alive_only=True)]
+                if alive == h.rollout:
+                    break
+                time.sleep(0.5)
+        assert alive == h.rollout
+        assert cluster.pids["trainer"] == old["trainer"]
+        # A second death is past max_restarts: the replica stays down.
+        os.kill(cluster.pids["rollout-0"], signal.SIGKILL)
+        while "rollout-0" not in cluster.given_up and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "rollout-0" in cluster.given_up and cluster.restarts["rollout-0"] == 1
+    assert all(gone(pid) for pid in cluster.pids.values())
