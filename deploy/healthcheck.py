@@ -7,6 +7,11 @@ The second form is for services started with ``--port 0`` (rollout replicas unde
 ``docker compose up --scale`` with host networking, where ports must not collide):
 the ports are read from /proc (PID 1's socket inodes matched against
 /proc/net/tcp{,6}), so nothing has to record them.
+
+gRPC health needs no token, but a server with TLS on takes only TLS connections (and
+with mTLS only clients with a certificate): the check dials with the container's own
+``RLFLEET_TLS_CA`` / ``_CERT`` / ``_KEY`` and ``RLFLEET_TLS_SERVER_NAME``, as the
+service does.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
-from rlfleet.common.rpc import check_health, create_channel
+from rlfleet.common.rpc import TLSConfig, check_health, create_channel, tls_from_env
 
 _LISTEN = "0A"
 
@@ -43,8 +48,18 @@ def _listening_ports(pid: int = 1) -> list[int]:
     return sorted(ports)
 
 
+def client_tls() -> TLSConfig | None:
+    """The TLS a client of this container's service dials with (None: plaintext)."""
+    tls = tls_from_env(os.environ)
+    if tls is None:
+        return None
+    return TLSConfig(
+        cert=tls.cert, key=tls.key, ca=tls.ca, server_name_override=tls.server_name_override
+    )
+
+
 def healthy(address: str, timeout_s: float = 3.0) -> bool:
-    channel = create_channel(address, retry_unavailable=False)
+    channel = create_channel(address, tls=client_tls(), retry_unavailable=False)
     try:
         return check_health(channel, timeout_s=timeout_s)
     finally:

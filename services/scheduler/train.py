@@ -5,7 +5,11 @@
 2. Starts the services as local processes (:class:`rlfleet.scheduler.cluster.LocalCluster`:
    reward, trainer, one process per rollout replica, a scheduler for the registry;
    services named in ``services.*`` are used as they are), or with ``--in-process``
-   builds every role inside this process instead.
+   builds every role inside this process instead. When every service is given
+   (``services.trainer``, ``services.reward``, and ``services.rollout`` or
+   ``services.scheduler``, whose registry then names the replicas) and the environment
+   holds credentials (``RLFLEET_CREDENTIALS``, TLS from ``RLFLEET_TLS_*``), nothing is
+   launched and the driver uses those credentials (docker compose, Kubernetes).
 3. Runs :class:`rlfleet.scheduler.driver.PPOTrainer` ``init_workers()`` / ``fit()``.
 4. Stops every service it started on exit, on an error and on Ctrl-C / SIGTERM.
 
@@ -106,15 +110,23 @@ def train(
     on_step: Any = None,
 ) -> dict[str, Any]:
     """Run one PPO job; returns a summary (steps, validation scores, run dir)."""
+    from rlfleet.common.rpc import current_security, set_security
     from rlfleet.scheduler.driver import PPOTrainer
     from rlfleet.scheduler.workers import remote_workers
 
+    previous_security = current_security()
     run_dir = config.run_dir()
     cluster: Any = None
     mapping: Any = None
     scheduler_address: str | None = None
+    deployed = None if in_process else _deployed_security(config)
     try:
-        if not in_process:
+        if deployed is not None:
+            # Every service runs already (docker compose, Kubernetes): nothing to launch,
+            # and the driver speaks with the credentials its deployer gave this process.
+            set_security(deployed)
+            mapping, scheduler_address = _deployed_workers(config, start_timeout_s)
+        elif not in_process:
             from rlfleet.scheduler.cluster import LocalCluster
 
             cluster = LocalCluster(config, run_dir, scheduler=scheduler)
@@ -153,6 +165,58 @@ def train(
     finally:
         if cluster is not None:
             cluster.stop()
+        if deployed is not None:
+            set_security(previous_security)
+
+
+def _deployed_security(config: Any) -> Any:
+    """The environment's security when every service is given by address and the
+    environment holds credentials (``RLFLEET_CREDENTIALS``, ``RLFLEET_CREDENTIALS_JSON``
+    or ``RLFLEET_AUTH_TOKEN``, TLS from ``RLFLEET_TLS_*``); else None (LocalCluster)."""
+    import os
+
+    from rlfleet.common import auth
+    from rlfleet.common.rpc import Security
+
+    s = config.services
+    if s.trainer is None or s.reward is None or not (s.rollout or s.scheduler):
+        return None
+    names = (auth.CREDENTIALS_ENV, auth.CREDENTIALS_JSON_ENV, auth.SHARED_TOKEN_ENV)
+    if not any(os.environ.get(n) for n in names):
+        return None
+    return Security.from_env(what="rlfleet train")
+
+
+def _deployed_workers(config: Any, timeout_s: float) -> tuple[Any, str | None]:
+    """Workers of running services; rollout replicas from ``services.rollout``, else
+    the scheduler's registry (waiting up to ``timeout_s`` for one to register)."""
+    import time
+
+    from rlfleet.common.errors import Unavailable
+    from rlfleet.common.rpc import wait_for_ready
+    from rlfleet.scheduler.servicer import SchedulerClient
+    from rlfleet.scheduler.workers import remote_workers
+
+    s = config.services
+    deadline = time.monotonic() + timeout_s
+    for address in (s.trainer, s.reward, *s.rollout, s.scheduler):
+        if address:
+            wait_for_ready(address, timeout_s=max(0.1, deadline - time.monotonic()))
+    rollout = list(s.rollout)
+    if not rollout:
+        with SchedulerClient(s.scheduler) as client:
+            while not rollout:
+                entries = client.list_services("rollout", alive_only=True)
+                rollout = sorted(e.spec.address for e in entries if e.spec.address)
+                if not rollout and time.monotonic() > deadline:
+                    raise Unavailable(
+                        f"no rollout replica registered with {s.scheduler} within {timeout_s}s",
+                        field="services.scheduler",
+                        value=s.scheduler,
+                    )
+                if not rollout:
+                    time.sleep(1.0)
+    return remote_workers(s.trainer, rollout, s.reward), s.scheduler
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,12 +13,16 @@ What it does:
    ``tools/build_images.sh --no-wheels --base rlfleet-base:bookworm``.
 3. ``docker-compose -f deploy/docker-compose.yml -f deploy/docker-compose.host.yml up``
    (scheduler, reward, trainer, one rollout replica) on free 127.0.0.1 ports, the
-   tiny model and arithmetic data mounted.
+   tiny model and arithmetic data mounted. Authentication and mTLS are on, as
+   shipped: the compose file's ``secrets`` service writes the credential set and TLS
+   material into a host folder (``RLFLEET_SECRETS``) before the services start.
 4. The PPO driver in this process, against the services' addresses (rollout replicas
-   from the scheduler's registry); after step 1, ``--scale rollout=2``.
+   from the scheduler's registry), with the driver's credentials and the TLS material
+   read from that folder; after step 1, ``--scale rollout=2``.
 5. Checks: every step ran, every step trained on train_batch_size x n samples (the
    driver raises when one is missing), the second replica registered, is healthy and
-   serves the trainer's newest weights.
+   serves the trainer's newest weights; a call without a token is UNAUTHENTICATED and
+   ``/metrics`` without a token is 401.
 
 Skips with the reason where no Docker engine can be started (no binary, not root,
 dockerd exits) or a build input is missing (no debootstrap, no package index).
@@ -32,15 +36,21 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
+
+from rlfleet.common.rpc import Security, TLSConfig, create_channel, using_security
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -229,10 +239,25 @@ def images(engine: Engine) -> None:
 class Cluster:
     env: dict[str, str]
     scheduler: str
+    scheduler_metrics: str
     trainer: str
     reward: str
     raw: dict[str, Any]  # the run config, host paths
     data: Path
+    secrets: Path  # the credential set and TLS material the `secrets` service wrote
+
+    def driver_security(self) -> Security:
+        """The driver's credentials and the cluster's TLS, as the driver service gets them."""
+        tls = self.secrets / "tls"
+        return Security.from_env(
+            {
+                "RLFLEET_CREDENTIALS": str(self.secrets / "driver.json"),
+                "RLFLEET_TLS_CERT": str(tls / "cert.pem"),
+                "RLFLEET_TLS_KEY": str(tls / "cert.key"),
+                "RLFLEET_TLS_CA": str(tls / "ca.pem"),
+                "RLFLEET_TLS_SERVER_NAME": "rlfleet",
+            }
+        )
 
     def compose(self, *args: str, timeout: float = 600) -> str:
         return run(
@@ -276,6 +301,7 @@ def cluster(
 
     tmp = tmp_path_factory.mktemp("compose")
     models, data, ckpt = tmp / "models", tmp / "data", tmp / "checkpoints"
+    secrets = tmp / "secrets"  # made by the compose file's `secrets` service (as root)
     models.mkdir()
     shutil.copytree(tiny_model_dir, models / "policy")
     preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+-*", seed=0)
@@ -295,15 +321,17 @@ def cluster(
     env.update({f"RLFLEET_{k}_PORT": v for k, v in ports.items()})
     env.update(
         RLFLEET_MODELS=str(models), RLFLEET_DATA=str(data), RLFLEET_CHECKPOINTS=str(ckpt),
-        RLFLEET_VARIANT="cpu", RLFLEET_OMP_THREADS="1",
+        RLFLEET_SECRETS=str(secrets), RLFLEET_VARIANT="cpu", RLFLEET_OMP_THREADS="1",
     )  # fmt: skip
     c = Cluster(
         env,
         scheduler=f"127.0.0.1:{ports['SCHEDULER']}",
+        scheduler_metrics=f"127.0.0.1:{ports['SCHEDULER_METRICS']}",
         trainer=f"127.0.0.1:{ports['TRAINER']}",
         reward=f"127.0.0.1:{ports['REWARD']}",
         raw=_raw(str(tiny_model_dir), str(data), str(tmp / "run")),
         data=data,
+        secrets=secrets,
     )
     try:
         # Compose 1.29 waits for service_healthy dependencies itself; --scale keeps one replica.
@@ -372,6 +400,11 @@ def _rollout_addresses(c: Cluster) -> list[str]:
 
 
 def test_ppo_steps_with_rollout_scaled_from_1_to_2(cluster: Cluster, tmp_path: Path) -> None:
+    with using_security(cluster.driver_security()):
+        _ppo_steps_with_rollout_scaled_from_1_to_2(cluster, tmp_path)
+
+
+def _ppo_steps_with_rollout_scaled_from_1_to_2(cluster: Cluster, tmp_path: Path) -> None:
     from rlfleet.common.config import config_from_dict
     from rlfleet.rollout.client import RemoteRolloutClient
     from rlfleet.scheduler.driver import PPOTrainer, StepRecord
@@ -414,3 +447,46 @@ def test_ppo_steps_with_rollout_scaled_from_1_to_2(cluster: Cluster, tmp_path: P
     assert status.weight_version == newest, (status.weight_version, newest)
     assert status.generated_tokens_total > 0, status
     assert max(r.metrics["rollout/replicas"] for r in records) == 2
+
+
+def test_a_call_without_a_token_is_unauthenticated(cluster: Cluster) -> None:
+    from rlfleet.v1 import scheduler_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+    def trainer_status(channel: grpc.Channel) -> Any:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        return stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=30)
+
+    def list_services(channel: grpc.Channel) -> Any:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        return stub.ListServices(scheduler_pb2.ListServicesRequest(), timeout=30)
+
+    driver = cluster.driver_security()
+    tls = driver.client_tls()  # a client certificate (mTLS) and the CA, but no token
+    assert tls is not None
+    for address, call in ((cluster.trainer, trainer_status), (cluster.scheduler, list_services)):
+        anonymous = create_channel(
+            address, tls=tls, retry_unavailable=False, security=Security(insecure=True)
+        )
+        with contextlib.closing(anonymous), pytest.raises(grpc.RpcError) as e:
+            call(anonymous)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, (address, e.value)
+        # The same call with the driver's token is answered.
+        with contextlib.closing(create_channel(address, security=driver)) as channel:
+            call(channel)
+
+
+def test_metrics_without_a_token_is_401(cluster: Cluster) -> None:
+    tls = cluster.driver_security().client_tls()
+    assert isinstance(tls, TLSConfig) and tls.ca is not None and tls.cert is not None
+    context = ssl.create_default_context(cafile=str(tls.ca))
+    context.load_cert_chain(str(tls.cert), str(tls.key))
+    url = f"https://{cluster.scheduler_metrics}/metrics"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(url, timeout=30, context=context)
+    assert e.value.code == 401
+    # Prometheus' credentials: the bare observer token.
+    token = (cluster.secrets / "observer.token").read_text().strip()
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30, context=context) as r:
+        assert r.status == 200
+        assert b"# TYPE" in r.read()
