@@ -5,7 +5,9 @@ One module-scoped run: a LocalCluster (scheduler, reward, trainer, one rollout
 replica, each its own process, tiny model), Debian's ``prometheus`` started on
 127.0.0.1 with a config derived from ``deploy/prometheus/prometheus.yml`` (1 s
 scrapes, SD pointed at this cluster's scheduler, the driver's metrics port in the
-file_sd targets), then three PPO steps with a validation, so every series a panel
+file_sd targets, the secrets paths pointed at this cluster's credential set and TLS
+material: every endpoint is HTTPS with mTLS and needs the observer's token, as in
+docker compose), then three PPO steps with a validation, so every series a panel
 reads has been written. Each panel is its own test case.
 
 Panels whose metrics no service exports yet are listed in :data:`PENDING`: their
@@ -171,15 +173,32 @@ class Prometheus:
                 self.proc.wait(timeout=5)
 
 
-def prometheus_config(scheduler_metrics: str, targets_dir: Path) -> dict[str, Any]:
-    """deploy/prometheus/prometheus.yml, pointed at this test's cluster."""
-    cfg: dict[str, Any] = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+def prometheus_config(scheduler_metrics: str, targets_dir: Path, secrets: Path) -> dict[str, Any]:
+    """deploy/prometheus/prometheus.yml, pointed at this test's cluster; its /secrets
+    paths (the compose mount) at ``secrets`` (the same layout)."""
+    raw = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    cfg: dict[str, Any] = json.loads(json.dumps(raw))  # YAML aliases become copies
     cfg["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
     cfg["rule_files"] = [str(DEPLOY / "prometheus" / p) for p in cfg["rule_files"]]
     jobs = {job["job_name"]: job for job in cfg["scrape_configs"]}
     (sd,) = jobs["rlfleet"]["http_sd_configs"]
-    assert sd["url"].endswith("/sd"), sd
-    sd.update(url=f"http://{scheduler_metrics}/sd", refresh_interval="1s")
+    assert sd["url"] == "https://scheduler:9200/sd", sd
+    sd.update(url=f"https://{scheduler_metrics}/sd", refresh_interval="1s")
+
+    def local(path: str) -> str:
+        return str(secrets / Path(path).relative_to("/secrets"))
+
+    for c in (*jobs.values(), sd):  # the observer's token, the cluster CA, mTLS
+        assert c["authorization"] == {
+            "type": "Bearer",
+            "credentials_file": "/secrets/observer.token",
+        }, c
+        c["authorization"]["credentials_file"] = local("/secrets/observer.token")
+        tls = c["tls_config"]
+        assert tls["server_name"] == "rlfleet", tls
+        for key in ("ca_file", "cert_file", "key_file"):
+            tls[key] = local(tls[key])
+    assert all(job["scheme"] == "https" for job in jobs.values()), jobs
     (files,) = jobs["rlfleet-static"]["file_sd_configs"]
     files.update(files=[str(targets_dir / "*.json")], refresh_interval="1s")
     return cfg
@@ -230,14 +249,33 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 CPU cores for the train and rollout pools")
     driver = pytest.importorskip("rlfleet.scheduler.driver", reason="the PPO driver is missing")
+    from rlfleet.common.auth import write_credential_set
     from rlfleet.common.config import config_from_dict
+    from rlfleet.common.secrets_cli import make_tls
     from rlfleet.scheduler.cluster import LocalCluster
     from rlfleet.scheduler.data.preprocess import preprocess
     from rlfleet.scheduler.workers import remote_workers
 
     tmp = tmp_path_factory.mktemp("prometheus")
     preprocess("arithmetic", None, tmp / "data", n=32, n_test=4, digits=1, ops="+-*", seed=0)
-    config = config_from_dict(_raw_config(tiny_model_dir, tmp / "data", tmp / "run"))
+    # What `rlfleet secrets init --tls-host ...` writes, in the layout compose mounts.
+    secrets = write_credential_set(tmp / "secrets")
+    try:
+        tls = make_tls(secrets / "tls", [])
+    except OSError as e:
+        pytest.skip(f"no TLS material: {e}")
+    security = {
+        "credentials_dir": str(secrets),
+        "tls": {
+            "cert": str(tls["cert"]),
+            "key": str(tls["key"]),
+            "ca": str(tls["ca"]),
+            "require_client_cert": True,
+        },
+    }
+    config = config_from_dict(
+        {**_raw_config(tiny_model_dir, tmp / "data", tmp / "run"), "security": security}
+    )
     with LocalCluster(config, tmp / "run", heartbeat_interval_s=0.5) as cluster:
         handle = cluster.start(timeout_s=180)
         assert handle.scheduler is not None
@@ -258,7 +296,9 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                 )
             )
             cfg_path = tmp / "prometheus.yml"
-            cfg_path.write_text(yaml.safe_dump(prometheus_config(scheduler_metrics, targets)))
+            cfg_path.write_text(
+                yaml.safe_dump(prometheus_config(scheduler_metrics, targets, secrets))
+            )
             prom = Prometheus(cfg_path, tmp / "tsdb", tmp / "prometheus.log")
             try:
                 wait_for("prometheus /-/ready", prom.ready, 60)
@@ -316,7 +356,8 @@ def test_alert_rules_pass_promtool() -> None:
         pytest.skip("no `promtool` on PATH (Debian: it comes with the prometheus package)")
     for args in (
         ["check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")],
-        ["check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+        # --syntax-only: the secrets it names exist only where compose mounts them.
+        ["check", "config", "--syntax-only", str(DEPLOY / "prometheus" / "prometheus.yml")],
     ):
         out = subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr
