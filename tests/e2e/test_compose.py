@@ -490,3 +490,21 @@ def test_metrics_without_a_token_is_401(cluster: Cluster) -> None:
     with urllib.request.urlopen(request, timeout=30, context=context) as r:
         assert r.status == 200
         assert b"# TYPE" in r.read()
+
+
+def test_the_driver_service_trains_with_its_own_credentials(cluster: Cluster) -> None:
+    """`docker-compose run driver`: `rlfleet train` with every service given launches
+    nothing and speaks with /secrets/driver.json and the TLS files of its view."""
+    ports = {k: cluster.env[f"RLFLEET_{k}_PORT"] for k in ("SCHEDULER", "TRAINER", "REWARD")}
+    out = cluster.compose(
+        "run", "--rm", "-T", "driver",
+        "train", "--config", "/data/run.yaml",
+        f"services.scheduler=127.0.0.1:{ports['SCHEDULER']}",
+        f"services.trainer=127.0.0.1:{ports['TRAINER']}",
+        f"services.reward=127.0.0.1:{ports['REWARD']}",
+        "trainer.total_training_steps=1",
+        "trainer.default_local_dir=/checkpoints/driver-service",
+        timeout=900,
+    )  # fmt: skip
+    summary = json.loads([x for x in out.splitlines() if x.startswith("{")][-1])
+    assert summary["global_steps"] == 1, summary
