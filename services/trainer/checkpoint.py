@@ -84,6 +84,12 @@ def checkpoint_root(core: TrainerCore, path: str | None = None) -> Path:
     else ``InvalidArgument`` on ``path``.
     """
     run_dir = core.config.run_dir().resolve()
+    if path and ("\x00" in path or any(len(p.encode()) > 255 for p in Path(path).parts)):
+        raise InvalidArgument(
+            f"checkpoint path {path!r} is no file name (a NUL byte, or a part over 255 bytes)",
+            field="path",
+            value=path,
+        )
     if not path:
         given = run_dir / "checkpoints"
     else:
