@@ -59,7 +59,7 @@ def _serve_and_score(rlfleet: Path, tmp_path: Path) -> None:
         + "\n"
     )
     server = subprocess.Popen(
-        [str(rlfleet), "serve", "reward", "--port", "0", "--metrics-port", "0"],
+        [str(rlfleet), "serve", "reward", "--port", "0", "--metrics-port", "0", "--insecure"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -116,9 +116,12 @@ def test_serve_torch_threads_set_before_the_engine_loads(
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     with pytest.raises(RuntimeError, match="stop here"):
-        server.serve_main(parser.parse_args(["--model", "m", "--torch-threads", "3"]))
+        server.serve_main(parser.parse_args(["--model", "m", "--torch-threads", "3", "--insecure"]))
     assert calls == [3, "build_engine"]
     calls.clear()
-    assert server.serve_main(parser.parse_args(["--model", "m", "--torch-threads", "0"])) == 2
+    assert (
+        server.serve_main(parser.parse_args(["--model", "m", "--torch-threads", "0", "--insecure"]))
+        == 2
+    )
     assert "--torch-threads must be >= 1, got 0" in capsys.readouterr().err
     assert calls == []

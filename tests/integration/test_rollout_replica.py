@@ -107,6 +107,7 @@ def test_replica_registers_heartbeats_and_deregisters(
         "2",
         "--torch-threads",
         "1",
+        "--insecure",  # the fake scheduler has no auth; test_scheduler_rollout.py has it on
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

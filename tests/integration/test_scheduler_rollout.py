@@ -15,6 +15,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+from rlfleet.common.auth import credential_set, generate_tokens, write_credential_set
+from rlfleet.common.rpc import Security, using_security
 from rlfleet.scheduler.registry import Registry, SchedulerCore, ServiceEntry, ServiceState
 from rlfleet.scheduler.server import start_scheduler_server
 from rlfleet.scheduler.servicer import SchedulerClient
@@ -29,16 +31,28 @@ def wait_until(what: str, check: Callable[[], bool], timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def test_rollout_replica_registers_goes_dead_and_leaves(tiny_model_dir: Path) -> None:
+def test_rollout_replica_registers_goes_dead_and_leaves(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Auth on, as in a cluster: the replica registers with its rollout credential
+    # (heartbeats and deregistration carry its lease); this process is the driver.
+    tokens = generate_tokens()
+    secrets = write_credential_set(tmp_path / "secrets", tokens)
+    driver = Security(credentials=credential_set(tokens)["driver"])
     core = SchedulerCore(Registry(heartbeat_interval_s=0.3, missed_heartbeats=3))
     core.set_training_status(weight_version=0)
-    with start_scheduler_server(core, metrics_port=0) as server:
+    with using_security(driver), start_scheduler_server(core, metrics_port=0) as server:
         cmd = [
             sys.executable, "-m", "rlfleet.rollout.server",
             "--model", str(tiny_model_dir), "--engine", "hf", "--port", "0",
             "--scheduler", server.address, "--grace-s", "1",
         ]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            CUDA_VISIBLE_DEVICES="",
+            RLFLEET_CREDENTIALS=str(secrets / "rollout.json"),
+        )
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         client = SchedulerClient(server.address)
         try:

@@ -67,7 +67,7 @@ def test_one_rank_and_two_ranks_agree(tiny_model_dir: Path, tmp_path: Path) -> N
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "rlfleet.trainer.server", "--config", str(cfg_file),
-        "--address-file", str(address_file),
+        "--address-file", str(address_file), "--insecure",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
