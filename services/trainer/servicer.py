@@ -13,13 +13,14 @@ trainer does not hold) map to status codes through :mod:`rlfleet.common.rpc`.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
 
 from rlfleet.common.codec import ChunkAssembler, CodecError, StreamTooLarge, iter_chunks
-from rlfleet.common.errors import InvalidArgument, ResourceExhausted
+from rlfleet.common.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from rlfleet.common.rpc import is_loopback
 from rlfleet.trainer import checkpoint
 from rlfleet.trainer.core import TrainerCore
 from rlfleet.trainer.models import torch_dtype
@@ -70,10 +71,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     """Thin adapter from TrainerService to :class:`TrainerCore`."""
 
     def __init__(
-        self, core: TrainerCore, *, default_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+        self,
+        core: TrainerCore,
+        *,
+        default_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        push_targets: Callable[[], Collection[str]] | None = None,
     ) -> None:
+        """``push_targets``: the addresses ``PushWeights`` may send the model to (the
+        scheduler's registered rollout replicas); None: any loopback address and the
+        config's ``services.rollout`` (see :func:`check_push_targets`)."""
         self.core = core
         self.default_bucket_bytes = default_bucket_bytes
+        self.push_targets = push_targets
         self.max_request_bytes = core.config.trainer.max_request_bytes
 
     def _batch(self, chunks: Iterator[common_pb2.TensorBatchChunk]) -> dict[str, Any]:
@@ -153,9 +162,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def PushWeights(
         self, request: trainer_pb2.PushWeightsRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.PushWeightsResponse:
+        targets = [(t.replica_id or t.address, t.address) for t in request.targets]
+        allowed = (
+            self.push_targets()
+            if self.push_targets is not None
+            else self.core.config.services.rollout
+        )
+        check_push_targets([a for _, a in targets], allowed, registry=self.push_targets is not None)
         return push_to_targets(
             self.core,
-            [(t.replica_id or t.address, t.address) for t in request.targets],
+            targets,
             version=request.version,
             bucket_bytes=request.bucket_bytes or self.default_bucket_bytes,
             transports=list(request.transports),
@@ -165,6 +181,33 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self, request: trainer_pb2.GetTrainerStatusRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.TrainerStatus:
         return trainer_pb2.TrainerStatus(**self.core.status())
+
+
+def check_push_targets(
+    addresses: Sequence[str], allowed: Collection[str], *, registry: bool
+) -> None:
+    """Refuse to send the model anywhere but to known replicas.
+
+    With a registry (``registry=True``), ``allowed`` are the addresses of the alive
+    rollout replicas registered with the scheduler (each registered with a rollout
+    credential, on its own host); otherwise ``allowed`` are the configured replica
+    addresses, and loopback addresses are accepted too.
+
+    Raises:
+        PermissionDenied: naming ``targets[i].address`` and the address.
+    """
+    known = set(allowed)
+    for i, address in enumerate(addresses):
+        if address in known:
+            continue
+        if not registry and is_loopback(address.rpartition(":")[0]):
+            continue
+        where = "registered with the scheduler" if registry else "configured (services.rollout)"
+        raise PermissionDenied(
+            f"{address} is not a rollout replica {where}: weights go only to known replicas",
+            field=f"targets[{i}].address",
+            value=address,
+        )
 
 
 #: ``WeightTransport`` values and the transport names of the rollout's data plane.
