@@ -91,6 +91,7 @@ __all__ = [
     "Security",
     "Server",
     "TLSConfig",
+    "Watchdog",
     "add_security_arguments",
     "call_options",
     "check_health",
@@ -99,6 +100,7 @@ __all__ = [
     "current_security",
     "error_info",
     "grpc_method",
+    "health_probe",
     "init_service_security",
     "is_loopback",
     "security_from_args",
@@ -1206,6 +1208,72 @@ def check_health(
     ``wait``: wait up to ``timeout_s`` for an unreachable server to come up.
     """
     return _health_status(channel, service, timeout_s, wait) == "SERVING"
+
+
+class Watchdog:
+    """Cancels a call whose peer stopped answering while the call runs.
+
+    Every ``liveness_s`` without :meth:`progress`, ``probe()`` runs (a health check,
+    a status call: it must answer within ``liveness_s`` when the peer is alive, and
+    return False or raise ``grpc.RpcError`` otherwise); when it fails, ``cancel()``
+    is called and :attr:`verdict` says why. A busy peer answers its probe and is
+    left alone; a stopped (SIGSTOP) or stuck one is given up within about three
+    ``liveness_s``, not the call's deadline. Use as a context manager around the call.
+    """
+
+    def __init__(
+        self, probe: Callable[[], bool], cancel: Callable[[], Any], liveness_s: float, what: str
+    ) -> None:
+        self._probe = probe
+        self._cancel = cancel
+        self._limit = liveness_s
+        self._what = what
+        self._last = time.monotonic()
+        self._done = threading.Event()
+        self.verdict: str | None = None
+        self._thread = threading.Thread(target=self._run, name="rlfleet-watchdog", daemon=True)
+
+    def __enter__(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+
+    def progress(self) -> None:
+        self._last = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._done.wait(self._limit):
+            quiet = time.monotonic() - self._last
+            if quiet < self._limit:
+                continue
+            try:
+                alive = self._probe()
+                why = "it is not SERVING"
+            except grpc.RpcError as e:
+                alive = False
+                why = e.code().name if hasattr(e, "code") else str(e)
+            if alive or self._done.is_set():
+                continue
+            self.verdict = (
+                f"nothing for {quiet:.1f}s and its liveness probe failed within "
+                f"{self._limit:.1f}s ({why})"
+            )
+            logger.warning("%s: %s", self._what, self.verdict)
+            self._cancel()
+            return
+
+    def error(self, address: str) -> Unavailable:
+        """The error to raise once :attr:`verdict` is set."""
+        return Unavailable(
+            f"{self._what} stopped answering: {self.verdict}", field="address", value=address
+        )
+
+
+def health_probe(channel: grpc.Channel, timeout_s: float) -> Callable[[], bool]:
+    """A :class:`Watchdog` probe: the server's gRPC health answers SERVING in time."""
+    return lambda: check_health(channel, timeout_s=timeout_s)
 
 
 def wait_for_ready(

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import grpc
 
 from rlfleet.common.codec import DEFAULT_MAX_CHUNK_BYTES, iter_chunk_bytes, serialize_chunk
-from rlfleet.common.errors import RlfleetError, Unavailable
-from rlfleet.common.rpc import DEFAULT_TIMEOUT_S, create_channel, to_rlfleet_error
+from rlfleet.common.errors import RlfleetError
+from rlfleet.common.rpc import DEFAULT_TIMEOUT_S, Watchdog, create_channel, to_rlfleet_error
 from rlfleet.rollout import serde
 from rlfleet.rollout.core import RolloutCore, RolloutStatusInfo
 from rlfleet.rollout.engine import SampleOutput, SamplingParams
@@ -119,49 +117,6 @@ def _error(e: grpc.RpcError) -> RlfleetError:
     return to_rlfleet_error(e)
 
 
-class _Watchdog:
-    """Cancels a ``Generate`` stream whose replica stopped answering.
-
-    Every ``liveness_s`` without a sample, it asks the replica's ``GetStatus`` (on the
-    other channel) with a ``liveness_s`` deadline; a replica that is generating
-    answers at once, one that is stopped (SIGSTOP), stuck or gone does not, and
-    then the stream is cancelled and :attr:`verdict` says why.
-    """
-
-    def __init__(self, client: RemoteRolloutClient, stream: Any) -> None:
-        self._client = client
-        self._stream = stream
-        self._last = time.monotonic()
-        self._done = threading.Event()
-        self.verdict: str | None = None
-        threading.Thread(target=self._run, name="rlfleet-gen-watchdog", daemon=True).start()
-
-    def progress(self) -> None:
-        self._last = time.monotonic()
-
-    def stop(self) -> None:
-        self._done.set()
-
-    def _run(self) -> None:
-        limit = float(self._client._liveness_s or 0.0)
-        while not self._done.wait(limit):
-            quiet = time.monotonic() - self._last
-            if quiet < limit:
-                continue
-            try:
-                self._client.stub.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=limit)
-            except grpc.RpcError as e:
-                if self._done.is_set():
-                    return
-                self.verdict = (
-                    f"no sample for {quiet:.1f}s and GetStatus failed within {limit:.1f}s "
-                    f"({e.code().name})"
-                )
-                logger.warning("rollout replica %s: %s", self._client.address, self.verdict)
-                self._stream.cancel()
-                return
-
-
 DEFAULT_LIVENESS_S = 4.0
 """How long a ``Generate`` stream may go without a sample before the replica is
 probed (``GetStatus`` with the same deadline); a replica that is stopped or stuck
@@ -227,7 +182,16 @@ class RemoteRolloutClient:
             min_weight_version=min_weight_version,
         )
         stream = self._generate_stub.Generate(request, timeout=self._generate_timeout_s)
-        watchdog = _Watchdog(self, stream) if self._liveness_s else None
+        watchdog = None
+        if self._liveness_s:
+            limit = self._liveness_s
+
+            def probe() -> bool:  # GetStatus: the servicer answers, not just the process
+                self.stub.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=limit)
+                return True
+
+            watchdog = Watchdog(probe, stream.cancel, limit, f"rollout replica {self.address}")
+            watchdog.__enter__()
         try:
             for msg in stream:
                 if watchdog is not None:
@@ -235,11 +199,7 @@ class RemoteRolloutClient:
                 yield serde.result_from_proto(msg)
         except grpc.RpcError as e:
             if watchdog is not None and watchdog.verdict is not None:
-                raise Unavailable(
-                    f"rollout replica {self.address} stopped answering: {watchdog.verdict}",
-                    field="address",
-                    value=self.address,
-                ) from e
+                raise watchdog.error(self.address) from e
             err = _error(e)
             if err.recoverable and self.address not in str(err):
                 raise type(err)(
@@ -252,7 +212,7 @@ class RemoteRolloutClient:
             raise err from e
         finally:
             if watchdog is not None:
-                watchdog.stop()
+                watchdog.__exit__()
             stream.cancel()
 
     def update_weights(

@@ -14,17 +14,19 @@ statuses back with :func:`rlfleet.common.rpc.to_rlfleet_error`).
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
 
 from rlfleet.common.codec import ChunkAssembler, iter_chunks
-from rlfleet.common.rpc import create_channel, to_rlfleet_error
+from rlfleet.common.errors import RlfleetError
+from rlfleet.common.rpc import Watchdog, create_channel, health_probe, to_rlfleet_error
 from rlfleet.trainer.servicer import METRICS_META_KEY, TRANSPORT_NAMES, transport_codes
-from rlfleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
 
 __all__ = [
     "CheckpointInfo",
@@ -191,35 +193,79 @@ class InProcessTrainerClient:
         pass
 
 
+DEFAULT_LIVENESS_S = 5.0
+"""How often a call's trainer is health-checked while the call runs: a trainer that
+is stopped or stuck fails the call within about three times this, not its deadline."""
+
+
 class RemoteTrainerClient:
-    """Calls a TrainerService at ``address``; errors come back as rlfleet errors."""
+    """Calls a TrainerService at ``address``; errors come back as rlfleet errors.
+
+    Each call runs under a :class:`~rlfleet.common.rpc.Watchdog` that health-checks
+    the trainer every ``liveness_s`` (None: none); an error the transport raised
+    names the trainer and its address.
+    """
 
     def __init__(
-        self, address: str, *, timeout_s: float = 600.0, auth_token: str | None = None
+        self,
+        address: str,
+        *,
+        timeout_s: float = 600.0,
+        auth_token: str | None = None,
+        liveness_s: float | None = DEFAULT_LIVENESS_S,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.liveness_s = liveness_s
         self._channel = create_channel(address, auth_token=auth_token)
+        self._probe_channel = create_channel(address, retry_unavailable=False)
         self._stub = trainer_pb2_grpc.TrainerServiceStub(self._channel)
 
+    def _watchdog(self, cancel: Callable[[], Any]) -> Watchdog | contextlib.nullcontext[None]:
+        if not self.liveness_s:
+            return contextlib.nullcontext()
+        probe = health_probe(self._probe_channel, self.liveness_s)
+        return Watchdog(probe, cancel, self.liveness_s, f"trainer {self.address}")
+
+    def _error(self, e: grpc.RpcError, watchdog: Any) -> RlfleetError:
+        if isinstance(watchdog, Watchdog) and watchdog.verdict is not None:
+            return watchdog.error(self.address)
+        err = to_rlfleet_error(e)
+        if err.status in ("UNAVAILABLE", "DEADLINE_EXCEEDED") and self.address not in str(err):
+            return type(err)(
+                f"trainer {self.address}: {err}",
+                field=err.field or "address",
+                value=err.value if err.field else self.address,
+                code=err.code,
+                recoverable=err.recoverable,
+            )
+        return err
+
     def _call(self, method: Callable[..., Any], request: Any) -> Any:
+        future = method.future(request, timeout=self.timeout_s)  # type: ignore[attr-defined]
+        watchdog = self._watchdog(future.cancel)
         try:
-            return method(request, timeout=self.timeout_s)
+            with watchdog:
+                return future.result()
         except grpc.RpcError as e:
-            raise to_rlfleet_error(e) from e
+            raise self._error(e, watchdog) from e
+        except grpc.FutureCancelledError as e:
+            raise self._error(grpc.RpcError(), watchdog) from e
 
     def _stream(self, method: Callable[..., Any], batch: Batch) -> tuple[Batch, dict[str, float]]:
+        responses: Any = method(iter_chunks(batch), timeout=self.timeout_s)
+        watchdog = self._watchdog(responses.cancel)
         try:
-            responses: Iterator[common_pb2.TensorBatchChunk] = method(
-                iter_chunks(batch), timeout=self.timeout_s
-            )
-            asm = ChunkAssembler()
-            for chunk in responses:
-                if asm.add(chunk):
-                    break
+            with watchdog:
+                asm = ChunkAssembler()
+                for chunk in responses:
+                    if isinstance(watchdog, Watchdog):
+                        watchdog.progress()
+                    if asm.add(chunk):
+                        break
             values, meta = asm.result(to="torch")
         except grpc.RpcError as e:
-            raise to_rlfleet_error(e) from e
+            raise self._error(e, watchdog) from e
         metrics = json.loads(meta.get(METRICS_META_KEY, "{}"))
         return values, metrics
 
@@ -296,3 +342,4 @@ class RemoteTrainerClient:
 
     def close(self) -> None:
         self._channel.close()
+        self._probe_channel.close()

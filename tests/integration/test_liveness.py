@@ -1,6 +1,6 @@
-"""A replica that stops answering without dying (SIGSTOP) is given up by its client's
-liveness probe, with an error naming the replica, instead of after the stream's
-deadline; a replica that is merely busy is not."""
+"""A service that stops answering without dying (SIGSTOP) is given up by its client's
+liveness probe, with an error naming it and its address, instead of after the call's
+deadline; a service that is merely busy is not."""
 
 from __future__ import annotations
 
@@ -67,3 +67,41 @@ def test_a_stopped_replica_is_given_up_with_its_address(
             pass
     assert address in str(info.value) and info.value.recoverable
     client.close()
+
+
+def test_a_stopped_trainer_fails_the_call_naming_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import yaml
+
+    from rlfleet.trainer.client import RemoteTrainerClient
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "actor": {"model_path": str(tiny_model_dir)},
+                "trainer": {"device": "cpu", "default_local_dir": str(tmp_path / "run")},
+            }
+        )
+    )
+    address_file = tmp_path / "address"
+    cmd = [sys.executable, "-m", "rlfleet.trainer.server", "--config", str(cfg)]
+    cmd += ["--address-file", str(address_file), "--insecure"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        for _ in range(1200):
+            if address_file.exists() or proc.poll() is not None:
+                break
+            threading.Event().wait(0.1)
+        assert proc.poll() is None and address_file.exists()
+        client = RemoteTrainerClient(address_file.read_text(), timeout_s=3600, liveness_s=1.0)
+        assert client.status()["global_step"] == 0  # alive: the probe leaves it alone
+        os.kill(proc.pid, signal.SIGSTOP)
+        with pytest.raises(Unavailable, match="stopped answering") as info:
+            client.status()
+        assert "trainer" in str(info.value) and info.value.value == client.address
+        client.close()
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
