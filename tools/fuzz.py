@@ -6,7 +6,7 @@ Starts each service in-process on 127.0.0.1 (port 0) with authentication on, sen
 request afterwards, and prints one JSON line per service::
 
     {"service": "reward", "seed": 0, "requests": 2000, "codes": {"OK": 1044, ...},
-     "crashes": 0, "known_crashes": {...}, "hangs": 0, "policy_violations": 0,
+     "crashes": 0, "known_crashes": {"name": n}, "hangs": 0, "policy_violations": 0,
      "rss_growth_bytes": ..., "seconds": ..., "healthy_after": true, "failures": [...]}
 
 ``crashes`` are INTERNAL/UNKNOWN answers no known bug explains, ``known_crashes``
@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         for service in args.service or targets.SERVICES:
             workdir = Path(tmp) / service
             workdir.mkdir()
-            model_dir = fuzzlib.model_dir_for(Path(tmp) / "tiny")
+            model_dir = (
+                fuzzlib.model_dir_for(Path(tmp) / "tiny")
+                if service in ("rollout", "trainer")
+                else None
+            )
             try:
                 with targets.serve(service, creds, workdir, model_dir) as target:
                     report = fuzzlib.storm(

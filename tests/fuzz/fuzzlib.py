@@ -651,9 +651,10 @@ def broken_chunk_stream(
 
 @dataclasses.dataclass(frozen=True)
 class KnownBug:
-    """A crash found by fuzzing, not fixed yet: the method, which requests trigger it,
-    and what happens (the reason of its ``xfail(strict=True)`` test)."""
+    """A crash found by fuzzing, not fixed yet: a short name, the method, which
+    requests trigger it, and what happens (the reason of its ``xfail(strict=True)`` test)."""
 
+    name: str
     method: str
     matches: Callable[[Request], bool]
     reason: str
@@ -833,7 +834,7 @@ def classify(report: Report, req: Request, outcome: Outcome, known: KnownBug | N
     report.categories[req.category.split(":")[0]] += 1
     if outcome.code in CRASH_CODES:
         if known is not None:
-            report.known_crashes[known.reason] += 1
+            report.known_crashes[known.name] += 1
         else:
             report.crashes.append(outcome)
     late = outcome.seconds > req.method.deadline_s + SLACK_S

@@ -300,6 +300,7 @@ def _declares_huge_tensor(req: Request) -> bool:
 
 
 HUGE_WEIGHT_PIECE = KnownBug(
+    "rollout-huge-weight-piece",
     "UpdateWeights",
     _declares_huge_tensor,
     "rollout UpdateWeights: a chunk piece declaring a huge tensor (shape [2**45], nbytes "
@@ -626,6 +627,7 @@ def _non_ascii_lease(req: Request) -> bool:
 
 NON_ASCII_LEASE = {
     method: KnownBug(
+        "scheduler-non-ascii-lease",
         method,
         _non_ascii_lease,
         f"scheduler {method} with a non-ASCII lease (e.g. 'é'): Registry compares leases "
