@@ -24,7 +24,14 @@ from typing import Any, Protocol, TypeAlias
 import grpc
 
 from rlfleet.common.errors import InvalidArgument, RlfleetError, Unavailable
-from rlfleet.common.rpc import TLSConfig, call_options, create_channel, to_rlfleet_error
+from rlfleet.common.rpc import (
+    TLSConfig,
+    Watchdog,
+    call_options,
+    create_channel,
+    health_probe,
+    to_rlfleet_error,
+)
 from rlfleet.reward.convert import result_from_proto, sample_to_proto
 from rlfleet.reward.manager import RewardManager
 from rlfleet.reward.types import ChatMessage, RewardInfo, Sample, ScoreResult
@@ -316,17 +323,33 @@ class RewardClient:
             for stub, lo, hi in zip(stubs, bounds, bounds[1:], strict=False)
         ]
         results: list[ScoreResult] = []
-        for future, offset in zip(futures, bounds, strict=False):
-            try:
-                response = future.result()
-            except grpc.RpcError as exc:
-                for other in futures:
-                    other.cancel()
-                raise self._error(exc, offset) from exc
-            for r in response.results:
-                result = result_from_proto(r)
-                result.index += offset
-                results.append(result)
+
+        def cancel_all() -> None:
+            for f in futures:
+                f.cancel()
+
+        # A service that stops answering (SIGSTOP, hung) fails the call within a few
+        # liveness windows instead of its whole deadline.
+        watchdog = Watchdog(
+            health_probe(self._connections[0].channel, self.connect_timeout_s),
+            cancel_all,
+            self.connect_timeout_s,
+            f"reward service at {self.address}",
+        )
+        with watchdog:
+            for future, offset in zip(futures, bounds, strict=False):
+                try:
+                    response = future.result()
+                except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+                    cancel_all()
+                    if watchdog.verdict is not None:
+                        raise watchdog.error(self.address) from exc
+                    assert isinstance(exc, grpc.RpcError)
+                    raise self._error(exc, offset) from exc
+                for r in response.results:
+                    result = result_from_proto(r)
+                    result.index += offset
+                    results.append(result)
         return results
 
     def score_stream(
