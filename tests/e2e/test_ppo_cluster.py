@@ -342,3 +342,69 @@ def test_killed_rollout_replica_work_is_requeued(
     for r in records:  # the full batch (the driver checks n samples for every prompt)
         assert len(r.indices) == cfg.data.train_batch_size
         assert r.metrics["perf/total_gen_tokens"] > 0
+
+
+# ------------------------------------------------------------------ TLS
+
+
+def test_rlfleet_train_with_mtls_and_auth(
+    tiny_model_dir: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    """`rlfleet train`'s path with security.tls on (mTLS) besides the default auth:
+    every service serves TLS and requires client certificates, the driver trains
+    through them; plaintext and certificate-less clients are refused."""
+    import shutil
+    import urllib.request
+
+    from rlfleet.common.http import http_get
+    from rlfleet.common.rpc import TLSConfig, check_health, create_channel
+    from rlfleet.common.secrets_cli import make_tls
+    from rlfleet.scheduler.train import train
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not found: cannot make certificates")
+    tls = make_tls(tmp_path / "tls", [])
+    raw = _raw(tiny_model_dir, data_dir, tmp_path / "run")
+    raw["trainer"]["total_training_steps"] = 2  # type: ignore[index]
+    raw["security"] = {
+        "tls": {
+            "cert": str(tls["cert"]),
+            "key": str(tls["key"]),
+            "ca": str(tls["ca"]),
+            "require_client_cert": True,
+        }
+    }
+    seen: dict[str, object] = {}
+
+    def probe(record: StepRecord) -> None:
+        if seen:
+            return
+        from rlfleet.common.rpc import Security, current_security
+
+        security = current_security()
+        assert security is not None and security.role == "driver"
+        # The scheduler's serving line: its gRPC and HTTP addresses.
+        log = (tmp_path / "run" / "logs" / "scheduler.log").read_text().splitlines()
+        serving = json.loads(next(line for line in log if line.startswith("{")))
+        address = serving["address"]
+        # Reach it as outsiders: plaintext, and TLS without a client certificate.
+        plain = create_channel(address, retry_unavailable=False, security=Security(insecure=True))
+        no_cert = create_channel(address, tls=TLSConfig(ca=tls["ca"]), retry_unavailable=False)
+        mine = create_channel(address, retry_unavailable=False)
+        seen["plain"] = check_health(plain, timeout_s=3)
+        seen["no_cert"] = check_health(no_cert, timeout_s=3)
+        seen["mine"] = check_health(mine, timeout_s=3)
+        for channel in (plain, no_cert, mine):
+            channel.close()
+        seen["sd"] = json.loads(http_get(serving["metrics_address"], "/sd"))
+        try:
+            urllib.request.urlopen(f"http://{serving['metrics_address']}/sd", timeout=3)
+            seen["http"] = "answered"
+        except OSError as e:  # an HTTPS server does not speak plain HTTP
+            seen["http"] = type(e).__name__
+
+    summary = train(config_from_dict(raw), on_step=probe)
+    assert summary["global_steps"] == 2
+    assert seen["mine"] is True and seen["plain"] is False and seen["no_cert"] is False
+    assert {g["labels"]["role"] for g in seen["sd"]} >= {"rollout"}  # type: ignore[union-attr]
+    assert seen["http"] != "answered"
