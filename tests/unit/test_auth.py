@@ -1,0 +1,173 @@
+"""Credential sets, the method policy and a process's security from its environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from rlfleet.common import auth
+from rlfleet.common.auth import (
+    ADMIN,
+    METHOD_ROLES,
+    ROLES,
+    Authenticator,
+    CredentialError,
+    Credentials,
+    allowed,
+    credential_set,
+    generate_tokens,
+    load_credentials,
+    read_credential_set,
+    token_digest,
+    write_credential_set,
+)
+from rlfleet.common.rpc import Security, init_service_security, is_loopback, tls_from_env
+from rlfleet.v1 import reward_pb2, rollout_pb2, scheduler_pb2, trainer_pb2
+
+
+def test_a_set_has_one_distinct_token_per_role_and_files_are_private(tmp_path: Path) -> None:
+    tokens = generate_tokens()
+    assert set(tokens) == set(ROLES) and len(set(tokens.values())) == len(ROLES)
+    root = write_credential_set(tmp_path / "s", tokens)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    for role in ROLES:
+        assert stat.S_IMODE((root / f"{role}.json").stat().st_mode) == 0o600
+    assert (root / "observer.token").read_text() == tokens["observer"]
+    assert read_credential_set(root) == tokens
+    # A role's file holds its own token only: digests of the others.
+    data = json.loads((root / "rollout.json").read_text())
+    assert data["token"] == tokens["rollout"]
+    assert tokens["driver"] not in (root / "rollout.json").read_text()
+    assert data["verifiers"]["driver"] == token_digest(tokens["driver"])
+
+
+def test_the_authenticator_tells_roles_apart_and_refuses_the_rest() -> None:
+    tokens = generate_tokens()
+    a = credential_set(tokens)["reward"].authenticator()
+    for role, token in tokens.items():
+        assert a.role_of(token) == role
+    assert a.role_of("x" * 43) is None and a.role_of("") is None
+    assert a.role_of(tokens["driver"] + "x") is None
+    with pytest.raises(CredentialError):
+        Authenticator({})
+
+
+def test_every_method_of_every_service_has_a_policy() -> None:
+    methods = {
+        f"/rlfleet.v1.{svc.name}/{m.name}"
+        for module in (rollout_pb2, reward_pb2, trainer_pb2, scheduler_pb2)
+        for svc in module.DESCRIPTOR.services_by_name.values()
+        for m in svc.methods
+    }
+    assert methods == set(METHOD_ROLES), methods ^ set(METHOD_ROLES)
+    assert all(roles <= set(ROLES) for roles in METHOD_ROLES.values())
+
+
+def test_least_privilege() -> None:
+    trainer = "/rlfleet.v1.TrainerService/"
+    rollout = "/rlfleet.v1.RolloutService/"
+    sched = "/rlfleet.v1.SchedulerService/"
+    assert allowed("driver", trainer + "PushWeights")
+    for role in ("trainer", "rollout", "reward", "scheduler", "observer"):
+        for m in ("PushWeights", "LoadCheckpoint", "SaveCheckpoint", "TrainStep"):
+            assert not allowed(role, trainer + m), (role, m)
+        assert allowed(role, trainer + "GetStatus")
+    for m in ("UpdateWeights", "OpenWeightTransfer", "Sleep", "WakeUp"):
+        assert {r for r in ROLES if allowed(r, rollout + m)} == {"trainer", "driver"}
+    assert {r for r in ROLES if allowed(r, sched + "SetTrainingStatus")} == {"driver"}
+    assert not allowed("observer", sched + "Register")
+    assert not allowed("observer", "/rlfleet.v1.RewardService/Score")
+    assert allowed("observer", "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+    assert not allowed("driver", "/some.Other/Method") and allowed(ADMIN, "/some.Other/Method")
+
+
+def test_credentials_from_the_environment(tmp_path: Path) -> None:
+    root = write_credential_set(tmp_path / "s")
+    creds = load_credentials({auth.CREDENTIALS_ENV: str(root / "trainer.json")})
+    assert creds is not None and creds.role == "trainer"
+    inline = load_credentials({auth.CREDENTIALS_JSON_ENV: json.dumps(creds.to_json())})
+    assert inline == Credentials(
+        creds.role, creds.token, creds.verifiers, auth.CREDENTIALS_JSON_ENV
+    )
+    shared = load_credentials({auth.SHARED_TOKEN_ENV: "s3cret"})
+    assert shared is not None and shared.role == ADMIN
+    assert load_credentials({}) is None
+    assert "token" not in repr(creds) or creds.token not in repr(creds)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ("not json", "not JSON"),
+        ('{"role": "king", "token": "x", "verifiers": {}}', "role must be"),
+        ('{"role": "driver", "token": "short", "verifiers": {}}', "at least 16"),
+        ('{"role": "driver", "token": "' + "a" * 20 + '", "verifiers": {}}', "non-empty"),
+        (
+            '{"role": "driver", "token": "' + "a" * 20 + '", "verifiers": {"driver": "00"}}',
+            "SHA-256",
+        ),
+        (
+            '{"role": "driver", "token": "'
+            + "a" * 20
+            + '", "verifiers": {"driver": "'
+            + "0" * 64
+            + '"}}',
+            "does not match",
+        ),
+    ],
+)
+def test_bad_credential_files_say_what_is_wrong(tmp_path: Path, content: str, match: str) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(content)
+    with pytest.raises(CredentialError, match=match):
+        load_credentials({auth.CREDENTIALS_ENV: str(path)})
+    with pytest.raises(CredentialError, match="cannot read"):
+        load_credentials({auth.CREDENTIALS_ENV: str(tmp_path / "missing.json")})
+
+
+def _args(**kw: object) -> SimpleNamespace:
+    base = {"insecure": False, "tls_cert": None, "tls_key": None, "tls_ca": None}
+    return SimpleNamespace(**{**base, "tls_require_client_cert": False, **kw})
+
+
+def test_a_service_without_credentials_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (auth.CREDENTIALS_ENV, auth.CREDENTIALS_JSON_ENV, auth.SHARED_TOKEN_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(auth.INSECURE_ENV, raising=False)
+    with pytest.raises(CredentialError, match="--insecure"):
+        Security.from_env(dict(os.environ))
+    # --insecure works on loopback only.
+    from rlfleet.common.rpc import current_security, set_security
+
+    before = current_security()
+    try:
+        sec = init_service_security(_args(insecure=True), what="t", host="127.0.0.1")
+        assert sec.insecure and sec.credentials is None
+        with pytest.raises(CredentialError, match="beyond loopback"):
+            init_service_security(_args(insecure=True), what="t", host="0.0.0.0")
+    finally:
+        set_security(before)
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1")
+
+
+def test_tls_from_env_checks_pairs_and_files(tmp_path: Path) -> None:
+    assert tls_from_env({}) is None
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    with pytest.raises(CredentialError, match="go together"):
+        tls_from_env({auth.TLS_ENV["cert"]: str(cert)})
+    with pytest.raises(CredentialError, match="no such file"):
+        tls_from_env({auth.TLS_ENV["ca"]: str(tmp_path / "nope.pem")})
+    with pytest.raises(CredentialError, match="needs"):
+        tls_from_env({auth.TLS_ENV["cert"]: str(cert), auth.TLS_ENV["key"]: str(cert),
+                      auth.TLS_ENV["require_client_cert"]: "1"})  # fmt: skip
+    tls = tls_from_env({auth.TLS_ENV["ca"]: str(cert), auth.TLS_ENV["server_name"]: "rlfleet"})
+    assert tls is not None and tls.server_name_override == "rlfleet"
+    sec = Security(credentials=None, tls=tls, insecure=True)
+    assert sec.tls_env() == {auth.TLS_ENV["ca"]: str(cert), auth.TLS_ENV["server_name"]: "rlfleet"}
