@@ -109,5 +109,5 @@ def test_push_targets_are_only_known_replicas() -> None:
     # Without a scheduler: the configured replicas and loopback only.
     check_push_targets(["127.0.0.1:9", "[::1]:9"], (), registry=False)
     check_push_targets(["10.0.0.5:50053"], registered, registry=False)
-    with pytest.raises(PermissionDenied, match="services.rollout"):
+    with pytest.raises(PermissionDenied, match=r"services\.rollout"):
         check_push_targets(["203.0.113.9:80"], registered, registry=False)
