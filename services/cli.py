@@ -79,6 +79,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    # Client commands (status, rollout generate, reward score, train against running
+    # services) present the credentials their environment names; `serve` replaces
+    # this with the service's own (or refuses to start without any).
+    from rlfleet.common.auth import CredentialError
+    from rlfleet.common.rpc import client_security_from_env, set_security
+
+    try:
+        set_security(client_security_from_env())
+    except CredentialError as e:
+        print(f"rlfleet {args.command}: {e}", file=sys.stderr)
+        return 2
     return _load(args._module, "run")(args)
 
 

@@ -95,6 +95,7 @@ __all__ = [
     "add_security_arguments",
     "call_options",
     "check_health",
+    "client_security_from_env",
     "create_channel",
     "create_server",
     "current_security",
@@ -760,6 +761,17 @@ def init_service_security(args: Any, *, what: str, host: str) -> Security:
             ", TLS" if security.server_tls() is not None else "",
         )
     return security
+
+
+def client_security_from_env(env: Mapping[str, str] | None = None) -> Security | None:
+    """A client command's security: the credentials and TLS its environment names
+    (``RLFLEET_CREDENTIALS`` ..., ``RLFLEET_TLS_*``), or None when it names none."""
+    env = os.environ if env is None else env
+    creds = auth.load_credentials(env)
+    tls = tls_from_env(env)
+    if creds is None and tls is None:
+        return None
+    return Security(credentials=creds, tls=tls, insecure=creds is None)
 
 
 _SECURITY: Security | None = None
