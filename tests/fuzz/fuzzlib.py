@@ -495,7 +495,7 @@ def _valid_body(rng: random.Random, target: Target) -> tuple[Method, bytes | lis
     return m, body if m.client_streaming else body[0]
 
 
-_GARBLED_AUTH = {
+GARBLED_AUTH = {
     "garbled:scheme": "Basic {token}",
     "garbled:lowercase": "bearer {token}",
     "garbled:no-space": "Bearer{token}",
@@ -509,7 +509,7 @@ _GARBLED_AUTH = {
 def gen_auth(rng: random.Random, target: Target) -> Request:
     """A call without a token, with a bogus or garbled one, or with another role's token."""
     m, body = _valid_body(rng, target)
-    auth = rng.choice(["none", "bogus", *_GARBLED_AUTH, *ROLES])
+    auth = rng.choice(["none", "bogus", *GARBLED_AUTH, *ROLES])
     if auth in ROLES:
         expect = None if allowed(auth, m.name) else frozenset({"PERMISSION_DENIED"})
     else:
@@ -718,7 +718,7 @@ class Target:
             return [(AUTH_METADATA_KEY, "Bearer " + "x" * 43)]
         if auth in self.tokens:
             return [(AUTH_METADATA_KEY, f"Bearer {self.tokens[auth]}")]
-        value = _GARBLED_AUTH[auth].format(token=token, short=token[:-1])
+        value = GARBLED_AUTH[auth].format(token=token, short=token[:-1])
         if auth == "garbled:twice":
             return [(AUTH_METADATA_KEY, value), (AUTH_METADATA_KEY, value)]
         return [(AUTH_METADATA_KEY, value)]

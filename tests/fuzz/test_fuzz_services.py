@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from fuzzlib import (
-    _GARBLED_AUTH,
+    GARBLED_AUTH,
     Credentials,
     Request,
     Target,
@@ -80,7 +80,7 @@ def test_every_method_refuses_strangers_and_other_roles(target: Target) -> None:
         for m in target.methods:
             body = target.examples[m.short](rng) if m.short in target.examples else [m.request()]
             raw = [x.SerializeToString() for x in body]
-            for auth in ("none", "bogus", *_GARBLED_AUTH, *ROLES):
+            for auth in ("none", "bogus", *GARBLED_AUTH, *ROLES):
                 if auth in ROLES and allowed(auth, m.name):
                     continue
                 expect = "PERMISSION_DENIED" if auth in ROLES else "UNAUTHENTICATED"
