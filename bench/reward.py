@@ -33,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,7 @@ def bench_in_process(pairs: list[tuple[str, str]], batch: int, seconds: float) -
 def start_service(workers: int, processes: int) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     """``rlfleet serve reward`` as a process; its serving line."""
     code = "import sys; from rlfleet.reward.server import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "RLFLEET_CREDENTIALS": str(_SECRETS / "reward.json")}
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -90,6 +92,7 @@ def start_service(workers: int, processes: int) -> tuple[subprocess.Popen[str], 
         ],
         stdout=subprocess.PIPE,
         text=True,
+        env=env,
     )
     assert proc.stdout is not None
     deadline = time.monotonic() + 180
@@ -126,7 +129,9 @@ def run_client(
     results: Any,
 ) -> None:
     """One client process: warm up, wait for the others, send batches for ``seconds``."""
-    from rlfleet.common.rpc import create_channel
+    from rlfleet.common.rpc import client_security_from_env, create_channel, set_security
+
+    set_security(client_security_from_env())  # the driver's credential (see main)
     from rlfleet.v1 import reward_pb2, reward_pb2_grpc
 
     req = reward_pb2.ScoreRequest()
@@ -209,7 +214,22 @@ def bench_service(
     }
 
 
+# Auth is on, as in a deployment: the service gets the reward role's credential, the
+# clients (this process and its client processes, through the environment) the driver's.
+_SECRETS = Path(tempfile.mkdtemp(prefix="rlfleet-bench-")) / "secrets"
+
+
+def _use_credentials() -> None:
+    from rlfleet.common.auth import write_credential_set
+    from rlfleet.common.rpc import client_security_from_env, set_security
+
+    write_credential_set(_SECRETS)
+    os.environ["RLFLEET_CREDENTIALS"] = str(_SECRETS / "driver.json")
+    set_security(client_security_from_env())
+
+
 def main() -> int:
+    _use_credentials()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--clients", type=int, default=8, help="client processes")
     parser.add_argument("--batch-size", type=int, default=256)

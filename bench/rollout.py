@@ -56,8 +56,9 @@ import grpc
 import numpy as np
 import torch
 
+from rlfleet.common.auth import load_credentials, write_credential_set
 from rlfleet.common.errors import FailedPrecondition, InvalidArgument
-from rlfleet.common.rpc import create_channel
+from rlfleet.common.rpc import Security, create_channel, set_security
 from rlfleet.rollout import client as rollout_client
 from rlfleet.rollout.engine import EngineInfo, GenerationRequest, SampleOutput, SamplingParams
 from rlfleet.trainer import weights as trainer_weights
@@ -102,7 +103,15 @@ def _start_service(
     cmd = [sys.executable, "-m", "rlfleet.rollout.server", "--model", str(model_dir)]
     cmd += ["--engine", "hf", "--port", "0", "--metrics-port", "-1", "--log-level", "WARNING"]
     cmd += ["--torch-threads", str(threads), "--device", device]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    # Auth on, as deployed: the replica has the rollout role, this process the driver's.
+    secrets = write_credential_set(Path(tempfile.mkdtemp(prefix="rlfleet-bench-")) / "s")
+    set_security(
+        Security(
+            credentials=load_credentials({"RLFLEET_CREDENTIALS": str(secrets / "driver.json")})
+        )
+    )
+    env = {**os.environ, "RLFLEET_CREDENTIALS": str(secrets / "rollout.json")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
