@@ -1156,7 +1156,16 @@ class ChunkAssembler:
                 f"{where}: tensor {name!r} {_dtype_name(p.dtype)} {list(p.shape)} "
                 f"({p.nbytes} bytes)",
             )
-            slot = _Slot(p.dtype, p.shape, p.nbytes, np.empty(p.nbytes, dtype=np.uint8))
+            try:
+                buffer = np.empty(p.nbytes, dtype=np.uint8)
+            except MemoryError as e:
+                raise StreamTooLarge(
+                    f"{where}: tensor {name!r} declares {p.nbytes} bytes, more than this "
+                    "process can hold",
+                    field=name,
+                    value=p.nbytes,
+                ) from e
+            slot = _Slot(p.dtype, p.shape, p.nbytes, buffer)
             self._slots[name] = slot
         else:
             if (p.dtype, p.shape, p.nbytes) != (slot.dtype, slot.shape, slot.nbytes):

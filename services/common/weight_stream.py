@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from rlfleet.common.codec import ChunkAssembler, ChunkLike, CodecError
-from rlfleet.common.errors import DataLoss, InvalidArgument
+from rlfleet.common.codec import ChunkAssembler, ChunkLike, CodecError, StreamTooLarge
+from rlfleet.common.errors import DataLoss, InvalidArgument, ResourceExhausted
 
 __all__ = [
     "META_BUCKET",
@@ -91,17 +91,26 @@ class WeightStreamReceiver:
         chunks: chunks received so far.
     """
 
-    def __init__(self, on_version: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, on_version: Callable[[int], None] | None = None, *, max_bytes: int | None = None
+    ) -> None:
         self._on_version = on_version
+        self._max_bytes = max_bytes
         self.buckets = 0
         self.chunks = 0
+
+    def _assembler(self, received: int) -> ChunkAssembler:
+        if self._max_bytes is None:
+            return ChunkAssembler()
+        return ChunkAssembler(max_bytes=max(0, self._max_bytes - received))
 
     def receive(self, stream: Iterable[tuple[int, ChunkLike]]) -> tuple[int, dict[str, Any]]:
         """Consume ``(version, TensorBatchChunk)`` pairs; return ``(version, tensors)``
         (torch tensors wrapping the receiver's buffers) of the complete update."""
         tensors: dict[str, Any] = {}
         version: int | None = None
-        asm = ChunkAssembler()
+        received = 0  # bytes of the complete buckets
+        asm = self._assembler(received)
         final = False
         expected_tensors = -1
         pending = 0  # chunks of the bucket being assembled
@@ -124,6 +133,14 @@ class WeightStreamReceiver:
                 )
             try:
                 done = asm.add(chunk)
+            except StreamTooLarge as e:
+                raise ResourceExhausted(
+                    f"weight update {version} refused in bucket {self.buckets}: {e} (the "
+                    f"replica takes at most {self._max_bytes} bytes per update)",
+                    field=e.field or "chunks",
+                    value=e.value,
+                    code="UPDATE_TOO_LARGE",
+                ) from e
             except CodecError as e:
                 raise DataLoss(
                     f"weight update {version} rejected in bucket {self.buckets}: {e}",
@@ -135,7 +152,8 @@ class WeightStreamReceiver:
                 continue
             pending = 0
             values, meta = asm.result(to="torch")
-            asm = ChunkAssembler()
+            received += sum(int(t.numel()) * t.element_size() for t in values.values())
+            asm = self._assembler(received)
             final = self._check_bucket(version, meta, values, tensors)
             tensors.update(values)
             self.buckets += 1

@@ -324,6 +324,10 @@ class HFEngine:
 
     # ------------------------------------------------------------------ weights
 
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters under every name (tied ones under each)."""
+        return sum(p.numel() * p.element_size() for p in self._params.values())
+
     def check_weights(
         self, specs: Mapping[str, tuple[str, tuple[int, ...]]], *, complete: bool = True
     ) -> None:

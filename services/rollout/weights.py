@@ -93,6 +93,16 @@ class WeightReceiver:
     def version(self) -> int:
         return self._engine.info().weight_version
 
+    def _max_bytes(self) -> int | None:
+        """Bytes one update may carry: the model's own (each parameter at most once
+        per name, in the model's dtype) plus room for the stream's framing; None when
+        the engine does not say."""
+        weight_bytes = getattr(self._engine, "weight_bytes", None)
+        if not callable(weight_bytes):
+            return None
+        total = int(weight_bytes())
+        return total + total // 8 + 16 * 1024 * 1024
+
     def check_version(self, version: int) -> None:
         current = self.version
         if version < current:
@@ -119,7 +129,8 @@ class WeightReceiver:
         :mod:`rlfleet.common.weight_stream`): every bucket is staged and verified, and
         only the union of all of them, checked against the model, is swapped in."""
         start = time.perf_counter()
-        version, tensors = WeightStreamReceiver(on_version=self.check_version).receive(stream)
+        receiver = WeightStreamReceiver(on_version=self.check_version, max_bytes=self._max_bytes())
+        version, tensors = receiver.receive(stream)
         return self.apply(tensors, version, start=start, transport="grpc")
 
     def apply(

@@ -308,7 +308,7 @@ class Registry:
             taken = [*same_address, *([service_id] if service_id in self._records else [])]
             for old_id in taken:
                 old = self._records[old_id]
-                owned = bool(lease) and hmac.compare_digest(lease, old.lease)
+                owned = bool(lease) and hmac.compare_digest(lease.encode(), old.lease.encode())
                 if old.dead_since is None and caller not in _PRIVILEGED and not owned:
                     raise PermissionDenied(
                         f"{old_id} ({old.spec.role} at {old.spec.address}) is registered by "
@@ -345,7 +345,7 @@ class Registry:
     def _check_owner(self, record: _Record, lease: str, caller: str | None, what: str) -> None:
         if caller in _PRIVILEGED:
             return
-        if not lease or not hmac.compare_digest(lease, record.lease):
+        if not lease or not hmac.compare_digest(lease.encode(), record.lease.encode()):
             raise PermissionDenied(
                 f"{what} {record.spec.service_id}: not its owner (the lease given at "
                 "registration is required)",

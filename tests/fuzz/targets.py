@@ -15,13 +15,11 @@ from fuzzlib import (
     GENERIC,
     Budget,
     Credentials,
-    KnownBug,
     Request,
     Target,
     broken_chunk_stream,
     methods_of,
     model_dir_for,
-    parsed,
     random_string,
     raw_channel,
     serving,
@@ -295,21 +293,6 @@ def _generate_request(rng: random.Random) -> rollout_pb2.GenerateRequest:
     )
 
 
-def _declares_huge_tensor(req: Request) -> bool:
-    return any(p.nbytes >= 1 << 34 for m in parsed(req) for p in m.chunk.pieces)
-
-
-HUGE_WEIGHT_PIECE = KnownBug(
-    "rollout-huge-weight-piece",
-    "UpdateWeights",
-    _declares_huge_tensor,
-    "rollout UpdateWeights: a chunk piece declaring a huge tensor (shape [2**45], nbytes "
-    "32 TiB) is allocated as declared (ChunkAssembler._place: np.empty(nbytes)) and "
-    "fails with MemoryError -> INTERNAL; the weight stream has no byte limit "
-    "(WeightStreamReceiver builds ChunkAssembler() without max_bytes)",
-)
-
-
 @contextlib.contextmanager
 def rollout_target(creds: Credentials, model_dir: Path) -> Iterator[Target]:
     from rlfleet.common.codec import tensor_specs
@@ -378,7 +361,6 @@ def rollout_target(creds: Credentials, model_dir: Path) -> Iterator[Target]:
             },
             generators=[*GENERIC, (gen_weight_attack, 3.0), (gen_offer_attack, 1.5)],
             check=check,
-            known_bugs=[HUGE_WEIGHT_PIECE],
         )
         target.state.update(
             version=version,
@@ -621,23 +603,6 @@ def gen_plan_attack(rng: random.Random, target: Target) -> Request:
     return Request(m, f"plan:{kind}", msg.SerializeToString())
 
 
-def _non_ascii_lease(req: Request) -> bool:
-    return any(not m.lease.isascii() for m in parsed(req))
-
-
-NON_ASCII_LEASE = {
-    method: KnownBug(
-        "scheduler-non-ascii-lease",
-        method,
-        _non_ascii_lease,
-        f"scheduler {method} with a non-ASCII lease (e.g. 'é'): Registry compares leases "
-        "with hmac.compare_digest(str, str), which raises TypeError ('comparing strings "
-        "with non-ASCII characters is not supported') -> INTERNAL",
-    )
-    for method in ("Register", "Heartbeat", "Deregister")
-}
-
-
 @contextlib.contextmanager
 def scheduler_target(creds: Credentials) -> Iterator[Target]:
     from rlfleet.scheduler.placement import Device, NodeInventory
@@ -699,7 +664,6 @@ def scheduler_target(creds: Credentials) -> Iterator[Target]:
             examples=examples,
             generators=[*GENERIC, (gen_plan_attack, 1.0)],
             check=check,
-            known_bugs=list(NON_ASCII_LEASE.values()),
         )
     finally:
         server.stop(0.0)
