@@ -34,3 +34,23 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rlfleet.common.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_security_per_module() -> Iterator[None]:
+    """The process's default security (servers' and channels' credentials) is global;
+    whatever a module's tests or fixtures set is undone when the module ends."""
+    from rlfleet.common.rpc import current_security, set_security
+
+    before = current_security()
+    yield
+    set_security(before)
+
+
+@pytest.fixture(autouse=True)
+def _process_security_per_test() -> Iterator[None]:
+    from rlfleet.common.rpc import current_security, set_security
+
+    before = current_security()
+    yield
+    set_security(before)
