@@ -16,6 +16,9 @@ import pytest
 # which read these once.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# Ray clusters started by tests run on loopback only (Ray reads this at import: with it
+# off, a node with no address given takes 127.0.0.1 instead of the host's interface).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 @pytest.fixture(scope="session", autouse=True)

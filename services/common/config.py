@@ -73,6 +73,7 @@ __all__ = [
     "MegatronConfig",
     "PipelineConfig",
     "Placement",
+    "RayConfig",
     "RefConfig",
     "RewardConfig",
     "RewardModelConfig",
@@ -530,6 +531,15 @@ class TrainerConfig(_Section):
     val_before_train: bool = True
     seed: int = 42
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    nnodes: int | None = Field(
+        default=None,
+        ge=1,
+        description="verl's key: with n_gpus_per_node and no resource_pools, one pool "
+        "global_pool: [n_gpus_per_node] * nnodes serving every role (colocated)",
+    )
+    n_gpus_per_node: int | None = Field(
+        default=None, ge=1, description="devices per node of the default pool (see nnodes)"
+    )
 
     @field_validator("save_freq", "test_freq")
     @classmethod
@@ -604,6 +614,23 @@ class TLSSection(_Section):
         return self
 
 
+class RayConfig(_Section):
+    """Where ``launcher: ray`` runs the services (see docs/ray.md)."""
+
+    address: str = Field(
+        default="auto",
+        min_length=1,
+        description="auto: the running Ray cluster, else a local one started for the run; "
+        "or host:port of a cluster's head",
+    )
+    namespace: str = Field(
+        default="rlfleet", min_length=1, description="Ray namespace of the actors"
+    )
+    start_timeout_s: float = Field(
+        default=300.0, gt=0, description="for placement groups and services to come up"
+    )
+
+
 class SecurityConfig(_Section):
     """Authentication and TLS of the services a run starts (see docs/security.md)."""
 
@@ -663,6 +690,16 @@ class Config(BaseModel):
     mapping: MappingConfig = Field(default_factory=_default_mapping)
     services: ServicesConfig = Field(default_factory=ServicesConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+    launcher: Literal["local", "ray"] = Field(
+        default="local",
+        description="how `rlfleet train` starts the services: local processes, or Ray actors",
+    )
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_pools(cls, data: Any) -> Any:
+        return _verl_default_pools(data)
 
     @model_validator(mode="after")
     def _check_and_resolve(self) -> Self:
@@ -1313,6 +1350,28 @@ def _deep_copy(raw: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
 
 
+def _verl_default_pools(data: Any) -> Any:
+    """``trainer.nnodes`` x ``trainer.n_gpus_per_node`` and no ``resource_pools``: one
+    colocated ``global_pool: [n_gpus_per_node] * nnodes`` for every role (verl's layout)."""
+    if not isinstance(data, Mapping) or "resource_pools" in data:
+        return data
+    trainer = data.get("trainer")
+    if not isinstance(trainer, Mapping):
+        return data
+    nnodes, per_node = trainer.get("nnodes"), trainer.get("n_gpus_per_node")
+    if nnodes is None and per_node is None:
+        return data
+    nnodes = 1 if nnodes is None else nnodes
+    per_node = 1 if per_node is None else per_node
+    if not isinstance(nnodes, int) or not isinstance(per_node, int) or nnodes < 1 or per_node < 1:
+        return data  # the trainer section's validation reports the values
+    out = dict(data)
+    out["resource_pools"] = {"global_pool": [per_node] * nnodes}
+    if "mapping" not in data:
+        out["mapping"] = dict.fromkeys(ROLES, "global_pool")
+    return out
+
+
 def config_from_dict(
     raw: Mapping[str, Any] | None, overrides: Sequence[str] = (), *, source: str = "config"
 ) -> Config:
@@ -1326,6 +1385,7 @@ def config_from_dict(
     if not isinstance(raw, Mapping):
         raise ConfigError([ConfigIssue(source, "top level must be a mapping", raw)])
     data, issues = apply_overrides(raw, overrides)
+    data = _verl_default_pools(data)
 
     sections: dict[str, Any] = {}
     invalid: set[str] = set()

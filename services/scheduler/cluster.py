@@ -225,6 +225,40 @@ def _log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def scheduler_argv(
+    host: str, config_path: Path, heartbeat_interval_s: float, *, plan_local: bool
+) -> list[str]:
+    """``python`` arguments of a scheduler service launched for a cluster."""
+    argv = ["-m", "rlfleet.scheduler.server", "--host", host, "--port", "0"]
+    argv += ["--metrics-port", "0", "--config", str(config_path)]
+    argv += ["--heartbeat-interval-s", str(heartbeat_interval_s), "--grace-s", "1"]
+    return [*argv, "--plan-local"] if plan_local else argv
+
+
+def reward_argv(host: str, config_path: Path) -> list[str]:
+    """``python`` arguments of the reward service launched for a cluster."""
+    return ["-m", "rlfleet.reward.server", "--config", str(config_path), "--host", host,
+            "--port", "0", "--metrics-port", "0"]  # fmt: skip
+
+
+def trainer_argv(host: str, config_path: Path, address_file: Path) -> list[str]:
+    """Module and arguments of a trainer rank (``-m`` goes before, by the caller)."""
+    return ["rlfleet.trainer.server", "--config", str(config_path), "--host", host,
+            "--port", "0", "--address-file", str(address_file)]  # fmt: skip
+
+
+def rollout_argv(cfg: Config, host: str, replica_id: str) -> list[str]:
+    """Module and arguments of a rollout replica (``-m`` goes before, by the caller)."""
+    r = cfg.rollout
+    argv = ["rlfleet.rollout.server", "--model", str(r.model_path), "--engine", r.engine,
+            "--dtype", r.dtype, "--device", "cuda" if cfg.trainer.device == "cuda" else "cpu",
+            "--host", host, "--port", "0", "--metrics-port", "0", "--replica-id", replica_id,
+            "--grace-s", "2"]  # fmt: skip
+    if r.engine == "vllm":
+        argv += ["--gpu-memory-utilization", str(r.gpu_memory_utilization)]
+    return argv
+
+
 class LocalCluster:
     """Start and stop the services of a run as local processes.
 
@@ -395,63 +429,19 @@ class LocalCluster:
             scheduler = self._proc(
                 "scheduler",
                 "scheduler",
-                [
-                    "-m",
-                    "rlfleet.scheduler.server",
-                    "--host",
-                    host,
-                    "--port",
-                    "0",
-                    "--metrics-port",
-                    "0",
-                    "--config",
-                    str(config_path),
-                    "--plan-local",
-                    "--heartbeat-interval-s",
-                    str(self.heartbeat_interval_s),
-                    "--grace-s",
-                    "1",
-                ],
+                scheduler_argv(host, config_path, self.heartbeat_interval_s, plan_local=True),
                 (),
             )
         others: list[_Proc] = []
         if cfg.services.reward is None:
             devices = plan.devices_of("reward_model") if "reward_model" in plan.role_pool else ()
-            others.append(
-                self._proc(
-                    "reward",
-                    "reward",
-                    [
-                        "-m",
-                        "rlfleet.reward.server",
-                        "--config",
-                        str(config_path),
-                        "--host",
-                        host,
-                        "--port",
-                        "0",
-                        "--metrics-port",
-                        "0",
-                    ],
-                    devices,
-                )
-            )
+            others.append(self._proc("reward", "reward", reward_argv(host, config_path), devices))
         if cfg.services.trainer is None:
             pools = {plan.role_pool[r] for r in ("actor", "critic", "ref") if r in plan.role_pool}
             devices = tuple(sorted({d for p in pools for d in plan.pools[p].devices}))
             world = cfg.world_size("actor")
             address_file = self.run_dir / "trainer.address"
-            server = [
-                "rlfleet.trainer.server",
-                "--config",
-                str(config_path),
-                "--host",
-                host,
-                "--port",
-                "0",
-                "--address-file",
-                str(address_file),
-            ]
+            server = trainer_argv(host, config_path, address_file)
             if world > 1:
                 launcher = ["-m", "torch.distributed.run", "--standalone"]
                 argv = [*launcher, "--nproc-per-node", str(world), "-m", *server]
@@ -477,32 +467,8 @@ class LocalCluster:
                 )
             else:
                 shares = split_devices(pool.devices, replicas)
-            r = cfg.rollout
             for i, share in enumerate(shares):
-                argv = [
-                    "-m",
-                    "rlfleet.rollout.server",
-                    "--model",
-                    str(r.model_path),
-                    "--engine",
-                    r.engine,
-                    "--dtype",
-                    r.dtype,
-                    "--device",
-                    "cuda" if cfg.trainer.device == "cuda" else "cpu",
-                    "--host",
-                    host,
-                    "--port",
-                    "0",
-                    "--metrics-port",
-                    "0",
-                    "--replica-id",
-                    f"rollout-{i}",
-                    "--grace-s",
-                    "2",
-                ]
-                if r.engine == "vllm":
-                    argv += ["--gpu-memory-utilization", str(r.gpu_memory_utilization)]
+                argv = ["-m", *rollout_argv(cfg, host, f"rollout-{i}")]
                 others.append(self._proc(f"rollout-{i}", "rollout", argv, share))
         return scheduler, others
 

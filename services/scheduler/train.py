@@ -127,9 +127,14 @@ def train(
             set_security(deployed)
             mapping, scheduler_address = _deployed_workers(config, start_timeout_s)
         elif not in_process:
-            from rlfleet.scheduler.cluster import LocalCluster
+            if config.launcher == "ray":
+                from rlfleet.scheduler.ray_cluster import RayCluster
 
-            cluster = LocalCluster(config, run_dir, scheduler=scheduler)
+                cluster = RayCluster(config, run_dir, scheduler=scheduler)
+            else:
+                from rlfleet.scheduler.cluster import LocalCluster
+
+                cluster = LocalCluster(config, run_dir, scheduler=scheduler)
             handle = cluster.start(timeout_s=start_timeout_s)
             print(
                 f"services up ({handle.mode}): trainer {handle.trainer}, "

@@ -1,0 +1,764 @@
+"""A cluster on Ray: every service as a Ray actor on the node its pool places it.
+
+::
+
+    with RayCluster(config, run_dir) as cluster:       # config.launcher == "ray"
+        handle = cluster.start(timeout_s=300)          # the same ClusterHandle as LocalCluster
+        ...                                            # train against handle's addresses
+    # every actor, its service process and every placement group gone
+
+What :meth:`RayCluster.start` does:
+
+1. Connects to Ray (``ray.address``: ``auto`` joins the running cluster, else starts a
+   local one for the run and shuts it down at :meth:`stop`; or ``host:port``).
+2. Turns ``resource_pools`` into placement groups: one per pool, a bundle per node
+   entry (``{"CPU": n}`` on cpu, ``{"GPU": n}`` on cuda), ``STRICT_SPREAD`` across the
+   entries (each entry is a node) and ``STRICT_PACK`` for a one-node pool. A pool that
+   cannot be placed fails the start with what Ray has.
+3. Starts each service as a :class:`ServiceActor` (named ``rlfleet/<service>`` in the
+   ``ray.namespace``) in its pool's bundle; the actor runs the service's real process
+   (``python -m rlfleet.<service>.server``) bound to its node's IP address, with its
+   role's credentials in the environment (never argv), and reports the address the
+   service printed. The scheduler comes first; rollout replicas register with it and
+   reward / trainer are registered for probing, as with :class:`LocalCluster`.
+   Roles sharing a pool share its bundles (colocation).
+4. The trainer's ranks (``world_size("actor")``) are actors in the train pool's
+   bundles: rank 0's node address and a free port there are the torch.distributed
+   master (gloo on cpu, NCCL on cuda); rank 0 serves gRPC.
+
+Every node must see the model, the data and the run directory at the same paths (a
+shared file system, or the same copies): the config and logs are written on each
+node by its actors. Each actor requests no CPU of its own (``num_cpus=0``): the bundle
+holds the pool's resources and the service process uses them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlfleet.common.auth import (
+    INSECURE_ENV,
+    ROLES,
+    CredentialError,
+    credential_set,
+    credentials_env,
+    read_credential_set,
+    write_credential_set,
+)
+from rlfleet.common.config import Config, save_resolved
+from rlfleet.common.rpc import Security, TLSConfig, current_security, set_security
+from rlfleet.scheduler.cluster import (
+    ClusterHandle,
+    ProcessInfo,
+    ServiceStartError,
+    reward_argv,
+    rollout_argv,
+    scheduler_argv,
+    trainer_argv,
+)
+from rlfleet.scheduler.registry import LIVENESS_CAPABILITY, LIVENESS_PROBE, ServiceSpec
+
+__all__ = ["RayCluster", "ServiceActor", "pool_bundles"]
+
+logger = logging.getLogger(__name__)
+
+_HOST = "{node_ip}"  # replaced by the actor with its node's IP address
+
+
+def _pool(cfg: Config, role: str) -> str | None:
+    pool: str | None = getattr(cfg.mapping, role)
+    return pool
+
+
+def pool_bundles(nodes: Sequence[int], device: str) -> tuple[list[dict[str, float]], str]:
+    """A pool's placement-group bundles (one per node entry) and strategy."""
+    key = "GPU" if device == "cuda" else "CPU"
+    bundles = [{key: float(n)} for n in nodes]
+    return bundles, ("STRICT_PACK" if len(bundles) == 1 else "STRICT_SPREAD")
+
+
+class ServiceActor:
+    """Runs one service process on its node (made a Ray actor by :class:`RayCluster`).
+
+    The process is the same one :class:`LocalCluster` starts (so signals, logs,
+    health and graceful stop behave the same); the actor starts it, reports its
+    address, and stops it (SIGTERM, then SIGKILL) when asked or when the actor dies
+    (the child gets SIGTERM when its parent goes, ``PR_SET_PDEATHSIG``).
+    """
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def node(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "node_id": ctx.get_node_id(),
+            "actor_id": ctx.get_actor_id(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        }
+
+    def free_port(self) -> int:
+        import ray
+
+        with socket.socket() as s:
+            s.bind((ray.util.get_node_ip_address(), 0))
+            return int(s.getsockname()[1])
+
+    def start(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        files: dict[str, str],
+        log_path: str,
+        address_file: str | None,
+        wait_address: bool,
+        timeout_s: float,
+    ) -> dict[str, Any]:
+        """Write ``files`` (path -> text: the config), start ``python argv``, wait for
+        the address it reports (its serving line, or ``address_file``)."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        for path, text in files.items():
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
+        argv = [a.replace(_HOST, ip) for a in argv]
+        if address_file:
+            Path(address_file).unlink(missing_ok=True)
+        log = Path(log_path)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        launcher = (
+            "import ctypes, os, signal, sys\n"
+            "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+            "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n"
+        )
+        with open(log, "ab") as f:
+            f.write(f"# {' '.join(argv)}\n".encode())
+            f.flush()
+            start = f.tell()
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", launcher, *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+                start_new_session=True,
+            )
+        out = {"pid": self._proc.pid, "ip": ip, "address": None, "metrics_address": None}
+        if not wait_address:
+            return out
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(
+                    f"exited with code {self._proc.returncode} during start-up; "
+                    f"last lines of {log}:\n{_tail(log)}"
+                )
+            if address_file and Path(address_file).exists():
+                text = Path(address_file).read_text().strip()
+                if text:
+                    out["address"] = text
+                    return out
+            serving = _serving_line(log, start)
+            if serving is not None:
+                out["address"] = serving.get("address")
+                metrics = serving.get("metrics_address") or serving.get("metrics")
+                out["metrics_address"] = metrics or None
+                return out
+            time.sleep(0.05)
+        raise RuntimeError(f"did not report its address within {timeout_s}s; log {log}")
+
+    def poll(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    def stop(self, grace_s: float) -> int | None:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return None if proc is None else proc.returncode
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            return proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait(timeout=10)
+
+
+def _serving_line(log: Path, start: int) -> dict[str, Any] | None:
+    try:
+        with open(log, "rb") as f:
+            f.seek(start)
+            data = f.read()
+    except OSError:
+        return None
+    for line in data.splitlines():
+        line = line.strip()
+        if not line.startswith(b"{"):
+            continue
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(msg, dict) and msg.get("event") == "serving" and msg.get("address"):
+            return msg
+    return None
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class _Service:
+    name: str
+    kind: str  # scheduler | reward | trainer | rollout
+    actor: Any
+    pool: str | None
+    bundle: int | None
+    info: dict[str, Any] = field(default_factory=dict)  # node ip / id, actor id
+    pid: int = 0
+    address: str | None = None
+    metrics_address: str | None = None
+
+
+class RayCluster:
+    """Start and stop the services of a run as Ray actors (same interface as LocalCluster).
+
+    Args:
+        config: the validated run config (its ``ray`` section says where).
+        run_dir: ``config.yaml``, ``logs/<service>.log`` (on each service's node).
+        scheduler: start a scheduler actor (False: use ``config.services.scheduler``).
+        heartbeat_interval_s: the scheduler's heartbeat interval.
+        grace_s: SIGTERM-to-SIGKILL wait of :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        run_dir: str | Path,
+        *,
+        scheduler: bool = True,
+        heartbeat_interval_s: float = 2.0,
+        grace_s: float = 10.0,
+    ) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir).resolve()
+        self.launch_scheduler = scheduler and config.services.scheduler is None
+        self.scheduler_address: str | None = config.services.scheduler
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.grace_s = grace_s
+        self.security: Security | None = None
+        self.credentials_dir: Path | None = None
+        self.handle: ClusterHandle | None = None
+        self.placement_groups: dict[str, Any] = {}
+        self.restarts: dict[str, int] = {}
+        self._services: list[_Service] = []
+        self._role_env: dict[str, dict[str, str]] = {}
+        self._previous_security: Security | None = None
+        self._own_ray = False
+        self._stopped = False
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ start
+
+    def start(self, timeout_s: float | None = None) -> ClusterHandle:
+        """Place the pools, start every service, wait until each answers; the addresses.
+
+        Raises:
+            ServiceStartError: a pool cannot be placed, or a service failed to start
+                (with its log tail); everything started is stopped first.
+        """
+        import ray
+
+        timeout = timeout_s if timeout_s is not None else self.config.ray.start_timeout_s
+        deadline = time.monotonic() + timeout
+        self._connect(ray)
+        config_path = save_resolved(self.config, self.run_dir)
+        config_text = config_path.read_text()
+        self._prepare_security()
+        try:
+            self._place(ray, deadline)
+            if self.launch_scheduler:
+                sched = self._start_one(
+                    ray,
+                    "scheduler",
+                    "scheduler",
+                    None,
+                    None,
+                    scheduler_argv(_HOST, config_path, self.heartbeat_interval_s, plan_local=False),
+                    {},
+                    config_path,
+                    config_text,
+                    deadline,
+                )
+                self.scheduler_address = sched.address
+            self._start_services(ray, config_path, config_text, deadline)
+            self._register_probed(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        self.handle = self._make_handle(config_path)
+        logger.info(
+            "ray cluster up: %s",
+            ", ".join(f"{s.name}={s.address}@{s.info.get('ip')}" for s in self._services),
+        )
+        return self.handle
+
+    def _connect(self, ray: Any) -> None:
+        if ray.is_initialized():
+            return
+        address = self.config.ray.address
+        kwargs: dict[str, Any] = {"namespace": self.config.ray.namespace, "log_to_driver": False}
+        if address == "auto":
+            try:
+                ray.init(address="auto", **kwargs)
+                return
+            except (ConnectionError, RuntimeError) as e:
+                logger.info("no running Ray cluster (%s): starting a local one", e)
+            ray.init(**kwargs)
+            self._own_ray = True
+        else:
+            ray.init(address=address, **kwargs)
+
+    def _prepare_security(self) -> None:
+        sec = self.config.security
+        t = sec.tls
+        tls = (
+            TLSConfig(cert=t.cert, key=t.key, ca=t.ca, require_client_cert=t.require_client_cert)
+            if t.cert is not None or t.ca is not None
+            else None
+        )
+        if not sec.auth:
+            raise CredentialError(
+                "security.auth=false is refused with launcher=ray: services listen on their "
+                "nodes' addresses, beyond loopback, only with authentication on"
+            )
+        root = Path(sec.credentials_dir) if sec.credentials_dir else None
+        if root is None:
+            root = write_credential_set(self.run_dir / "secrets")
+        tokens = read_credential_set(root)
+        self.credentials_dir = root
+        creds = credential_set(tokens)
+        self.security = Security(credentials=creds["driver"], tls=tls)
+        tls_env = self.security.tls_env()
+        # Inline: another node need not see this machine's files.
+        self._role_env = {
+            role: {**credentials_env(creds[role]), INSECURE_ENV: "", **tls_env} for role in ROLES
+        }
+        self._previous_security = current_security()
+        set_security(self.security)
+
+    def _place(self, ray: Any, deadline: float) -> None:
+        from ray.util.placement_group import placement_group
+
+        cfg = self.config
+        used = {p for r in cfg.enabled_roles() if (p := _pool(cfg, r)) is not None}
+        for pool in sorted(used):
+            bundles, strategy = pool_bundles(cfg.resource_pools[pool], cfg.trainer.device)
+            pg = placement_group(bundles, strategy=strategy, name=f"rlfleet/{pool}")
+            self.placement_groups[pool] = pg
+            left = max(1.0, deadline - time.monotonic())
+            ready, _ = ray.wait([pg.ready()], timeout=left)
+            if not ready:
+                raise ServiceStartError(
+                    f"pool {pool} ({bundles}, {strategy}) cannot be placed on the Ray "
+                    f"cluster within {left:.0f}s; it has {ray.available_resources()} "
+                    f"available on {len(ray.nodes())} node(s)",
+                    field=f"resource_pools.{pool}",
+                    value=cfg.resource_pools[pool],
+                )
+
+    def _actor(self, ray: Any, name: str, pool: str | None, bundle: int | None, gpus: float) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options: dict[str, Any] = {
+            "name": f"rlfleet/{name}",
+            "namespace": self.config.ray.namespace,
+            "num_cpus": 0,
+            "num_gpus": gpus,
+            "max_concurrency": 4,
+        }
+        if pool is not None and bundle is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self.placement_groups[pool], placement_group_bundle_index=bundle
+            )
+        return ray.remote(ServiceActor).options(**options).remote()
+
+    def _start_one(
+        self,
+        ray: Any,
+        name: str,
+        kind: str,
+        pool: str | None,
+        bundle: int | None,
+        argv: list[str],
+        env: dict[str, str],
+        config_path: Path,
+        config_text: str,
+        deadline: float,
+        *,
+        address_file: Path | None = None,
+        wait_address: bool = True,
+        actor: Any = None,
+    ) -> _Service:
+        svc = self._launch(
+            ray,
+            name,
+            kind,
+            pool,
+            bundle,
+            argv,
+            env,
+            config_path,
+            config_text,
+            deadline,
+            address_file=address_file,
+            wait_address=wait_address,
+            actor=actor,
+        )
+        self._finish(ray, svc, deadline)
+        return svc
+
+    def _launch(
+        self,
+        ray: Any,
+        name: str,
+        kind: str,
+        pool: str | None,
+        bundle: int | None,
+        argv: list[str],
+        env: dict[str, str],
+        config_path: Path,
+        config_text: str,
+        deadline: float,
+        *,
+        address_file: Path | None = None,
+        wait_address: bool = True,
+        actor: Any = None,
+    ) -> _Service:
+        cfg = self.config
+        if actor is None:
+            gpus = 0.0
+            if cfg.trainer.device == "cuda" and pool is not None and bundle is not None:
+                gpus = float(cfg.resource_pools[pool][bundle]) / self._sharing(pool)
+            actor = self._actor(ray, name, pool, bundle, gpus)
+        svc = _Service(name, kind, actor, pool, bundle)
+        with self._lock:
+            self._services.append(svc)
+        svc.info = ray.get(actor.node.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        threads = self._threads(pool)
+        full_env = {
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            **(
+                {"CUDA_VISIBLE_DEVICES": ",".join(svc.info["gpu_ids"])}
+                if cfg.trainer.device == "cuda"
+                else {"CUDA_VISIBLE_DEVICES": ""}
+            ),
+            **self._role_env.get(kind, {}),
+            **env,
+        }
+        svc.info["_pending"] = actor.start.remote(
+            argv,
+            full_env,
+            {str(config_path): config_text},
+            str(self.run_dir / "logs" / f"{name}.log"),
+            str(address_file) if address_file else None,
+            wait_address,
+            max(1.0, deadline - time.monotonic()),
+        )
+        return svc
+
+    def _finish(self, ray: Any, svc: _Service, deadline: float) -> None:
+        from rlfleet.common.rpc import wait_for_ready
+
+        pending = svc.info.pop("_pending")
+        try:
+            out = ray.get(pending, timeout=max(1.0, deadline - time.monotonic()) + 5)
+        except Exception as e:
+            raise ServiceStartError(
+                f"{svc.name} on node {svc.info.get('ip')} failed to start: {e}",
+                field=svc.name,
+                value=str(self.run_dir / "logs" / f"{svc.name}.log"),
+            ) from e
+        svc.pid = int(out["pid"])
+        svc.address = out["address"]
+        svc.metrics_address = out["metrics_address"]
+        if svc.address:
+            wait_for_ready(svc.address, timeout_s=max(1.0, deadline - time.monotonic()))
+
+    def _sharing(self, pool: str) -> int:
+        """Services that share each bundle of ``pool`` (colocated roles)."""
+        cfg = self.config
+        kinds = {_pool(cfg, r) == pool and r for r in cfg.enabled_roles()} - {False}
+        services = {
+            "rollout" if r == "rollout" else "reward" if r == "reward_model" else "trainer"
+            for r in kinds
+        }
+        return max(1, len(services))
+
+    def _threads(self, pool: str | None) -> int:
+        if pool is None or self.config.trainer.device != "cpu":
+            return 1
+        nodes = self.config.resource_pools[pool]
+        return max(1, min(nodes) // self._sharing(pool))
+
+    def _start_services(
+        self, ray: Any, config_path: Path, config_text: str, deadline: float
+    ) -> None:
+        cfg = self.config
+        started: list[_Service] = []
+        if cfg.services.reward is None:
+            pool = _pool(cfg, "reward_model") if cfg.reward.reward_model.enable else None
+            started.append(
+                self._launch(
+                    ray,
+                    "reward",
+                    "reward",
+                    pool,
+                    0 if pool else None,
+                    reward_argv(_HOST, config_path),
+                    {},
+                    config_path,
+                    config_text,
+                    deadline,
+                )
+            )
+        if cfg.services.trainer is None:
+            started += self._launch_trainer(ray, config_path, config_text, deadline)
+        if not cfg.services.rollout:
+            pool = _pool(cfg, "rollout")
+            assert pool is not None
+            entries = len(cfg.resource_pools[pool])
+            for i in range(cfg.rollout_replicas()):
+                argv = ["-m", *rollout_argv(cfg, _HOST, f"rollout-{i}")]
+                if self.scheduler_address:
+                    argv += ["--scheduler", self.scheduler_address]
+                started.append(
+                    self._launch(
+                        ray,
+                        f"rollout-{i}",
+                        "rollout",
+                        pool,
+                        i % entries,
+                        argv,
+                        {},
+                        config_path,
+                        config_text,
+                        deadline,
+                    )
+                )
+        for svc in started:
+            self._finish(ray, svc, deadline)
+
+    def _launch_trainer(
+        self, ray: Any, config_path: Path, config_text: str, deadline: float
+    ) -> list[_Service]:
+        cfg = self.config
+        pool = _pool(cfg, "actor")
+        assert pool is not None
+        world = cfg.world_size("actor")
+        entries = len(cfg.resource_pools[pool])
+        address_file = self.run_dir / "trainer.address"
+        argv = ["-m", *trainer_argv(_HOST, config_path, address_file)]
+        if self.scheduler_address:
+            argv += ["--scheduler", self.scheduler_address]
+        if world == 1:
+            return [
+                self._launch(
+                    ray,
+                    "trainer",
+                    "trainer",
+                    pool,
+                    0,
+                    argv,
+                    {},
+                    config_path,
+                    config_text,
+                    deadline,
+                    address_file=address_file,
+                )
+            ]
+        # One actor per rank, rank r in bundle r (mod the pool's nodes); rank 0's node
+        # address and a free port there are the rendezvous.
+        gpus = 0.0
+        actors = []
+        for rank in range(world):
+            bundle = rank % entries
+            if cfg.trainer.device == "cuda":
+                gpus = 1.0  # one GPU per rank
+            actors.append(
+                self._actor(ray, "trainer" if rank == 0 else f"trainer-{rank}", pool, bundle, gpus)
+            )
+        master = ray.get(actors[0].node.remote())["ip"]
+        port = ray.get(actors[0].free_port.remote())
+        out = []
+        for rank, actor in enumerate(actors):
+            env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": master,
+                "MASTER_PORT": str(port),
+            }
+            name = "trainer" if rank == 0 else f"trainer-{rank}"
+            out.append(
+                self._launch(
+                    ray,
+                    name,
+                    "trainer",
+                    pool,
+                    rank % entries,
+                    argv,
+                    env,
+                    config_path,
+                    config_text,
+                    deadline,
+                    address_file=address_file if rank == 0 else None,
+                    wait_address=rank == 0,
+                    actor=actor,
+                )
+            )
+        return out
+
+    def _register_probed(self, deadline: float) -> None:
+        """Register reward and trainer (rank 0) with the scheduler; it health-checks them."""
+        from rlfleet.scheduler.servicer import SchedulerClient
+
+        if not self.scheduler_address:
+            return
+        roles = ",".join(r for r in self.config.enabled_roles() if r in ("actor", "critic", "ref"))
+        with SchedulerClient(
+            self.scheduler_address, timeout_s=max(1.0, deadline - time.monotonic())
+        ) as client:
+            for svc in self._services:
+                if svc.name not in ("reward", "trainer") or svc.address is None:
+                    continue
+                caps = {
+                    LIVENESS_CAPABILITY: LIVENESS_PROBE,
+                    "launched_by": "ray",
+                    "ray_actor_id": str(svc.info.get("actor_id", "")),
+                }
+                if svc.name == "trainer":
+                    caps["roles"] = roles
+                spec = ServiceSpec(
+                    role="reward" if svc.name == "reward" else "trainer",
+                    address=svc.address,
+                    node=str(svc.info.get("ip", "")),
+                    capabilities=caps,
+                    metrics_address=svc.metrics_address or "",
+                    pid=svc.pid,
+                )
+                client.register(spec)
+
+    def _make_handle(self, config_path: Path) -> ClusterHandle:
+        s = self.config.services
+
+        def first(kind: str, given: str | None) -> str:
+            if given:
+                return given
+            for svc in self._services:
+                if svc.kind == kind and svc.address:
+                    return svc.address
+            return ""
+
+        rollout = list(s.rollout) or [
+            svc.address or "" for svc in self._services if svc.kind == "rollout"
+        ]
+        return ClusterHandle(
+            scheduler=self.scheduler_address,
+            reward=first("reward", s.reward),
+            trainer=first("trainer", s.trainer),
+            rollout=rollout,
+            metrics={
+                svc.name: svc.metrics_address for svc in self._services if svc.metrics_address
+            },
+            pids={svc.name: svc.pid for svc in self._services},
+            run_dir=str(self.run_dir),
+            config_path=str(config_path),
+            mode=self.config.placement().mode,
+            credentials_dir=str(self.credentials_dir or ""),
+        )
+
+    # ------------------------------------------------------------------ inspect / stop
+
+    @property
+    def pids(self) -> dict[str, int]:
+        with self._lock:
+            return {s.name: s.pid for s in self._services if s.pid}
+
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        """Service name -> its node IP, node id and Ray actor id."""
+        with self._lock:
+            return {
+                s.name: {k: s.info.get(k) for k in ("ip", "node_id", "actor_id")}
+                for s in self._services
+            }
+
+    def processes(self) -> list[ProcessInfo]:
+        with self._lock:
+            return [
+                ProcessInfo(s.name, s.pid, None, str(self.run_dir / "logs" / f"{s.name}.log"))
+                for s in self._services
+                if s.pid
+            ]
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop every service (rollouts, trainer and reward first, the scheduler last),
+        kill the actors, remove the placement groups, and shut down a Ray started here."""
+        import ray
+
+        grace = self.grace_s if grace_s is None else grace_s
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            services = list(self._services)
+        if ray.is_initialized():
+            ordered = [s for s in services if s.kind != "scheduler"] + [
+                s for s in services if s.kind == "scheduler"
+            ]
+            for group in (ordered[:-1] if len(ordered) > 1 else [], ordered[-1:]):
+                stops = [s.actor.stop.remote(grace) for s in group]
+                with contextlib.suppress(Exception):
+                    ray.get(stops, timeout=grace + 15)
+            for s in services:
+                with contextlib.suppress(Exception):
+                    ray.kill(s.actor)
+            for pg in self.placement_groups.values():
+                with contextlib.suppress(Exception):
+                    ray.util.remove_placement_group(pg)
+            if self._own_ray:
+                ray.shutdown()
+        if self.security is not None and current_security() is self.security:
+            set_security(self._previous_security)
+        logger.info("ray cluster stopped (%d services)", len(services))
+
+    def __enter__(self) -> RayCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

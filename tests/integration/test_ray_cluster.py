@@ -1,0 +1,119 @@
+"""The Ray launcher on a real multi-node Ray cluster on this machine
+(``ray.cluster_utils.Cluster``: each node its own raylet, all on 127.0.0.1): every
+role on its own node, the trainer's two ranks on two nodes, a few PPO steps with the
+full batch, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from rlfleet.common.config import config_from_dict  # noqa: E402
+from rlfleet.scheduler.data.preprocess import preprocess  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+LOOPBACK = "127.0.0.1"
+
+
+@pytest.fixture(scope="module")
+def ray_nodes() -> Iterator[Cluster]:
+    assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"  # see conftest
+    # A head with no CPU (the driver, the scheduler and reward actors need none) and
+    # three one-core nodes: two for the train pool, one for the rollout pool.
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "node_ip_address": LOOPBACK, "include_dashboard": False},
+    )
+    for _ in range(3):
+        cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK)
+    ray.init(address=cluster.address, _node_ip_address=LOOPBACK, namespace="rlfleet")
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _raw(model: Path, data: Path, run_dir: Path) -> dict[str, Any]:
+    return {
+        "launcher": "ray",
+        "data": {
+            "train_files": str(data / "train.parquet"),
+            "val_files": str(data / "test.parquet"),
+            "train_batch_size": 4,
+            "max_prompt_length": 64,
+            "max_response_length": 8,
+        },
+        "actor": {"model_path": str(model), "lr": 1e-4, "ppo_mini_batch_size": 2},
+        "rollout": {"n": 2},
+        "algorithm": {"adv_estimator": "grpo"},
+        "reward": {"num_workers": 1},
+        "trainer": {
+            "total_training_steps": 2,
+            "test_freq": -1,
+            "save_freq": -1,
+            "default_local_dir": str(run_dir),
+            "resume_mode": "disable",
+            "logger": ["jsonl"],
+            "val_before_train": False,
+        },
+        "resource_pools": {"train_pool": [1, 1], "rollout_pool": [1]},
+        "mapping": {"actor": "train_pool", "rollout": "rollout_pool"},
+    }
+
+
+def test_ppo_steps_with_every_role_on_its_own_node(
+    ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from rlfleet.scheduler.driver import PPOTrainer, StepRecord
+    from rlfleet.scheduler.ray_cluster import RayCluster
+    from rlfleet.scheduler.servicer import SchedulerClient
+    from rlfleet.scheduler.workers import remote_workers
+
+    data = tmp_path / "data"
+    preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+-", seed=0)
+    config = config_from_dict(_raw(tiny_model_dir, data, tmp_path / "run"))
+    assert config.world_size("actor") == 2
+    records: list[StepRecord] = []
+    with RayCluster(config, tmp_path / "run", heartbeat_interval_s=0.5) as cluster:
+        handle = cluster.start(timeout_s=300)
+        nodes = cluster.nodes()
+        # Every service on a node address (here loopback), in its own actor.
+        assert {"scheduler", "reward", "trainer", "trainer-1", "rollout-0"} <= set(nodes)
+        placed = {name: nodes[name]["node_id"] for name in ("trainer", "trainer-1", "rollout-0")}
+        assert len(set(placed.values())) == 3, placed  # two train nodes, one rollout node
+        assert all(a.startswith(f"{LOOPBACK}:") for a in (handle.trainer, *handle.rollout))
+        named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+        assert {"rlfleet/trainer", "rlfleet/trainer-1", "rlfleet/rollout-0"} <= named
+        with SchedulerClient(handle.scheduler or "") as client:
+            roles = {e.spec.role for e in client.list_services(alive_only=True)}
+        assert roles == {"rollout", "reward", "trainer"}
+
+        with PPOTrainer(
+            config,
+            role_worker_mapping=remote_workers(handle.trainer, handle.rollout, handle.reward),
+            scheduler=handle.scheduler,
+            on_step=records.append,
+        ) as trainer:
+            trainer.fit()
+    assert [r.step for r in records] == [1, 2]
+    # The full batch each step (the driver refuses a step with samples missing).
+    assert all(len(r.indices) == config.data.train_batch_size for r in records)
+    left = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("rlfleet/")
+    ]
+    assert left == []
+    assert ray.util.placement_group_table() == {} or all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    )
