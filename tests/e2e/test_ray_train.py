@@ -1,0 +1,152 @@
+"""`rlfleet train --config examples/arithmetic_ray.yaml` on a machine with no Ray
+running: the Ray launcher starts a local Ray (loopback only), trains two steps on a
+tiny model, exits 0 and leaves no process behind.
+
+The run gets its own Ray temp directory (``RAY_TMPDIR``), so every Ray process it
+starts (gcs_server, raylet, workers) names that directory in its command line, and
+every service process names the run directory: both mark what the run started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+from rlfleet.scheduler.data.preprocess import preprocess  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_ray.yaml"
+RUN_LIMIT_S = 420.0
+GONE_LIMIT_S = 60.0
+
+
+def _procs() -> dict[int, tuple[int, str]]:
+    """pid -> (process group, command line) of every process readable in /proc."""
+    out: dict[int, tuple[int, str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces, so split after ")".
+        fields = stat.rsplit(")", 1)[1].split()
+        out[int(entry.name)] = (int(fields[2]), cmdline)
+    return out
+
+
+def _left_behind(pgid: int, markers: tuple[str, ...]) -> dict[int, str]:
+    """Processes of the run's process group, or naming one of ``markers``."""
+    me = os.getpid()
+    return {
+        pid: cmd
+        for pid, (group, cmd) in _procs().items()
+        if pid != me and (group == pgid or any(m in cmd for m in markers))
+    }
+
+
+def _ray_running() -> bool:
+    from ray._private.services import find_gcs_addresses
+
+    return bool(find_gcs_addresses())
+
+
+@pytest.fixture()
+def ray_tmp() -> Iterator[Path]:
+    # Short: Ray's Unix sockets live under it (a socket path is at most 107 bytes).
+    path = Path(tempfile.mkdtemp(prefix="rlray-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_rlfleet_train_starts_a_local_ray_trains_and_leaves_nothing(
+    tiny_model_dir: Path, tmp_path: Path, ray_tmp: Path
+) -> None:
+    if _ray_running():
+        # `ray.address: auto` would join it: this test is about starting one.
+        pytest.skip("a Ray cluster is running on this machine")
+    data = tmp_path / "data"
+    preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+-", seed=0)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rlfleet.scheduler.train", "--config", str(EXAMPLE)]
+    cmd += ["--log-level", "INFO"]
+    cmd += [
+        f"actor.model_path={tiny_model_dir}",
+        f"data.train_files={data / 'train.parquet'}",
+        f"data.val_files={data / 'test.parquet'}",
+        "data.train_batch_size=4",
+        "data.max_response_length=8",
+        "actor.ppo_mini_batch_size=2",
+        "critic.ppo_mini_batch_size=2",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={run_dir}",
+    ]
+    env = {
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # a local Ray on 127.0.0.1 only
+        "RAY_TMPDIR": str(ray_tmp),
+        "RAY_ADDRESS": "",  # `auto` must not be redirected elsewhere
+        "OMP_NUM_THREADS": "1",
+    }
+    log = tmp_path / "train.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=out,
+            env=env,
+            cwd=tmp_path,
+            start_new_session=True,
+        )
+    markers = (str(ray_tmp), str(run_dir))
+    try:
+        stdout, _ = proc.communicate(timeout=RUN_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        pytest.fail(f"rlfleet train still running after {RUN_LIMIT_S}s:\n{log.read_text()[-4000:]}")
+    finally:
+        left: dict[int, str] = {}
+        deadline = time.monotonic() + GONE_LIMIT_S
+        while time.monotonic() < deadline:
+            left = _left_behind(proc.pid, markers)
+            if not left:
+                break
+            time.sleep(0.5)
+        for pid in left:  # clean up what the run left, then fail below
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    text = log.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    assert "starting a local one" in text, text[-4000:]
+    summary = json.loads(stdout.decode().strip().splitlines()[-1])
+    assert summary["global_steps"] == 2
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    # Every service ran in an actor of this Ray, on loopback.
+    for name in ("scheduler", "reward", "trainer", "rollout-0"):
+        assert (run_dir / "logs" / f"{name}.log").is_file(), name
+    (up,) = [line for line in text.splitlines() if line.startswith("services up")]
+    assert "trainer 127.0.0.1:" in up and "rollout 127.0.0.1:" in up, up
+    assert left == {}, f"left behind: {left}"
