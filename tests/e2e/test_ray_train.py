@@ -9,6 +9,7 @@ every service process names the run directory: both mark what the run started.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from rlfleet.scheduler.data.preprocess import preprocess  # noqa: E402
+from rlfleet.scheduler.data.preprocess import preprocess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -132,10 +133,8 @@ def test_rlfleet_train_starts_a_local_ray_trains_and_leaves_nothing(
                 break
             time.sleep(0.5)
         for pid in left:  # clean up what the run left, then fail below
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     text = log.read_text()
     assert proc.returncode == 0, text[-4000:]
