@@ -511,3 +511,55 @@ def test_importable_without_torch() -> None:
         "assert sys.modules['torch'] is None\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --------------------------------------------------------------------------- nnodes (verl's pool)
+
+
+def test_nnodes_and_gpus_per_node_build_verls_global_pool() -> None:
+    cfg = config_from_dict(
+        {"trainer": {"device": "cuda", "nnodes": 2, "n_gpus_per_node": 4}}, ["rollout.n=4"]
+    )
+    assert cfg.resource_pools == {"global_pool": [4, 4]}
+    assert {getattr(cfg.mapping, r) for r in ROLES} == {"global_pool"}
+    assert cfg.placement().mode == "colocated"
+
+
+def test_nnodes_from_overrides_build_the_pool() -> None:
+    cfg = config_from_dict(None, ["trainer.nnodes=3", "trainer.n_gpus_per_node=2", "rollout.n=6"])
+    assert cfg.resource_pools == {"global_pool": [2, 2, 2]}
+
+
+def test_nnodes_alone_means_one_device_per_node() -> None:
+    assert config_from_dict({"trainer": {"nnodes": 2}}).resource_pools == {"global_pool": [1, 1]}
+    per_node = config_from_dict({"trainer": {"n_gpus_per_node": 2}})
+    assert per_node.resource_pools == {"global_pool": [2]}
+
+
+def test_explicit_resource_pools_win_over_nnodes() -> None:
+    cfg = config_from_dict(
+        {
+            "trainer": {"nnodes": 4, "n_gpus_per_node": 8},
+            "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
+        }
+    )
+    assert cfg.resource_pools == {"train_pool": [1], "rollout_pool": [1]}
+    assert cfg.mapping.actor == "train_pool" and cfg.mapping.rollout == "rollout_pool"
+
+
+def test_nnodes_keeps_a_given_mapping() -> None:
+    cfg = config_from_dict(
+        {
+            "trainer": {"nnodes": 2},
+            "mapping": dict.fromkeys(("actor", "critic", "rollout"), "global_pool"),
+        }
+    )
+    assert cfg.resource_pools == {"global_pool": [1, 1]}
+    assert cfg.mapping.actor == cfg.mapping.rollout == "global_pool"
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_bad_nnodes_is_reported_with_its_value(value: int) -> None:
+    err = _error([f"trainer.nnodes={value}", "trainer.n_gpus_per_node=2"])
+    (issue,) = [i for i in err.issues if i.path == "trainer.nnodes"]
+    assert issue.value == value
