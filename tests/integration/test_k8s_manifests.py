@@ -14,6 +14,7 @@ objects, and the rest is a structural check of the fields KubeRay needs.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -92,7 +93,7 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Doc]]:
     secrets = root / "config" / "secrets"
     (secrets / "tls").mkdir(parents=True)
     for role in ROLES:
-        (secrets / f"{role}.json").write_text('{"role": "%s", "token": "placeholder"}' % role)
+        (secrets / f"{role}.json").write_text(json.dumps({"role": role, "token": "placeholder"}))
     (secrets / "observer.token").write_text("placeholder")
     for name in TLS_ITEMS:
         (secrets / "tls" / name).write_text("placeholder")
