@@ -27,7 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STATE_FILE", "add_arguments", "format_services", "read_state", "run"]
+__all__ = [
+    "RAY_ACTOR_CAPABILITY",
+    "STATE_FILE",
+    "add_arguments",
+    "format_services",
+    "read_state",
+    "run",
+    "service_json",
+]
 
 STATE_FILE = "cluster.json"
 DEFAULT_STATE_DIR = ".rlfleet"
@@ -137,29 +145,61 @@ def _ranges(values: list[int]) -> str:
     return ",".join(out)
 
 
+RAY_ACTOR_CAPABILITY = "ray_actor_id"
+"""The registry capability naming a service's Ray actor (``launcher: ray``)."""
+
+
+def _ray_actor_id(entry: Any) -> str:
+    return str(entry.spec.capabilities.get(RAY_ACTOR_CAPABILITY, ""))
+
+
 def format_services(entries: Any, now: float | None = None) -> str:
-    """The table ``rlfleet status`` prints."""
+    """The table ``rlfleet status`` prints: one row per service, with its node and,
+    when any service runs in a Ray actor, a ``RAY ACTOR`` column (its actor id)."""
     now = time.time() if now is None else now
-    header = ("ID", "ROLE", "ADDRESS", "STATE", "DEVICES", "QUEUE", "TOK/S", "WEIGHTS", "SEEN")
+    entries = list(entries)
+    ray = any(_ray_actor_id(e) for e in entries)
+    header: tuple[str, ...] = ("ID", "ROLE", "ADDRESS", "NODE", "STATE", "DEVICES", "QUEUE")
+    header += ("TOK/S", "WEIGHTS", "SEEN", *(("RAY ACTOR",) if ray else ()))
     rows = [header]
     for e in entries:
-        rows.append(
-            (
-                e.service_id,
-                e.spec.role,
-                e.spec.address,
-                e.state.value.upper(),
-                _devices(e.spec.devices),
-                str(e.load.queue_depth),
-                f"{e.load.tokens_per_second:.1f}",
-                f"v{e.load.weight_version}",
-                f"{max(0.0, now - e.last_heartbeat_unix):.0f}s ago",
-            )
+        row: tuple[str, ...] = (
+            e.service_id,
+            e.spec.role,
+            e.spec.address,
+            e.spec.node or "-",
+            e.state.value.upper(),
+            _devices(e.spec.devices),
+            str(e.load.queue_depth),
+            f"{e.load.tokens_per_second:.1f}",
+            f"v{e.load.weight_version}",
+            f"{max(0.0, now - e.last_heartbeat_unix):.0f}s ago",
         )
+        rows.append((*row, _ray_actor_id(e) or "-") if ray else row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
     )
+
+
+def service_json(entry: Any) -> dict[str, Any]:
+    """One service of ``rlfleet status --json``."""
+    e = entry
+    return {
+        "service_id": e.service_id,
+        "role": e.spec.role,
+        "address": e.spec.address,
+        "node": e.spec.node,
+        "ray_actor_id": _ray_actor_id(e) or None,
+        "state": e.state.value,
+        "devices": [[d.kind, d.index] for d in e.spec.devices],
+        "metrics_address": e.spec.metrics_address,
+        "pid": e.spec.pid,
+        "queue_depth": e.load.queue_depth,
+        "tokens_per_second": e.load.tokens_per_second,
+        "weight_version": e.load.weight_version,
+        "last_heartbeat_unix": e.last_heartbeat_unix,
+    }
 
 
 def _client_security(state: dict[str, Any] | None) -> Any:
@@ -212,22 +252,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         out = {
             "scheduler": address,
-            "services": [
-                {
-                    "service_id": e.service_id,
-                    "role": e.spec.role,
-                    "address": e.spec.address,
-                    "state": e.state.value,
-                    "devices": [[d.kind, d.index] for d in e.spec.devices],
-                    "metrics_address": e.spec.metrics_address,
-                    "pid": e.spec.pid,
-                    "queue_depth": e.load.queue_depth,
-                    "tokens_per_second": e.load.tokens_per_second,
-                    "weight_version": e.load.weight_version,
-                    "last_heartbeat_unix": e.last_heartbeat_unix,
-                }
-                for e in entries
-            ],
+            "services": [service_json(e) for e in entries],
             "training": {
                 "state": status.state,
                 "global_step": status.global_step,
