@@ -33,6 +33,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "start a local cluster that keeps running (see `rlfleet down`)",
     ),
     "down": ("rlfleet.scheduler.cli", "stop the cluster `rlfleet up` started"),
+    "scale": (
+        "rlfleet.scheduler.scale_cli",
+        "ask a running cluster for N rollout replicas (its launcher adds or removes them)",
+    ),
     "reward": ("rlfleet.reward.cli", "score files against a running reward service (score, info)"),
     "rollout": ("rlfleet.rollout.cli", "talk to a rollout replica (generate)"),
     "secrets": (

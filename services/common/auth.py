@@ -146,6 +146,8 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/rlfleet.v1.SchedulerService/GetPlacement": ALL_ROLES,
     "/rlfleet.v1.SchedulerService/GetTrainingStatus": ALL_ROLES,
     "/rlfleet.v1.SchedulerService/SetTrainingStatus": frozenset({"driver"}),
+    "/rlfleet.v1.SchedulerService/SetScale": frozenset({"driver"}),
+    "/rlfleet.v1.SchedulerService/GetScale": ALL_ROLES,
 }
 
 _REFLECTION_PREFIX = "/grpc.reflection."

@@ -381,6 +381,12 @@ def serve_main(args: argparse.Namespace) -> int:
                 "dtype": info.dtype,
                 "transports": "shm,tcp,grpc",
                 "replica_id": core.replica_id,
+                # The Ray launcher's actor running this process (rlfleet status shows it).
+                **(
+                    {"ray_actor_id": os.environ["RLFLEET_RAY_ACTOR_ID"]}
+                    if os.environ.get("RLFLEET_RAY_ACTOR_ID")
+                    else {}
+                ),
             },
             capacity=args.max_batch_samples,
             metrics_address=metrics_address or "",

@@ -134,6 +134,8 @@ class PPOTrainer:
             to stop a run; an exception raised there ends ``fit``).
         scheduler: the scheduler's address or a client (``list_services``) to take
             rollout membership from; None: ``services.scheduler``, else fixed replicas.
+        fleet_metrics: what the launcher did (restarts, replacements, replicas), merged
+            into every step's metrics (``fleet/...``); None: nothing.
     """
 
     def __init__(
@@ -150,8 +152,10 @@ class PPOTrainer:
         metrics_port: int | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
         scheduler: str | SchedulerClientProtocol | None = None,
+        fleet_metrics: Callable[[], Mapping[str, float]] | None = None,
     ) -> None:
         self.config = config
+        self.fleet_metrics = fleet_metrics
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -702,7 +706,16 @@ class PPOTrainer:
             outcome = self._w.trainer.push_weights(targets, version=version)
             if outcome.errors:
                 self.metrics.weight_sync_failures.inc()
-                raise RuntimeError(f"weight push of version {version} failed: {outcome.errors}")
+                failed = [r for r in replicas if r.replica_id in outcome.errors]
+                if len(failed) == len(replicas):
+                    raise RuntimeError(f"weight push of version {version} failed: {outcome.errors}")
+                # Those replicas would serve stale weights: out of the fleet (a
+                # replacement that registers is adopted with the current weights).
+                for r in failed:
+                    logger.warning("weight push to rollout replica %s (%s) failed (%s): "
+                                   "dropping it", r.replica_id, r.address,
+                                   outcome.errors[r.replica_id])  # fmt: skip
+                    self._drop_replica(r)
 
     def _sleep_rollouts(self) -> None:
         if self.colocated and self.config.rollout.free_cache_engine:
@@ -989,6 +1002,8 @@ class PPOTrainer:
             self.val_history.append((self.global_steps, val))
             tracking.note(_val_line(self.global_steps, val))
         save = t.save_freq > 0 and (is_last or self.global_steps % t.save_freq == 0)
+        if self.fleet_metrics is not None:
+            metrics.update(self.fleet_metrics())
         step_s = time.perf_counter() - t0
         metrics["timing_s/step"] = step_s
         busy = sum(

@@ -34,6 +34,7 @@ holds the pool's resources and the service process uses them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -239,6 +240,7 @@ class _Service:
     pid: int = 0
     address: str | None = None
     metrics_address: str | None = None
+    launch: dict[str, Any] = field(default_factory=dict)  # what _launch got: to do it again
 
 
 class RayCluster:
@@ -277,7 +279,14 @@ class RayCluster:
         self._previous_security: Security | None = None
         self._own_ray = False
         self._stopped = False
+        self._stop_event = threading.Event()
+        self._supervisor: threading.Thread | None = None
         self._lock = threading.RLock()
+        self.supervise_interval_s = 1.0
+        self.events: collections.Counter[str] = collections.Counter()
+        self.given_up: set[str] = set()
+        self._scale_generation = 0
+        self._next_rollout = config.rollout_replicas()
 
     # ------------------------------------------------------------------ start
 
@@ -318,6 +327,10 @@ class RayCluster:
             self.stop()
             raise
         self.handle = self._make_handle(config_path)
+        self._supervisor = threading.Thread(
+            target=self._supervise, name="rlfleet-ray-supervisor", daemon=True
+        )
+        self._supervisor.start()
         logger.info(
             "ray cluster up: %s",
             ", ".join(f"{s.name}={s.address}@{s.info.get('ip')}" for s in self._services),
@@ -335,7 +348,10 @@ class RayCluster:
                 return
             except (ConnectionError, RuntimeError) as e:
                 logger.info("no running Ray cluster (%s): starting a local one", e)
-            ray.init(**kwargs)
+            # A Ray of this run only: on loopback (its workers read this variable at
+            # start and then take 127.0.0.1 as their node's address), no dashboard.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, **kwargs)
             self._own_ray = True
         else:
             ray.init(address=address, **kwargs)
@@ -463,6 +479,14 @@ class RayCluster:
                 gpus = float(cfg.resource_pools[pool][bundle]) / self._sharing(pool)
             actor = self._actor(ray, name, pool, bundle, gpus)
         svc = _Service(name, kind, actor, pool, bundle)
+        svc.launch = {
+            "argv": argv,
+            "env": env,
+            "config_path": config_path,
+            "config_text": config_text,
+            "address_file": address_file,
+            "wait_address": wait_address,
+        }
         with self._lock:
             self._services.append(svc)
         svc.info = ray.get(actor.node.remote(), timeout=max(1.0, deadline - time.monotonic()))
@@ -478,6 +502,7 @@ class RayCluster:
                 else {"CUDA_VISIBLE_DEVICES": ""}
             ),
             **self._role_env.get(kind, {}),
+            "RLFLEET_RAY_ACTOR_ID": str(svc.info.get("actor_id", "")),
             **env,
         }
         svc.info["_pending"] = actor.start.remote(
@@ -703,6 +728,255 @@ class RayCluster:
             credentials_dir=str(self.credentials_dir or ""),
         )
 
+    # ------------------------------------------------------------------ supervision
+
+    def _supervise(self) -> None:
+        """Keep the fleet as asked: restart dead service processes, replace replicas
+        whose actor (node) is gone, follow the scheduler's desired rollout count."""
+        while not self._stop_event.wait(self.supervise_interval_s):
+            try:
+                self.supervise_once()
+            except Exception:  # keep supervising: one bad round must not end it
+                if not self._stopped:
+                    logger.exception("ray cluster supervision round failed")
+
+    def supervise_once(self) -> None:
+        """One round of :meth:`_supervise` (tests call it directly)."""
+        import ray
+
+        with self._lock:
+            services = [s for s in self._services if s.name not in self.given_up]
+        for svc in services:
+            if self._stopped:
+                return
+            try:
+                code = ray.get(svc.actor.poll.remote(), timeout=15)
+            except ray.exceptions.GetTimeoutError:
+                continue  # slow to answer is not gone: ask again next round
+            except ray.exceptions.RayError as e:  # the actor is gone: its node died, or killed
+                self._lost(ray, svc, e)
+                continue
+            if code is not None:
+                self._restart(ray, svc, code)
+        self._follow_scale(ray)
+
+    def _deregister(self, address: str | None) -> None:
+        from rlfleet.scheduler.servicer import SchedulerClient
+
+        if not address or not self.scheduler_address:
+            return
+        try:
+            with SchedulerClient(self.scheduler_address, timeout_s=5.0) as client:
+                for e in client.list_services("rollout"):
+                    if e.spec.address == address:
+                        client.deregister(e.service_id)
+        except Exception as e:  # it goes DEAD after missed heartbeats anyway
+            logger.info("could not deregister %s: %s", address, e)
+
+    def _lost(self, ray: Any, svc: _Service, error: BaseException) -> None:
+        where = f"node {svc.info.get('ip')} ({str(svc.info.get('node_id', ''))[:12]})"
+        self.events["lost"] += 1
+        with self._lock:
+            self._services.remove(svc)
+        if svc.kind != "rollout":
+            self.given_up.add(svc.name)
+            logger.error(
+                "%s at %s on %s is gone (%s): it is not replaced (%s)",
+                svc.name,
+                svc.address,
+                where,
+                type(error).__name__,
+                "resume the run from its last checkpoint"
+                if svc.kind == "trainer"
+                else "the run cannot reach it at a new address",
+            )
+            return
+        logger.warning(
+            "rollout replica %s at %s on %s is gone (%s): its prompts are re-queued by the "
+            "driver; placing a replacement in its pool",
+            svc.name,
+            svc.address,
+            where,
+            type(error).__name__,
+        )
+        self._deregister(svc.address)
+        with contextlib.suppress(Exception):
+            ray.kill(svc.actor)
+        try:
+            new = self._relaunch(ray, svc, timeout_s=self.config.ray.start_timeout_s)
+        except Exception as e:
+            self.events["replacement_failed"] += 1
+            logger.error("no replacement for %s: %s", svc.name, e)
+            return
+        self.events["replaced"] += 1
+        logger.warning("%s replaced at %s on node %s", new.name, new.address, new.info.get("ip"))
+
+    def _relaunch(
+        self, ray: Any, svc: _Service, *, timeout_s: float, actor: Any = None
+    ) -> _Service:
+        deadline = time.monotonic() + timeout_s
+        launch = svc.launch
+        new = self._launch(
+            ray,
+            svc.name,
+            svc.kind,
+            svc.pool,
+            svc.bundle,
+            list(launch["argv"]),
+            dict(launch["env"]),
+            launch["config_path"],
+            launch["config_text"],
+            deadline,
+            address_file=launch["address_file"],
+            wait_address=launch["wait_address"],
+            actor=actor,
+        )
+        try:
+            self._finish(ray, new, deadline)
+        except BaseException:
+            with self._lock:
+                if new in self._services:
+                    self._services.remove(new)
+            with contextlib.suppress(Exception):
+                ray.kill(new.actor)
+            raise
+        return new
+
+    def _restart(self, ray: Any, svc: _Service, code: int) -> None:
+        """A service process exited: start it again in its actor, on its port."""
+        if svc.kind not in ("rollout", "reward"):
+            self.given_up.add(svc.name)
+            logger.error(
+                "%s (%s) exited with code %s: not restarted (its state is in "
+                "memory; resume from the last checkpoint)",
+                svc.name,
+                svc.address,
+                code,
+            )
+            return
+        done = self.restarts.get(svc.name, 0)
+        if done >= self.config.services.max_restarts:
+            self.given_up.add(svc.name)
+            logger.error(
+                "%s (%s) exited with code %s after %d restart(s): giving up",
+                svc.name,
+                svc.address,
+                code,
+                done,
+            )
+            return
+        backoff = self.config.services.restart_backoff_s * 2.0**done
+        logger.warning(
+            "%s (%s) exited with code %s: restarting it in %.1fs (%d of %d)",
+            svc.name,
+            svc.address,
+            code,
+            backoff,
+            done + 1,
+            self.config.services.max_restarts,
+        )
+        time.sleep(backoff)
+        if self._stopped:
+            return
+        self.restarts[svc.name] = done + 1
+        self.events["restarted"] += 1
+        port = svc.address.rpartition(":")[2] if svc.address else "0"
+        argv = list(svc.launch["argv"])
+        if "--port" in argv:
+            argv[argv.index("--port") + 1] = port
+        svc.launch["argv"] = argv
+        if svc.kind == "rollout":
+            self._deregister(svc.address)
+        with self._lock:
+            self._services.remove(svc)
+        try:
+            self._relaunch(ray, svc, timeout_s=120.0, actor=svc.actor)
+        except Exception as e:
+            logger.error("restarting %s failed: %s", svc.name, e)
+
+    def rollout_replicas(self) -> list[str]:
+        """Names of the rollout replicas running now."""
+        with self._lock:
+            return [s.name for s in self._services if s.kind == "rollout"]
+
+    def _follow_scale(self, ray: Any) -> None:
+        from rlfleet.scheduler.servicer import SchedulerClient
+
+        if not self.scheduler_address:
+            return
+        with SchedulerClient(self.scheduler_address, timeout_s=5.0) as client:
+            desired, generation = client.scale("rollout")
+        if not desired or generation == self._scale_generation:
+            return
+        self.scale_rollout(desired)
+        self._scale_generation = generation
+
+    def scale_rollout(self, replicas: int) -> None:
+        """Add or remove rollout replicas (actors in the rollout pool's bundles, round
+        robin) until ``replicas`` run. A new one registers with the scheduler and gets
+        the current weights from the driver before it takes work; one removed is
+        deregistered first, then stopped (SIGTERM: it finishes what it has in flight
+        within its grace period)."""
+        import ray
+
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        cfg = self.config
+        pool = _pool(cfg, "rollout")
+        assert pool is not None
+        entries = len(cfg.resource_pools[pool])
+        current = self.rollout_replicas()
+        if len(current) == replicas:
+            return
+        logger.warning("scaling rollout replicas %d -> %d", len(current), replicas)
+        if len(current) < replicas:
+            template = next((s for s in self._services if s.kind == "rollout"), None)
+            config_path = self.run_dir / "config.yaml"
+            config_text = template.launch["config_text"] if template else config_path.read_text()
+            deadline = time.monotonic() + cfg.ray.start_timeout_s
+            added = []
+            for _ in range(replicas - len(current)):
+                k = self._next_rollout
+                self._next_rollout += 1
+                argv = ["-m", *rollout_argv(cfg, _HOST, f"rollout-{k}")]
+                if self.scheduler_address:
+                    argv += ["--scheduler", self.scheduler_address]
+                added.append(
+                    self._launch(
+                        ray,
+                        f"rollout-{k}",
+                        "rollout",
+                        pool,
+                        k % entries,
+                        argv,
+                        {},
+                        config_path,
+                        config_text,
+                        deadline,
+                    )
+                )
+            for svc in added:
+                self._finish(ray, svc, deadline)
+                self.events["scaled_up"] += 1
+            return
+        with self._lock:
+            rollouts = [s for s in self._services if s.kind == "rollout"]
+        for svc in rollouts[replicas:][::-1]:
+            with self._lock:  # out of the fleet at once; then drained and stopped
+                self._services.remove(svc)
+            self._deregister(svc.address)
+            with contextlib.suppress(Exception):
+                ray.get(svc.actor.stop.remote(self.grace_s), timeout=self.grace_s + 15)
+            with contextlib.suppress(Exception):
+                ray.kill(svc.actor)
+            self.events["scaled_down"] += 1
+
+    def fleet_metrics(self) -> dict[str, float]:
+        """What the launcher did, for the run's step metrics (``fleet/...``)."""
+        out = {f"fleet/{k}": float(v) for k, v in sorted(self.events.items())}
+        out["fleet/rollout_replicas"] = float(len(self.rollout_replicas()))
+        return out
+
     # ------------------------------------------------------------------ inspect / stop
 
     @property
@@ -736,6 +1010,10 @@ class RayCluster:
             if self._stopped:
                 return
             self._stopped = True
+        self._stop_event.set()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=60)
+        with self._lock:
             services = list(self._services)
         if ray.is_initialized():
             ordered = [s for s in services if s.kind != "scheduler"] + [

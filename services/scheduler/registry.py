@@ -554,6 +554,8 @@ class SchedulerCore:
         self._lock = threading.Lock()
         self._status = TrainingStatus()
         self._placement: Placement | None = None
+        self._desired: dict[str, int] = {}
+        self._scale_generation = 0
 
     # ---- registry
 
@@ -698,3 +700,32 @@ class SchedulerCore:
     def weight_version(self) -> int:
         """The version a newly registered rollout replica must fetch before serving."""
         return self.training_status().weight_version
+
+    # ---- desired scale
+
+    MAX_REPLICAS = 1024
+
+    def set_scale(self, role: ServiceRole, replicas: int) -> tuple[int, int]:
+        """Ask for ``replicas`` services of ``role`` (rollout); the launcher reconciles.
+
+        Returns ``(replicas, generation)``.
+        """
+        if role != "rollout":
+            raise InvalidArgument(
+                f"only rollout replicas are scaled, not {role}", field="role", value=role
+            )
+        if not 1 <= replicas <= self.MAX_REPLICAS:
+            raise InvalidArgument(
+                f"replicas must be in [1, {self.MAX_REPLICAS}]", field="replicas", value=replicas
+            )
+        with self._lock:
+            self._scale_generation += 1
+            self._desired[role] = replicas
+            logger.info("desired %s replicas: %d (request %d)", role, replicas,
+                        self._scale_generation)  # fmt: skip
+            return replicas, self._scale_generation
+
+    def scale(self, role: ServiceRole) -> tuple[int, int]:
+        """``(desired replicas or 0 when never set, generation)``."""
+        with self._lock:
+            return self._desired.get(role, 0), self._scale_generation

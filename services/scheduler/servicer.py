@@ -365,6 +365,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             )
         )
 
+    def SetScale(
+        self, request: scheduler_pb2.SetScaleRequest, context: grpc.ServicerContext
+    ) -> scheduler_pb2.Scale:
+        role = role_from_proto(request.role) or "rollout"
+        replicas, generation = self.core.set_scale(role, request.replicas)
+        return scheduler_pb2.Scale(
+            role=role_to_proto(role), replicas=replicas, generation=generation
+        )
+
+    def GetScale(
+        self, request: scheduler_pb2.GetScaleRequest, context: grpc.ServicerContext
+    ) -> scheduler_pb2.Scale:
+        role = role_from_proto(request.role) or "rollout"
+        replicas, generation = self.core.scale(role)
+        return scheduler_pb2.Scale(
+            role=role_to_proto(role), replicas=replicas, generation=generation
+        )
+
 
 # --------------------------------------------------------------------------- clients
 
@@ -465,6 +483,19 @@ class SchedulerClient:
     def set_training_status(self, status: TrainingStatus) -> TrainingStatus:
         """Publish the driver's progress (replaces every field)."""
         return status_from_proto(self._call("SetTrainingStatus", status_to_proto(status)))
+
+    def set_scale(self, role: ServiceRole, replicas: int) -> tuple[int, int]:
+        """Ask for ``replicas`` of ``role``; ``(replicas, generation)``."""
+        msg = self._call(
+            "SetScale",
+            scheduler_pb2.SetScaleRequest(role=role_to_proto(role), replicas=replicas),
+        )
+        return int(msg.replicas), int(msg.generation)
+
+    def scale(self, role: ServiceRole = "rollout") -> tuple[int, int]:
+        """``(desired replicas or 0, generation)``."""
+        msg = self._call("GetScale", scheduler_pb2.GetScaleRequest(role=role_to_proto(role)))
+        return int(msg.replicas), int(msg.generation)
 
     def close(self) -> None:
         self._channel.close()

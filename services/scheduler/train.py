@@ -151,6 +151,7 @@ def train(
             metrics_port=metrics_port,
             on_step=on_step,
             scheduler=scheduler_address,
+            fleet_metrics=getattr(cluster, "fleet_metrics", None),
         ) as trainer:
             if trainer.metrics_port:
                 print(f"metrics on 127.0.0.1:{trainer.metrics_port}/metrics", file=sys.stderr)

@@ -168,14 +168,26 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             if self.push_targets is not None
             else self.core.config.services.rollout
         )
-        check_push_targets([a for _, a in targets], allowed, registry=self.push_targets is not None)
-        return push_to_targets(
+        refused = refused_push_targets(
+            [a for _, a in targets], allowed, registry=self.push_targets is not None
+        )
+        if refused and len(refused) == len(targets):
+            i, why = next(iter(refused.items()))
+            raise PermissionDenied(why, field=f"targets[{i}].address", value=targets[i][1])
+        response = push_to_targets(
             self.core,
-            targets,
+            [t for i, t in enumerate(targets) if i not in refused],
             version=request.version,
             bucket_bytes=request.bucket_bytes or self.default_bucket_bytes,
             transports=list(request.transports),
         )
+        # A target that left the registry (died, scaled away) fails alone: the others
+        # still get the weights, and the caller drops it.
+        for i, why in refused.items():
+            response.results.append(
+                trainer_pb2.PushResult(replica_id=targets[i][0], ok=False, error=why)
+            )
+        return response
 
     def GetStatus(
         self, request: trainer_pb2.GetTrainerStatusRequest, context: grpc.ServicerContext
@@ -183,31 +195,38 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.TrainerStatus(**self.core.status())
 
 
-def check_push_targets(
+def refused_push_targets(
     addresses: Sequence[str], allowed: Collection[str], *, registry: bool
-) -> None:
-    """Refuse to send the model anywhere but to known replicas.
+) -> dict[int, str]:
+    """The targets the model must not be sent to: index -> why.
 
     With a registry (``registry=True``), ``allowed`` are the addresses of the alive
     rollout replicas registered with the scheduler (each registered with a rollout
     credential, on its own host); otherwise ``allowed`` are the configured replica
     addresses, and loopback addresses are accepted too.
+    """
+    known = set(allowed)
+    where = "registered with the scheduler" if registry else "configured (services.rollout)"
+    refused = {}
+    for i, address in enumerate(addresses):
+        if address in known or (not registry and is_loopback(address.rpartition(":")[0])):
+            continue
+        refused[i] = (
+            f"{address} is not a rollout replica {where}: weights go only to known replicas"
+        )
+    return refused
+
+
+def check_push_targets(
+    addresses: Sequence[str], allowed: Collection[str], *, registry: bool
+) -> None:
+    """:func:`refused_push_targets`, raising for the first one.
 
     Raises:
         PermissionDenied: naming ``targets[i].address`` and the address.
     """
-    known = set(allowed)
-    for i, address in enumerate(addresses):
-        if address in known:
-            continue
-        if not registry and is_loopback(address.rpartition(":")[0]):
-            continue
-        where = "registered with the scheduler" if registry else "configured (services.rollout)"
-        raise PermissionDenied(
-            f"{address} is not a rollout replica {where}: weights go only to known replicas",
-            field=f"targets[{i}].address",
-            value=address,
-        )
+    for i, why in refused_push_targets(addresses, allowed, registry=registry).items():
+        raise PermissionDenied(why, field=f"targets[{i}].address", value=addresses[i])
 
 
 #: ``WeightTransport`` values and the transport names of the rollout's data plane.

@@ -209,6 +209,30 @@ class GetTrainingStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SetScaleRequest(_message.Message):
+    __slots__ = ("role", "replicas")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    replicas: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class GetScaleRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    def __init__(self, role: _Optional[_Union[Role, str]] = ...) -> None: ...
+
+class Scale(_message.Message):
+    __slots__ = ("role", "replicas", "generation")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    replicas: int
+    generation: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., replicas: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
 class TrainingStatus(_message.Message):
     __slots__ = ("global_step", "total_steps", "weight_version", "metrics", "state")
     class MetricsEntry(_message.Message):

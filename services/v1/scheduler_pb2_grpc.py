@@ -70,6 +70,16 @@ class SchedulerServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_scheduler__pb2.GetTrainingStatusRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_scheduler__pb2.TrainingStatus.FromString,
                 _registered_method=True)
+        self.SetScale = channel.unary_unary(
+                '/rlfleet.v1.SchedulerService/SetScale',
+                request_serializer=rlfleet_dot_v1_dot_scheduler__pb2.SetScaleRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_scheduler__pb2.Scale.FromString,
+                _registered_method=True)
+        self.GetScale = channel.unary_unary(
+                '/rlfleet.v1.SchedulerService/GetScale',
+                request_serializer=rlfleet_dot_v1_dot_scheduler__pb2.GetScaleRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_scheduler__pb2.Scale.FromString,
+                _registered_method=True)
         self.SetTrainingStatus = channel.unary_unary(
                 '/rlfleet.v1.SchedulerService/SetTrainingStatus',
                 request_serializer=rlfleet_dot_v1_dot_scheduler__pb2.TrainingStatus.SerializeToString,
@@ -123,6 +133,20 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetScale(self, request, context):
+        """The fleet's desired size: `rlfleet scale rollout N` sets it, the launcher that
+        started the run reconciles to it (adds or removes replicas).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetScale(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetTrainingStatus(self, request, context):
         """The driver publishes its progress after each step (a driver in another
         process than the scheduler; `rlfleet status` shows it).
@@ -168,6 +192,16 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.GetTrainingStatus,
                     request_deserializer=rlfleet_dot_v1_dot_scheduler__pb2.GetTrainingStatusRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_scheduler__pb2.TrainingStatus.SerializeToString,
+            ),
+            'SetScale': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetScale,
+                    request_deserializer=rlfleet_dot_v1_dot_scheduler__pb2.SetScaleRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_scheduler__pb2.Scale.SerializeToString,
+            ),
+            'GetScale': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetScale,
+                    request_deserializer=rlfleet_dot_v1_dot_scheduler__pb2.GetScaleRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_scheduler__pb2.Scale.SerializeToString,
             ),
             'SetTrainingStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.SetTrainingStatus,
@@ -364,6 +398,60 @@ class SchedulerService:
             '/rlfleet.v1.SchedulerService/GetTrainingStatus',
             rlfleet_dot_v1_dot_scheduler__pb2.GetTrainingStatusRequest.SerializeToString,
             rlfleet_dot_v1_dot_scheduler__pb2.TrainingStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetScale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.SchedulerService/SetScale',
+            rlfleet_dot_v1_dot_scheduler__pb2.SetScaleRequest.SerializeToString,
+            rlfleet_dot_v1_dot_scheduler__pb2.Scale.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetScale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.SchedulerService/GetScale',
+            rlfleet_dot_v1_dot_scheduler__pb2.GetScaleRequest.SerializeToString,
+            rlfleet_dot_v1_dot_scheduler__pb2.Scale.FromString,
             options,
             channel_credentials,
             insecure,

@@ -117,3 +117,124 @@ def test_ppo_steps_with_every_role_on_its_own_node(
     assert ray.util.placement_group_table() == {} or all(
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
     )
+
+
+def _wait(what: str, ok: Any, timeout_s: float = 120.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
+        time.sleep(0.3)
+
+
+def _alive_rollouts(scheduler: str) -> list[str]:
+    from rlfleet.scheduler.servicer import SchedulerClient
+
+    with SchedulerClient(scheduler) as client:
+        return sorted(e.spec.address for e in client.list_services("rollout", alive_only=True))
+
+
+@pytest.mark.slow
+def test_scale_rollout_one_two_one_mid_run(
+    ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`rlfleet scale rollout N`'s request (the scheduler's SetScale) is followed by the
+    Ray launcher during a run: 1 -> 2 -> 1 replicas, every step with the full batch."""
+    from rlfleet.scheduler.driver import PPOTrainer, StepRecord
+    from rlfleet.scheduler.ray_cluster import RayCluster
+    from rlfleet.scheduler.servicer import SchedulerClient
+    from rlfleet.scheduler.workers import remote_workers
+
+    data = tmp_path / "data"
+    preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+-", seed=0)
+    raw = _raw(tiny_model_dir, data, tmp_path / "run")
+    raw["resource_pools"] = {"train_pool": [1], "rollout_pool": [1]}
+    raw["trainer"]["total_training_steps"] = 4
+    config = config_from_dict(raw)
+    records: list[StepRecord] = []
+    seen: dict[int, list[str]] = {}
+    with RayCluster(config, tmp_path / "run", heartbeat_interval_s=0.5) as cluster:
+        cluster.supervise_interval_s = 0.3
+        handle = cluster.start(timeout_s=300)
+        scheduler = handle.scheduler or ""
+        client = SchedulerClient(scheduler)
+
+        def on_step(record: StepRecord) -> None:
+            records.append(record)
+            seen[record.step] = _alive_rollouts(scheduler)
+            if record.step == 1:
+                client.set_scale("rollout", 2)
+                _wait("2 replicas", lambda: len(_alive_rollouts(scheduler)) == 2)
+            elif record.step == 3:
+                client.set_scale("rollout", 1)
+                _wait("1 replica", lambda: len(_alive_rollouts(scheduler)) == 1)
+
+        with PPOTrainer(
+            config,
+            role_worker_mapping=remote_workers(handle.trainer, handle.rollout, handle.reward),
+            scheduler=scheduler,
+            on_step=on_step,
+            fleet_metrics=cluster.fleet_metrics,
+        ) as trainer:
+            trainer.fit()
+        client.close()
+    # (stop() waits for the supervisor to finish stopping the replica it removed)
+    assert cluster.events["scaled_up"] == 1 and cluster.events["scaled_down"] == 1
+    assert [r.step for r in records] == [1, 2, 3, 4]
+    assert all(len(r.indices) == config.data.train_batch_size for r in records)
+    assert [len(seen[s]) for s in (1, 2, 3, 4)] == [1, 2, 2, 1]
+    assert records[1].metrics["fleet/rollout_replicas"] == 2.0
+    assert records[3].metrics["fleet/rollout_replicas"] == 1.0
+
+
+@pytest.mark.slow
+def test_a_replicas_node_removed_mid_run_is_replaced_and_no_sample_is_lost(
+    ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import threading
+
+    from rlfleet.scheduler.driver import PPOTrainer, StepRecord
+    from rlfleet.scheduler.ray_cluster import RayCluster
+    from rlfleet.scheduler.workers import remote_workers
+
+    spare = ray_nodes.add_node(num_cpus=1, node_ip_address=LOOPBACK)  # room for the replacement
+    data = tmp_path / "data"
+    preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+-", seed=0)
+    raw = _raw(tiny_model_dir, data, tmp_path / "run")
+    raw["resource_pools"] = {"train_pool": [1], "rollout_pool": [1, 1]}
+    raw["data"]["max_response_length"] = 32
+    raw["trainer"]["total_training_steps"] = 4
+    config = config_from_dict(raw)
+    records: list[StepRecord] = []
+    removed: dict[str, str] = {}
+    with RayCluster(config, tmp_path / "run", heartbeat_interval_s=0.5) as cluster:
+        cluster.supervise_interval_s = 0.3
+        handle = cluster.start(timeout_s=300)
+        victim_node = cluster.nodes()["rollout-1"]["node_id"]
+        node = next(n for n in ray_nodes.list_all_nodes() if n.node_id == victim_node)
+        assert node is not ray_nodes.head_node
+
+        def on_step(record: StepRecord) -> None:
+            records.append(record)
+            if record.step == 1:  # while step 2 generates
+                removed["node"] = victim_node
+                threading.Timer(0.3, ray_nodes.remove_node, args=(node,)).start()
+            if record.step == 2:
+                _wait("a replacement", lambda: cluster.events["replaced"] >= 1, 180)
+
+        with PPOTrainer(
+            config,
+            role_worker_mapping=remote_workers(handle.trainer, handle.rollout, handle.reward),
+            scheduler=handle.scheduler,
+            on_step=on_step,
+            fleet_metrics=cluster.fleet_metrics,
+        ) as trainer:
+            trainer.fit()
+        replacement = cluster.nodes()["rollout-1"]
+        assert replacement["node_id"] != removed["node"]
+        assert cluster.events["lost"] >= 1
+    assert [r.step for r in records] == [1, 2, 3, 4]
+    assert all(len(r.indices) == config.data.train_batch_size for r in records)
+    assert records[-1].metrics["fleet/replaced"] >= 1.0
+    del spare
