@@ -21,6 +21,14 @@ Placements modelled:
 
 Targets (issue 7): pipelined / sync <= 0.6 when gen and train take similar time;
 scheduler share of step time <= 3%.
+
+``--launcher local|ray`` instead times real services (tiny model, CPU) running the
+same PPO steps, started as local processes by ``LocalCluster`` (the baseline, always
+run) and, with ``ray``, as Ray actors by ``RayCluster`` on a Ray started for the bench
+on this machine (loopback, its own temp directory): ``ray_over_local`` is the Ray
+launcher's step time over the local launcher's, rounds alternating between them.
+
+    .venv/bin/python bench/ppo_step.py --launcher ray [--service-steps 4] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -249,13 +258,129 @@ def run_case(
     }
 
 
+def _service_config(model: Path, data: Path, run_dir: Path, launcher: str) -> Config:
+    """Real services, one core each: trainer (actor + critic) and one rollout replica."""
+    return config_from_dict(
+        {
+            "launcher": launcher,
+            "data": {
+                "train_files": str(data / "train.parquet"),
+                "val_files": [],
+                "train_batch_size": 8,
+                "max_prompt_length": 64,
+                "max_response_length": 16,
+            },
+            "actor": {"model_path": str(model), "ppo_mini_batch_size": 4},
+            "critic": {"ppo_mini_batch_size": 4},
+            "rollout": {"n": 4},
+            "algorithm": {"adv_estimator": "gae"},
+            "reward": {"num_workers": 1},
+            "trainer": {
+                "total_training_steps": 100,
+                "default_local_dir": str(run_dir),
+                "resume_mode": "disable",
+                "logger": [],
+                "val_before_train": False,
+            },
+            "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
+            "mapping": {"actor": "train_pool", "critic": "train_pool", "rollout": "rollout_pool"},
+        }
+    )
+
+
+def run_services(
+    model: Path, data: Path, run_dir: Path, launcher: str, steps: int
+) -> dict[str, Any]:
+    """Start the services with ``launcher``, run 1 + ``steps`` PPO steps, stop them."""
+    from rlfleet.scheduler.workers import remote_workers
+
+    cfg = _service_config(model, data, run_dir, launcher)
+    cfg.trainer.total_training_steps = steps + 1
+    cluster: Any
+    if launcher == "ray":
+        from rlfleet.scheduler.ray_cluster import RayCluster
+
+        cluster = RayCluster(cfg, run_dir)
+    else:
+        from rlfleet.scheduler.cluster import LocalCluster
+
+        cluster = LocalCluster(cfg, run_dir)
+    t0 = time.perf_counter()
+    with cluster:
+        handle = cluster.start(timeout_s=300)
+        start_s = time.perf_counter() - t0
+        mapping = remote_workers(handle.trainer, handle.rollout, handle.reward)
+        with PPOTrainer(config=cfg, role_worker_mapping=mapping, scheduler=handle.scheduler) as t:
+            records = t.fit()
+        t1 = time.perf_counter()
+    stop_s = time.perf_counter() - t1
+    warm = records[1:]  # step 1 loads and compiles
+    return {
+        "start_s": round(start_s, 2),
+        "stop_s": round(stop_s, 2),
+        "step_s": [round(r.metrics["timing_s/step"], 4) for r in warm],
+        "weight_sync_s": statistics.mean(r.metrics["timing_s/weight_sync"] for r in warm),
+    }
+
+
+def launcher_cases(launcher: str, steps: int, rounds: int, root: Path, model: Path,
+                   data: Path) -> dict[str, Any]:  # fmt: skip
+    """Local (baseline) and, with ``launcher == "ray"``, Ray, alternating ``rounds`` times."""
+    launchers = ["local", "ray"] if launcher == "ray" else ["local"]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in launchers}
+    ray_mod: Any = None
+    if launcher == "ray":
+        import ray as ray_mod
+
+        # This machine only: a fresh Ray (never one already running here), on loopback.
+        ray_mod.init(namespace="rlfleet-bench", log_to_driver=False, include_dashboard=False)
+    try:
+        for i in range(rounds):
+            for name in launchers:
+                print(f"round {i + 1}/{rounds}: {name} launcher", file=sys.stderr)
+                run_dir = root / f"{name}-{i}"
+                runs[name].append(run_services(model, data, run_dir, name, steps))
+    finally:
+        if ray_mod is not None:
+            ray_mod.shutdown()
+    out: dict[str, Any] = {}
+    for name, results in runs.items():
+        steps_s = [s for r in results for s in r["step_s"]]
+        out[name] = {
+            "step_s_mean": round(statistics.mean(steps_s), 4),
+            "step_s_median": round(statistics.median(steps_s), 4),
+            "step_s": steps_s,
+            "weight_sync_s_mean": round(statistics.mean(r["weight_sync_s"] for r in results), 4),
+            "start_s": [r["start_s"] for r in results],
+            "stop_s": [r["stop_s"] for r in results],
+        }
+    if "ray" in out:
+        local, ray = out["local"], out["ray"]
+        out["ray_over_local"] = round(ray["step_s_mean"] / local["step_s_mean"], 3)
+        out["ray_over_local_median"] = round(ray["step_s_median"] / local["step_s_median"], 3)
+        out["ray_overhead_per_step_s"] = round(ray["step_s_mean"] - local["step_s_mean"], 4)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gen-s", type=float, default=1.0, help="generation seconds per step")
     parser.add_argument("--train-s", type=float, default=1.0, help="training seconds per step")
     parser.add_argument("--swap-s", type=float, default=0.1, help="colocated sleep+wake seconds")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per case")
+    parser.add_argument(
+        "--launcher",
+        choices=("local", "ray"),
+        default=None,
+        help="time real services started by LocalCluster (and, with ray, RayCluster) "
+        "instead of the stand-ins",
+    )
+    parser.add_argument("--service-steps", type=int, default=4, help="timed steps per launcher run")
+    parser.add_argument("--rounds", type=int, default=2, help="runs per launcher, alternating")
     args = parser.parse_args()
+    if args.launcher is not None:
+        main_launcher(args)
+        return
     from rlfleet.common.tiny_model import build_tiny_model
     from rlfleet.scheduler.data.preprocess import preprocess
 
@@ -284,6 +409,36 @@ def main() -> None:
         "colocated_over_disaggregated_pipelined": round(colo["step_s"] / pipe["step_s"], 3),
         "scheduler_share_max": max(c["scheduler_share"] for c in (sync, pipe, colo)),
         "targets": {"pipelined_over_sync": 0.6, "scheduler_share": 0.03},
+    }
+    print(json.dumps(out, indent=2))
+
+
+def main_launcher(args: argparse.Namespace) -> None:
+    from rlfleet.common.tiny_model import build_tiny_model
+    from rlfleet.scheduler.data.preprocess import preprocess
+
+    # A short temp dir: a Ray started here keeps its Unix sockets under it (RAY_TMPDIR).
+    with tempfile.TemporaryDirectory(prefix="rlb-") as tmp:
+        root = Path(tmp)
+        if args.launcher == "ray":
+            os.environ["RAY_TMPDIR"] = str(root / "ray")
+            # Read at Ray's import: a node with no address given takes 127.0.0.1.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+            os.environ.pop("RAY_ADDRESS", None)
+        model = build_tiny_model(root / "tiny", preset="tiny", seed=0)
+        with open(os.devnull, "w") as quiet:
+            preprocess("arithmetic", None, root / "data", n=256, n_test=8, digits=2, seed=0,
+                       stderr=quiet)  # fmt: skip
+        cases = launcher_cases(args.launcher, args.service_steps, args.rounds, root, model,
+                               root / "data")  # fmt: skip
+    out = {
+        "bench": "ppo_step",
+        "launcher": args.launcher,
+        "workers": "real services (tiny model, CPU, one core per pool), auth on",
+        "batch": "8 prompts x 4 samples, GAE, 16 response tokens",
+        "steps_per_run": args.service_steps,
+        "rounds": args.rounds,
+        **cases,
     }
     print(json.dumps(out, indent=2))
 
