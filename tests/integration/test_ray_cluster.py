@@ -238,3 +238,34 @@ def test_a_replicas_node_removed_mid_run_is_replaced_and_no_sample_is_lost(
     assert all(len(r.indices) == config.data.train_batch_size for r in records)
     assert records[-1].metrics["fleet/replaced"] >= 1.0
     del spare
+
+
+@pytest.mark.slow
+def test_verl_nnodes_layout_is_colocated_on_ray(
+    ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``trainer.nnodes=2`` x ``n_gpus_per_node=1`` (verl's keys, no resource_pools):
+    one global_pool of two nodes; each node's bundle holds a trainer rank and a rollout
+    replica (colocated, time-shared), and PPO steps run."""
+    from rlfleet.scheduler.driver import StepRecord
+    from rlfleet.scheduler.train import train
+
+    data = tmp_path / "data"
+    preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+-", seed=0)
+    raw = _raw(tiny_model_dir, data, tmp_path / "run")
+    del raw["resource_pools"], raw["mapping"]
+    raw["trainer"].update({"nnodes": 2, "n_gpus_per_node": 1})
+    config = config_from_dict(raw)
+    assert config.resource_pools == {"global_pool": [1, 1]}
+    assert config.placement().mode == "colocated" and config.world_size("actor") == 2
+    records: list[StepRecord] = []
+    summary = train(config, on_step=records.append, start_timeout_s=300)
+    assert summary["global_steps"] == 2
+    assert all(len(r.indices) == config.data.train_batch_size for r in records)
+    assert records[-1].metrics["fleet/rollout_replicas"] == 2.0
+    left = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("rlfleet/")
+    ]
+    assert left == []
