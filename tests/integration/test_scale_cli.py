@@ -1,0 +1,37 @@
+"""`rlfleet scale rollout N` against a real scheduler with auth on: the driver's
+credential records the desired count; other roles and bad counts are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlfleet.cli import main
+from rlfleet.common.auth import credential_set, generate_tokens, write_credential_set
+from rlfleet.common.rpc import Security, using_security
+from rlfleet.scheduler.registry import SchedulerCore
+from rlfleet.scheduler.server import start_scheduler_server
+
+
+def test_scale_records_the_desired_count_for_the_driver_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tokens = generate_tokens()
+    secrets = write_credential_set(tmp_path / "s", tokens)
+    core = SchedulerCore()
+    server_security = Security(credentials=credential_set(tokens)["scheduler"])
+    with using_security(server_security), start_scheduler_server(core) as server:
+        address = server.address
+        monkeypatch.setenv("RLFLEET_CREDENTIALS", str(secrets / "driver.json"))
+        assert main(["scale", "rollout", "3", "--scheduler", address]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out == {"role": "rollout", "replicas": 3, "request": 1}
+        assert core.scale("rollout") == (3, 1)
+        assert main(["scale", "rollout", "0", "--scheduler", address]) == 1
+        assert "replicas" in capsys.readouterr().err
+        monkeypatch.setenv("RLFLEET_CREDENTIALS", str(secrets / "observer.json"))
+        assert main(["scale", "rollout", "5", "--scheduler", address]) == 1
+        assert "may not call" in capsys.readouterr().err
+        assert core.scale("rollout") == (3, 1)
