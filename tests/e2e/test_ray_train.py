@@ -61,10 +61,18 @@ def _left_behind(pgid: int, markers: tuple[str, ...]) -> dict[int, str]:
     }
 
 
-def _ray_running() -> bool:
+def _ray_running(wait_s: float = 120.0) -> bool:
+    """Whether a Ray cluster still runs on this machine after up to ``wait_s``
+    (another test's may be finishing)."""
     from ray._private.services import find_gcs_addresses
 
-    return bool(find_gcs_addresses())
+    deadline = time.monotonic() + wait_s
+    while find_gcs_addresses():
+        find_gcs_addresses.cache_clear()  # Ray caches what it found
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(2.0)
+    return False
 
 
 @pytest.fixture()
