@@ -1,6 +1,6 @@
 """`rlfleet train --config examples/arithmetic_ray.yaml` on a machine with no Ray
-running: the Ray launcher starts a local Ray (loopback only), trains two steps on a
-tiny model, exits 0 and leaves no process behind.
+running: the Ray launcher starts a local Ray, trains two steps on a tiny model, exits 0
+and leaves no process behind; every socket the run listened on was on loopback.
 
 The run gets its own Ray temp directory (``RAY_TMPDIR``), so every Ray process it
 starts (gcs_server, raylet, workers) names that directory in its command line, and
@@ -61,6 +61,36 @@ def _left_behind(pgid: int, markers: tuple[str, ...]) -> dict[int, str]:
     }
 
 
+def _listening(pids: set[int]) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp{,6} write them) of the TCP sockets that
+    ``pids`` listen on."""
+    inodes: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    out: set[str] = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                    out.add(f[1].rsplit(":", 1)[0])
+    return out
+
+
+def _loopback(hex_addr: str) -> bool:
+    """127.0.0.0/8, as IPv4 or IPv4-mapped IPv6 (little-endian words), or ::1."""
+    if len(hex_addr) == 8:
+        return hex_addr.endswith("7F")
+    if hex_addr == "00000000000000000000000001000000":  # ::1
+        return True
+    return hex_addr.startswith("0000000000000000FFFF0000") and hex_addr.endswith("7F")
+
+
 def _ray_running(wait_s: float = 120.0) -> bool:
     """Whether a Ray cluster still runs on this machine after up to ``wait_s``
     (another test's may be finishing)."""
@@ -115,25 +145,26 @@ def test_rlfleet_train_starts_a_local_ray_trains_and_leaves_nothing(
         "RAY_ADDRESS": "",  # `auto` must not be redirected elsewhere
         "OMP_NUM_THREADS": "1",
     }
-    log = tmp_path / "train.log"
-    with open(log, "wb") as out:
+    log, out_file = tmp_path / "train.log", tmp_path / "train.out"
+    with open(log, "wb") as err, open(out_file, "wb") as out:
         proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=out,
-            env=env,
-            cwd=tmp_path,
-            start_new_session=True,
+            cmd, stdout=out, stderr=err, env=env, cwd=tmp_path, start_new_session=True
         )
     markers = (str(ray_tmp), str(run_dir))
+    listening: set[str] = set()  # what the run's processes listened on, while it ran
+    left: dict[int, str] = {}
     try:
-        stdout, _ = proc.communicate(timeout=RUN_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        pytest.fail(f"rlfleet train still running after {RUN_LIMIT_S}s:\n{log.read_text()[-4000:]}")
+        deadline = time.monotonic() + RUN_LIMIT_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            listening |= _listening(set(_left_behind(proc.pid, markers)))
+            time.sleep(0.5)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            pytest.fail(
+                f"rlfleet train still running after {RUN_LIMIT_S}s:\n{log.read_text()[-4000:]}"
+            )
     finally:
-        left: dict[int, str] = {}
         deadline = time.monotonic() + GONE_LIMIT_S
         while time.monotonic() < deadline:
             left = _left_behind(proc.pid, markers)
@@ -147,7 +178,7 @@ def test_rlfleet_train_starts_a_local_ray_trains_and_leaves_nothing(
     text = log.read_text()
     assert proc.returncode == 0, text[-4000:]
     assert "starting a local one" in text, text[-4000:]
-    summary = json.loads(stdout.decode().strip().splitlines()[-1])
+    summary = json.loads(out_file.read_text().strip().splitlines()[-1])
     assert summary["global_steps"] == 2
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
@@ -156,4 +187,7 @@ def test_rlfleet_train_starts_a_local_ray_trains_and_leaves_nothing(
         assert (run_dir / "logs" / f"{name}.log").is_file(), name
     (up,) = [line for line in text.splitlines() if line.startswith("services up")]
     assert "trainer 127.0.0.1:" in up and "rollout 127.0.0.1:" in up, up
+    # Ray (GCS, raylet, workers) and every service listened on loopback only.
+    assert listening, "saw no listening socket of the run"
+    assert all(_loopback(a) for a in listening), sorted(listening)
     assert left == {}, f"left behind: {left}"
