@@ -205,7 +205,22 @@ class DataConfig(_Section):
     filter_overlong_prompts: bool = Field(
         default=False, description="drop prompts over max_prompt_length when loading"
     )
-    dataloader_num_workers: int = Field(default=0, ge=0)
+    dataloader_num_workers: int = Field(
+        default=0,
+        ge=0,
+        description="0 only: prompts are tokenized once, in memory, when the dataset "
+        "loads; there are no loader worker processes to start",
+    )
+
+    @field_validator("dataloader_num_workers")
+    @classmethod
+    def _no_workers(cls, value: int) -> int:
+        if value != 0:
+            raise ValueError(
+                "loader worker processes are not implemented (prompts are tokenized once, "
+                "in memory, at load): use 0"
+            )
+        return value
 
 
 class FsdpConfig(_Section):
@@ -218,13 +233,23 @@ class FsdpConfig(_Section):
         "(on cpu: one per node); at most the pool's devices (cpu: cores)",
     )
     fsdp_size: int = Field(
-        default=-1, ge=-1, description="ranks per shard group (HSDP); -1: all ranks in one group"
+        default=-1,
+        ge=-1,
+        description="ranks per shard group; -1 (or the world size): all ranks in one group. "
+        "Smaller groups (HSDP) are not implemented and refused",
     )
     sequence_parallel_size: int = Field(
         default=1,
         ge=1,
-        description="Ulysses sequence parallelism; the dp size is world_size / this",
+        description="1 only: Ulysses sequence parallelism is not implemented yet",
     )
+
+    @field_validator("sequence_parallel_size")
+    @classmethod
+    def _no_sequence_parallel(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("Ulysses sequence parallelism is not implemented yet: use 1")
+        return value
     reshard_after_forward: bool = True
 
 
@@ -398,7 +423,11 @@ class RolloutConfig(_Section):
         description="vllm: fraction of device memory for weights + KV cache",
     )
     tensor_parallel_size: int = Field(default=1, ge=1, description="devices per rollout replica")
-    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    max_num_batched_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="vllm engine only: tokens per scheduler step; None: vLLM's default",
+    )
     free_cache_engine: bool = Field(
         default=True, description="colocated: release the KV cache while the trainer works"
     )
@@ -444,7 +473,21 @@ class RewardModelConfig(_Section):
 class RewardConfig(_Section):
     """Scoring of responses (served by the reward service)."""
 
-    reward_manager: Literal["naive", "batch", "prime", "dapo"] = "naive"
+    reward_manager: str = Field(
+        default="naive",
+        description="naive only (verl's name): each sample scored on its own by its data "
+        "source's scorer; verl's batch / prime / dapo managers are not implemented",
+    )
+
+    @field_validator("reward_manager")
+    @classmethod
+    def _naive_only(cls, value: str) -> str:
+        if value != "naive":
+            raise ValueError(
+                "only the naive reward manager (each sample scored on its own) is "
+                "implemented; verl's batch, prime and dapo managers are not"
+            )
+        return value
     custom_function: CustomRewardFunction = Field(default_factory=CustomRewardFunction)
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     sample_timeout_s: float = Field(default=30.0, gt=0, description="per-sample scoring deadline")
@@ -965,6 +1008,17 @@ def _check_group_size(cfg: Config) -> Iterator[ConfigIssue]:
         )
 
 
+@_check("rollout.engine", "rollout.max_num_batched_tokens")
+def _check_engine_knobs(cfg: Config) -> Iterator[ConfigIssue]:
+    r = cfg.rollout
+    if r.engine != "vllm" and r.max_num_batched_tokens is not None:
+        yield ConfigIssue(
+            "rollout.max_num_batched_tokens",
+            f"only the vllm engine has this knob (rollout.engine is {r.engine})",
+            r.max_num_batched_tokens,
+        )
+
+
 @_check(
     "data.max_prompt_length",
     "data.max_response_length",
@@ -978,9 +1032,12 @@ def _check_lengths(cfg: Config) -> Iterator[ConfigIssue]:
             "rollout.response_length", f"exceeds data.max_response_length={limit}", length
         )
     length, limit = cfg.rollout.prompt_length, cfg.data.max_prompt_length
-    if length is not None and length > limit:
+    if length is not None and length != limit:
         yield ConfigIssue(
-            "rollout.prompt_length", f"exceeds data.max_prompt_length={limit}", length
+            "rollout.prompt_length",
+            f"prompts are cut to data.max_prompt_length={limit}: set it there (or leave "
+            "this unset)",
+            length,
         )
 
 
@@ -1081,15 +1138,12 @@ def _check_parallel_layout(cfg: Config) -> Iterator[ConfigIssue]:
                     f"exceeds the {capacity} devices of pool {getattr(cfg.mapping, role)}",
                     f.world_size,
                 )
-            if world % f.sequence_parallel_size:
+            if f.fsdp_size not in (-1, world):
                 yield ConfigIssue(
-                    f"{role}.fsdp.sequence_parallel_size",
-                    f"must divide the world size {world}",
-                    f.sequence_parallel_size,
-                )
-            if f.fsdp_size != -1 and world % f.fsdp_size:
-                yield ConfigIssue(
-                    f"{role}.fsdp.fsdp_size", f"must divide the world size {world}", f.fsdp_size
+                    f"{role}.fsdp.fsdp_size",
+                    f"shard groups smaller than the world size {world} (HSDP) are not "
+                    "implemented: use -1",
+                    f.fsdp_size,
                 )
         else:
             m = section.megatron

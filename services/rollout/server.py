@@ -284,6 +284,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization", type=float, default=0.5, help="vllm engine only"
     )
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="vllm engine only: tokens per scheduler step (rollout.max_num_batched_tokens); "
+        "0: vLLM's default",
+    )
+    parser.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
         default=0,
@@ -333,6 +340,8 @@ def serve_main(args: argparse.Namespace) -> int:
         extra["gpu_memory_utilization"] = args.gpu_memory_utilization
         if args.kv_cache_memory_bytes:
             extra["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+        if args.max_num_batched_tokens:
+            extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     engine = build_engine(args.engine, args.model, dtype=args.dtype, device=args.device, **extra)
     advertise = args.advertise_host or (
         socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host

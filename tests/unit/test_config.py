@@ -563,3 +563,32 @@ def test_bad_nnodes_is_reported_with_its_value(value: int) -> None:
     err = _error([f"trainer.nnodes={value}", "trainer.n_gpus_per_node=2"])
     (issue,) = [i for i in err.issues if i.path == "trainer.nnodes"]
     assert issue.value == value
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.dataloader_num_workers=8", "loader worker processes are not implemented"),
+        ("actor.fsdp.sequence_parallel_size=2", "sequence parallelism is not implemented"),
+        ("critic.fsdp.fsdp_size=3", "HSDP"),
+        ("reward.reward_manager=dapo", "only the naive reward manager"),
+        ("rollout.max_num_batched_tokens=4096", "only the vllm engine"),
+        ("rollout.prompt_length=7", "prompts are cut to data.max_prompt_length"),
+    ],
+)
+def test_keys_without_an_implementation_are_refused_not_ignored(
+    override: str, message: str
+) -> None:
+    """An accepted key does something; one rlfleet cannot honour is refused, saying why."""
+    err = _error([override])
+    assert message in str(err) and override.split("=")[0] in str(err)
+
+
+def test_verl_node_keys_build_the_default_pool() -> None:
+    cfg = config_from_dict({}, ["trainer.nnodes=2", "trainer.n_gpus_per_node=1"])
+    assert cfg.resource_pools == {"global_pool": [1, 1]}
+    assert cfg.placement().mode == "colocated"
+    given = config_from_dict(
+        {"resource_pools": {"train_pool": [3], "rollout_pool": [1]}, "trainer": {"nnodes": 2}}
+    )
+    assert given.resource_pools == {"train_pool": [3], "rollout_pool": [1]}  # explicit wins
