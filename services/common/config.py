@@ -250,6 +250,7 @@ class FsdpConfig(_Section):
         if value != 1:
             raise ValueError("Ulysses sequence parallelism is not implemented yet: use 1")
         return value
+
     reshard_after_forward: bool = True
 
 
@@ -488,6 +489,7 @@ class RewardConfig(_Section):
                 "implemented; verl's batch, prime and dapo managers are not"
             )
         return value
+
     custom_function: CustomRewardFunction = Field(default_factory=CustomRewardFunction)
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     sample_timeout_s: float = Field(default=30.0, gt=0, description="per-sample scoring deadline")
@@ -1497,6 +1499,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
             raise ConfigError([ConfigIssue(source, f"not valid YAML: {exc}")]) from exc
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError([ConfigIssue("--config", f"cannot read it: {why}", source)]) from exc
     return config_from_dict(raw, overrides, source=source)
 
 

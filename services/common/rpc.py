@@ -104,8 +104,10 @@ __all__ = [
     "health_probe",
     "init_service_security",
     "is_loopback",
+    "port_taken",
     "security_from_args",
     "set_security",
+    "taken_ports",
     "tls_from_env",
     "to_rlfleet_error",
     "using_security",
@@ -724,6 +726,34 @@ def tls_from_env(env: Mapping[str, str]) -> TLSConfig | None:
     return TLSConfig(
         cert=cert, key=key, ca=ca, require_client_cert=require, server_name_override=server_name
     )
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (None: it can, or ``port`` is 0)."""
+    if not port:
+        return None
+    import socket
+
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family) as s:
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def taken_ports(host: str, ports: Mapping[str, int | None]) -> list[str]:
+    """One line per flag (``--port``, ...) whose port on ``host`` is taken: checked at a
+    service's start, before it loads anything."""
+    out = []
+    for flag, port in ports.items():
+        if port is None or port <= 0:
+            continue  # 0: any free port; negative: off
+        why = port_taken(host, port)
+        if why is not None:
+            out.append(f"{flag} {port}: cannot be bound on {host}: {why}")
+    return out
 
 
 def is_loopback(host: str) -> bool:

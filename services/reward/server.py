@@ -37,6 +37,7 @@ from rlfleet.common.rpc import (
     add_security_arguments,
     create_server,
     init_service_security,
+    taken_ports,
 )
 from rlfleet.reward.manager import DEFAULT_MAX_BATCH_SIZE, RewardManager
 from rlfleet.reward.metrics import RewardMetrics, start_metrics_server
@@ -279,6 +280,11 @@ def serve_main(args: argparse.Namespace) -> int:
     except CredentialError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not child:  # children share the port their parent reserved
+        taken = taken_ports(args.host, {"--port": args.port, "--metrics-port": args.metrics_port})
+        if taken:
+            print("\n".join(f"error: {t}" for t in taken), file=sys.stderr)
+            return 2
     tls = security.server_tls()
     if processes > 1 and not child:
         return serve_processes(args, processes, tls=tls)

@@ -35,6 +35,7 @@ from rlfleet.common.rpc import (
     create_channel,
     create_server,
     init_service_security,
+    taken_ports,
 )
 from rlfleet.rollout.core import RolloutCore, RolloutStatusInfo
 from rlfleet.rollout.engine import Engine, GenerateLimits
@@ -311,6 +312,10 @@ def serve_main(args: argparse.Namespace) -> int:
         init_service_security(args, what="rlfleet serve rollout", host=args.host)
     except CredentialError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    taken = taken_ports(args.host, {"--port": args.port, "--metrics-port": args.metrics_port})
+    if taken:  # before the model loads
+        print("\n".join(f"error: {t}" for t in taken), file=sys.stderr)
         return 2
     if args.torch_threads is not None:
         if args.torch_threads < 1:

@@ -315,6 +315,12 @@ def _up(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"rlfleet up: {e}", file=sys.stderr)
         return 2
+    from rlfleet.scheduler.preflight import preflight
+
+    problems = preflight(config)
+    if problems:  # one line each, before anything starts
+        print("\n".join(f"rlfleet up: {p}" for p in problems), file=sys.stderr)
+        return 2
     run_dir = Path(args.run_dir) if args.run_dir else config.run_dir()
     cluster = LocalCluster(config, run_dir, detach=not args.foreground)
     try:

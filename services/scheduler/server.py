@@ -51,6 +51,7 @@ from rlfleet.common.rpc import (
     create_channel,
     create_server,
     init_service_security,
+    taken_ports,
 )
 from rlfleet.scheduler.registry import Registry, SchedulerCore, ServiceEntry
 from rlfleet.scheduler.servicer import SchedulerServicer
@@ -347,6 +348,12 @@ def serve_main(args: argparse.Namespace) -> int:
         init_service_security(args, what="rlfleet serve scheduler", host=args.host)
     except CredentialError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    taken = taken_ports(
+        args.metrics_host or args.host, {"--metrics-port": args.metrics_port}
+    ) + taken_ports(args.host, {"--port": args.port})
+    if taken:
+        print("\n".join(f"error: {t}" for t in taken), file=sys.stderr)
         return 2
     config = None
     if args.config is not None or args.override:

@@ -74,6 +74,12 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
+    from rlfleet.scheduler.preflight import preflight
+
+    problems = preflight(config, metrics_port=args.metrics_port, in_process=args.in_process)
+    if problems:  # one line each, before any service starts or any model loads
+        print("\n".join(f"rlfleet train: {p}" for p in problems), file=sys.stderr)
+        return 2
     if args.torch_threads:
         import torch
 

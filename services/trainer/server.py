@@ -82,7 +82,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     from rlfleet.common.auth import CredentialError
     from rlfleet.common.config import load_config
-    from rlfleet.common.rpc import create_server, init_service_security
+    from rlfleet.common.rpc import create_server, init_service_security, taken_ports
     from rlfleet.trainer.core import TrainerCore
     from rlfleet.trainer.dispatch import follow
     from rlfleet.trainer.servicer import TrainerServicer
@@ -95,6 +95,12 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     config = load_config(args.config, args.overrides)
+    port = _port(args, config.services.trainer)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    taken = taken_ports(args.host, {"--port": port}) if rank0 else []
+    if taken:  # before the model loads
+        print("\n".join(f"error: {t}" for t in taken), file=sys.stderr)
+        return 2
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if config.trainer.device == "cuda" else "gloo")
@@ -116,7 +122,7 @@ def serve_main(args: argparse.Namespace) -> int:
                 )
             ],
             host=args.host,
-            port=_port(args, config.services.trainer),
+            port=port,
         )
         server.install_signal_handlers()
         if args.address_file:

@@ -1,0 +1,122 @@
+"""Start-up checks of a run, before any service starts or any model loads.
+
+:func:`preflight` returns every problem at once as :class:`ConfigIssue` lines
+(``key: what is wrong (got value)``): model, tokenizer and reward-model paths, data
+files, the custom reward file, ports asked for that are taken, and, for the local
+launcher, whether the pools fit this machine. ``rlfleet train`` and ``rlfleet up``
+print them and exit 2.
+
+A model or tokenizer given as a Hugging Face hub id (``org/name``, not an existing
+path) is left to the loader unless ``HF_HUB_OFFLINE`` is set; then it must be in the
+local cache.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from rlfleet.common.config import Config, ConfigIssue
+from rlfleet.common.rpc import port_taken
+
+__all__ = ["preflight"]
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _cached_on_hub(repo: str, filename: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    found = try_to_load_from_cache(repo, filename)
+    return isinstance(found, str)
+
+
+def _model_dir(key: str, value: str | None, needs: str) -> Iterable[ConfigIssue]:
+    """``value`` names a model folder holding ``needs`` (or a hub id the loader fetches)."""
+    if not value:
+        return
+    path = Path(value)
+    if path.exists():
+        if not path.is_dir():
+            yield ConfigIssue(key, "is a file, not a model folder", value)
+        elif not (path / needs).is_file():
+            yield ConfigIssue(key, f"has no {needs}: not a Hugging Face model folder", value)
+        return
+    if _HUB_ID.match(value) and not value.startswith((".", "/")):
+        offline = os.environ.get("HF_HUB_OFFLINE", "") in ("1", "true", "yes")
+        if offline and not _cached_on_hub(value, needs):
+            yield ConfigIssue(
+                key, "no such folder, and HF_HUB_OFFLINE is set and the hub cache lacks it", value
+            )
+        return
+    yield ConfigIssue(key, "no such folder", value)
+
+
+def _tokenizer_dir(key: str, value: str | None) -> Iterable[ConfigIssue]:
+    if not value:
+        return
+    path = Path(value)
+    if path.is_dir() and not any(
+        (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+    ):
+        yield ConfigIssue(key, "has no tokenizer files (tokenizer.json, ...)", value)
+        return
+    if not path.exists():
+        yield from _model_dir(key, value, "tokenizer_config.json")
+
+
+def _file(key: str, value: str | None) -> Iterable[ConfigIssue]:
+    if not value:
+        return
+    path = Path(value)
+    if not path.exists():
+        yield ConfigIssue(key, "no such file", value)
+    elif not path.is_file():
+        yield ConfigIssue(key, "is not a file", value)
+    elif not os.access(path, os.R_OK):
+        yield ConfigIssue(key, "is not readable", value)
+
+
+def preflight(
+    config: Config,
+    *,
+    metrics_port: int | None = None,
+    in_process: bool = False,
+) -> list[ConfigIssue]:
+    """Every problem a run would hit at start-up, found without starting anything."""
+    cfg = config
+    issues: list[ConfigIssue] = []
+    roles = set(cfg.enabled_roles())
+    issues += _model_dir("actor.model_path", cfg.actor.model_path, "config.json")
+    issues += _tokenizer_dir("actor.tokenizer_path", cfg.actor.tokenizer_path)
+    if "critic" in roles:
+        issues += _model_dir("critic.model_path", cfg.critic.model_path, "config.json")
+    if cfg.rollout.model_path and cfg.rollout.model_path != cfg.actor.model_path:
+        issues += _model_dir("rollout.model_path", cfg.rollout.model_path, "config.json")
+    if cfg.reward.reward_model.enable:
+        rm = cfg.reward.reward_model
+        issues += _model_dir("reward.reward_model.path", rm.path, "config.json")
+    for key, files in (
+        ("data.train_files", cfg.data.train_files),
+        ("data.val_files", cfg.data.val_files),
+    ):
+        for i, f in enumerate(files):
+            issues += _file(f"{key}[{i}]" if len(files) > 1 else key, f)
+    issues += _file("reward.custom_function.path", cfg.reward.custom_function.path)
+    if metrics_port:
+        why = port_taken("127.0.0.1", metrics_port)
+        if why is not None:
+            issues.append(ConfigIssue("--metrics-port", f"cannot be bound: {why}", metrics_port))
+    if not in_process and cfg.launcher == "local":
+        from rlfleet.scheduler.cluster import LocalCluster
+        from rlfleet.scheduler.placement import PlacementError
+
+        try:
+            LocalCluster(cfg, cfg.run_dir()).plan()
+        except PlacementError as e:
+            issues += [ConfigIssue("resource_pools", line) for line in e.shortfalls]
+    return issues

@@ -1,0 +1,119 @@
+"""Start-up errors are one line each, naming the key or flag and the value, exit code 2,
+before any service starts or any model loads."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlfleet.cli import main
+
+
+@pytest.fixture()
+def data(tmp_path: Path) -> Path:
+    from rlfleet.scheduler.data.preprocess import preprocess
+
+    out = tmp_path / "data"
+    preprocess("arithmetic", None, out, n=8, n_test=2, digits=1, ops="+", seed=0)
+    return out
+
+
+@pytest.fixture()
+def busy_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        yield int(s.getsockname()[1])
+
+
+def _config(tmp_path: Path, model: Path, data: Path, **extra: object) -> Path:
+    raw = {
+        "actor": {"model_path": str(model)},
+        "data": {
+            "train_files": str(data / "train.parquet"),
+            "val_files": str(data / "test.parquet"),
+        },
+        "trainer": {"device": "cpu", "default_local_dir": str(tmp_path / "run")},
+        "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
+    }
+    for key, value in extra.items():
+        section, _, name = key.partition("__")
+        raw.setdefault(section, {})[name] = value  # type: ignore[index]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _errors(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[str]:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and all("Traceback" not in line for line in err)
+    return err
+
+
+def test_a_missing_config_file_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    err = _errors(capsys, ["train", "--config", str(tmp_path / "nope.yaml")])
+    assert len(err) == 2 and "--config: cannot read it" in err[1] and "nope.yaml" in err[1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"actor__model_path": "does/not/exist/here"}, "actor.model_path: no such folder"),
+        ({"actor__tokenizer_path": "TMP"}, "actor.tokenizer_path: has no tokenizer files"),
+        ({"data__train_files": "missing.parquet"}, "data.train_files: no such file"),
+        ({"reward__custom_function": {"path": "nowhere.py"}}, "reward.custom_function.path"),
+        ({"resource_pools__train_pool": [64]}, "resource_pools:"),
+    ],
+)
+def test_each_bad_input_is_one_line_naming_its_key(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    data: Path,
+    extra: dict[str, object],
+    key: str,
+) -> None:
+    extra = {k: (str(tmp_path) if v == "TMP" else v) for k, v in extra.items()}
+    if "resource_pools__train_pool" in extra:
+        path = _config(tmp_path, tiny_model_dir, data)
+        raw = yaml.safe_load(path.read_text())
+        raw["resource_pools"]["train_pool"] = extra["resource_pools__train_pool"]
+        path.write_text(yaml.safe_dump(raw))
+    else:
+        path = _config(tmp_path, tiny_model_dir, data, **extra)
+    err = _errors(capsys, ["train", "--config", str(path)])
+    assert any(line.startswith(f"rlfleet train: {key}") for line in err), err
+    assert not (tmp_path / "run" / "logs").exists()  # nothing started
+
+
+def test_a_taken_metrics_port_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    data: Path,
+    busy_port: int,
+) -> None:
+    path = _config(tmp_path, tiny_model_dir, data)
+    err = _errors(capsys, ["train", "--config", str(path), "--metrics-port", str(busy_port)])
+    assert err == [f"rlfleet train: --metrics-port: cannot be bound: Address already in use "
+                   f"(got {busy_port})"]  # fmt: skip
+
+
+@pytest.mark.parametrize("service", ["rollout", "reward", "scheduler"])
+def test_serve_on_a_taken_port_is_one_line_before_loading(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, busy_port: int, service: str
+) -> None:
+    argv = ["serve", service, "--port", str(busy_port), "--insecure"]
+    if service == "rollout":
+        argv += ["--model", str(tiny_model_dir)]
+    err = _errors(capsys, argv)
+    assert err == [
+        f"error: --port {busy_port}: cannot be bound on 127.0.0.1: Address already in use"
+    ]
