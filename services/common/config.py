@@ -445,11 +445,20 @@ class RolloutConfig(_Section):
 
 
 class CustomRewardFunction(_Section):
-    """A Python file with verl's ``compute_score(data_source, solution_str, ground_truth,
-    extra_info)``."""
+    """verl's ``custom_reward_function``: a Python file with ``compute_score(data_source,
+    solution_str, ground_truth, extra_info, **reward_kwargs)``, which then scores every
+    data source."""
 
     path: str | None = Field(default=None, description="None: the built-in scorers by data_source")
     name: str = Field(default="compute_score", min_length=1)
+    reward_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments added to every call (JSON values)"
+    )
+    keep_builtin_scorers: bool = Field(
+        default=False,
+        description="rlfleet option: data sources of the built-in table keep their scorer and "
+        "the custom function scores only the others; false (verl): it scores every source",
+    )
 
 
 class RewardModelConfig(_Section):
@@ -505,6 +514,11 @@ class RewardConfig(_Section):
     default_scorer: str | None = Field(
         default=None,
         description="scorer for unknown data sources; None: an unknown source is an error",
+    )
+    gsm8k_lenient: bool = Field(
+        default=False,
+        description="rlfleet option: gsm8k compares numbers as decimals (18.00, $18, 18. "
+        "match 18) in the last 1000 characters; false: verl's exact string rule, last 300",
     )
 
 
@@ -565,6 +579,11 @@ class TrainerConfig(_Section):
     resume_from_path: str | None = Field(default=None, description="checkpoint for resume_path")
     max_actor_ckpt_to_keep: int | None = Field(default=None, ge=1, description="None: keep all")
     max_critic_ckpt_to_keep: int | None = Field(default=None, ge=1, description="None: keep all")
+    save_hf: bool = Field(
+        default=True,
+        description="every checkpoint holds huggingface/: the actor's config, tokenizer "
+        "and safetensors weights (AutoModelForCausalLM loads it)",
+    )
     max_request_bytes: int = Field(
         default=4 * 2**30,
         ge=1,

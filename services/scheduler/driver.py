@@ -841,9 +841,13 @@ class PPOTrainer:
             "policy_version": self._policy_version,
         }
         # Relative to the trainer's run directory, where it confines checkpoints (the
-        # same folder as checkpoint_dir when the trainer reads this run's config).
+        # same folder as checkpoint_dir when the trainer reads this run's config). The
+        # huggingface/ folder is asked for even of a trainer started with another config.
         self._w.trainer.save_checkpoint(
-            _CHECKPOINTS, step=self.global_steps, extra_state_json=json.dumps(extra)
+            _CHECKPOINTS,
+            step=self.global_steps,
+            extra_state_json=json.dumps(extra),
+            export_hf=self.config.trainer.save_hf,
         )
         return time.perf_counter() - t0
 

@@ -8,7 +8,8 @@ Layout under the checkpoint root (``<run dir>/checkpoints`` by default)::
         rng_rank0.pt ...     each rank's torch / python / numpy (/ cuda) RNG states, as tensors
         trainer_state.json   global_step, weight_version, kl_coef, world_size, roles,
                              extra_state_json (e.g. the dataloader position)
-        huggingface/         the actor as a Hugging Face folder (on request)
+        huggingface/         the actor as a Hugging Face folder: config.json, the tokenizer,
+                             safetensors weights (``trainer.save_hf``, on by default)
     latest_checkpointed_iteration.txt   "12" (verl's name)
 
 Atomicity: everything is written into a hidden ``.tmp-global_step_12-<id>`` folder,
@@ -26,6 +27,13 @@ bool, None) and refuses any other pickled object (:class:`CheckpointRefused`). S
 python and numpy RNG states, which ``random`` / ``numpy`` give as tuples holding a numpy
 array, are stored as a dict of tensors and numbers and rebuilt on load.
 
+Hugging Face folder: written on rank 0 from the actor's full state the save has already
+gathered (no second gather; on a GPU or multi-rank trainer it is on CPU, complete on rank
+0), with the model config and the tokenizer of ``actor.model_path`` /
+``actor.tokenizer_path`` (:func:`write_hf_folder`). It is part of the temporary folder, so
+it appears atomically with the rest. ``rlfleet export`` (:mod:`rlfleet.trainer.export_cli`)
+copies it out, or rebuilds it the same way for a checkpoint saved without one.
+
 Paths: a checkpoint path given to :func:`save` or :func:`load` (from a ``SaveCheckpoint``
 / ``LoadCheckpoint`` call, say) must resolve, symlinks and ``..`` followed, inside the
 trainer's run directory (``trainer.default_local_dir``); a relative path is taken
@@ -36,6 +44,7 @@ outside the run directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -43,31 +52,38 @@ import pickle
 import shutil
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from rlfleet.common.errors import InvalidArgument, NotFound
+from rlfleet.common.errors import FailedPrecondition, InvalidArgument, NotFound
 
 if TYPE_CHECKING:
+    from rlfleet.common.config import Config
     from rlfleet.trainer.core import TrainerCore
 
 __all__ = [
+    "HF_DIR",
     "LATEST_FILE",
     "CheckpointRefused",
     "checkpoint_root",
     "find_latest",
     "load",
     "read_rank_state",
+    "read_torch",
     "save",
+    "steps",
+    "write_hf_folder",
 ]
 
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
+HF_DIR = "huggingface"
 _PREFIX = "global_step_"
 
 
@@ -127,7 +143,7 @@ def _write_torch(obj: Any, path: Path) -> None:
     torch.save(obj, path)
 
 
-def _read_torch(path: Path) -> Any:
+def read_torch(path: Path) -> Any:
     """``torch.load`` that never unpickles an object: a file holding anything but
     tensors and plain containers raises :class:`CheckpointRefused`."""
     try:
@@ -197,7 +213,8 @@ def save(
     extra_state_json: str = "",
     export_hf: bool = False,
 ) -> tuple[Path, int, float]:
-    """Save every model, optimizer, scheduler, RNG state and the counters atomically.
+    """Save every model, optimizer, scheduler, RNG state and the counters atomically,
+    and the actor as ``huggingface/`` when ``export_hf`` or ``trainer.save_hf``.
 
     Returns ``(checkpoint folder, bytes written, seconds)``. Collective: called on rank
     0 of a multi-rank trainer, it runs the gathers on every rank.
@@ -228,8 +245,8 @@ def save(
                 "extra_state_json": extra_state_json,
             }
             _write_text(json.dumps(state, indent=2), tmp / STATE_FILE)
-            if export_hf:
-                core.export_hf(str(tmp / "huggingface"))
+            if export_hf or core.config.trainer.save_hf:
+                write_hf_folder(results[0]["actor"]["model"], core.config, tmp / HF_DIR)
             _fsync_tree(tmp)
             if final.exists():  # re-saving the same step: replace it
                 old = root / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -252,13 +269,56 @@ def save(
     return final, nbytes, seconds
 
 
+def write_hf_folder(model_state: Mapping[str, torch.Tensor], config: Config, out: Path) -> None:
+    """Write the actor as a Hugging Face folder that ``AutoModelForCausalLM`` and
+    ``AutoTokenizer`` load: ``config.json`` (and ``generation_config.json``) of
+    ``actor.model_path``, safetensors of ``model_state`` (Hugging Face names, as both
+    backends' full states have them; moved to CPU, dtype kept), the tokenizer of
+    ``actor.tokenizer_path``.
+
+    A state that does not fill that model (a parameter missing, or a name it does not
+    have) is ``FailedPrecondition`` on ``actor.model_path``, and nothing is written.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    actor = config.actor
+    kw: dict[str, Any] = {"trust_remote_code": actor.trust_remote_code, "local_files_only": True}
+    hf_config = AutoConfig.from_pretrained(actor.model_path, **kw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            hf_config, trust_remote_code=actor.trust_remote_code
+        )
+    state = {name: t.detach().to("cpu") for name, t in model_state.items()}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if getattr(hf_config, "tie_word_embeddings", False):
+        model.tie_weights()  # a tied head is absent from some states (megatron's)
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing or result.unexpected_keys:
+        raise FailedPrecondition(
+            f"the actor's saved state does not fit the model at {actor.model_path!r}: "
+            f"missing {missing[:5]} ({len(missing)} in all), unknown "
+            f"{list(result.unexpected_keys)[:5]} ({len(result.unexpected_keys)} in all)",
+            field="actor.model_path",
+            value=actor.model_path,
+        )
+    # A model folder without generation_config.json keeps the one config.json gives.
+    with contextlib.suppress(OSError):
+        model.generation_config = GenerationConfig.from_pretrained(
+            actor.model_path, local_files_only=True
+        )
+    model.save_pretrained(out)
+    tokenizer = actor.tokenizer_path or actor.model_path
+    AutoTokenizer.from_pretrained(tokenizer, **kw).save_pretrained(out)
+
+
 def _keep(core: TrainerCore) -> int | None:
     t = core.config.trainer
     keeps = [k for k in (t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep) if k is not None]
     return min(keeps) if keeps else None
 
 
-def _steps(root: Path) -> list[int]:
+def steps(root: Path) -> list[int]:
+    """The steps of the complete checkpoints under ``root``, ascending."""
     out = []
     for p in root.iterdir() if root.is_dir() else ():
         if p.is_dir() and p.name.startswith(_PREFIX) and (p / STATE_FILE).is_file():
@@ -271,7 +331,7 @@ def _steps(root: Path) -> list[int]:
 def _keep_last(root: Path, keep: int | None) -> None:
     if keep is None:
         return
-    for step in _steps(root)[:-keep]:
+    for step in steps(root)[:-keep]:
         shutil.rmtree(root / f"{_PREFIX}{step}", ignore_errors=True)
 
 
@@ -293,8 +353,8 @@ def find_latest(root: Path) -> Path | None:
         candidate = root / f"{_PREFIX}{text}"
         if text.isdigit() and (candidate / STATE_FILE).is_file():
             return candidate
-    steps = _steps(root)
-    return root / f"{_PREFIX}{steps[-1]}" if steps else None
+    found = steps(root)
+    return root / f"{_PREFIX}{found[-1]}" if found else None
 
 
 def read_rank_state(
@@ -303,12 +363,12 @@ def read_rank_state(
     """What one rank loads: the full states of ``roles`` and its RNG state (None when the
     checkpoint was written by a different number of ranks)."""
     folder = Path(path)
-    states = {role: _read_torch(folder / f"{role}.pt") for role in roles}
+    states = {role: read_torch(folder / f"{role}.pt") for role in roles}
     meta = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
     rng = None
     rng_file = folder / f"rng_rank{rank}.pt"
     if meta.get("world_size") == world_size and rng_file.is_file():
-        rng = _rng_from_file(_read_torch(rng_file))
+        rng = _rng_from_file(read_torch(rng_file))
     return states, rng
 
 
