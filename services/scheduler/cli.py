@@ -317,7 +317,7 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     from rlfleet.scheduler.preflight import preflight
 
-    problems = preflight(config)
+    problems = preflight(config, driver=False)
     if problems:  # one line each, before anything starts
         print("\n".join(f"rlfleet up: {p}" for p in problems), file=sys.stderr)
         return 2

@@ -86,27 +86,40 @@ def preflight(
     *,
     metrics_port: int | None = None,
     in_process: bool = False,
+    driver: bool = True,
 ) -> list[ConfigIssue]:
-    """Every problem a run would hit at start-up, found without starting anything."""
+    """Every problem a run would hit at start-up, found without starting anything.
+
+    Only what this process or the services it launches would read is checked: not the
+    models of services given by address, and with ``driver=False`` (``rlfleet up``)
+    not the data or the driver's tokenizer.
+    """
     cfg = config
+    s = cfg.services
     issues: list[ConfigIssue] = []
     roles = set(cfg.enabled_roles())
-    issues += _model_dir("actor.model_path", cfg.actor.model_path, "config.json")
-    issues += _tokenizer_dir("actor.tokenizer_path", cfg.actor.tokenizer_path)
-    if "critic" in roles:
-        issues += _model_dir("critic.model_path", cfg.critic.model_path, "config.json")
-    if cfg.rollout.model_path and cfg.rollout.model_path != cfg.actor.model_path:
-        issues += _model_dir("rollout.model_path", cfg.rollout.model_path, "config.json")
-    if cfg.reward.reward_model.enable:
+    trainer_here = in_process or s.trainer is None
+    rollout_here = in_process or not s.rollout
+    reward_here = in_process or s.reward is None
+    if trainer_here:
+        issues += _model_dir("actor.model_path", cfg.actor.model_path, "config.json")
+        if "critic" in roles:
+            issues += _model_dir("critic.model_path", cfg.critic.model_path, "config.json")
+    if driver or trainer_here:
+        issues += _tokenizer_dir("actor.tokenizer_path", cfg.actor.tokenizer_path)
+    rollout_model = cfg.rollout.model_path or cfg.actor.model_path
+    if rollout_here and not (trainer_here and rollout_model == cfg.actor.model_path):
+        issues += _model_dir("rollout.model_path", rollout_model, "config.json")
+    if reward_here and cfg.reward.reward_model.enable:
         rm = cfg.reward.reward_model
         issues += _model_dir("reward.reward_model.path", rm.path, "config.json")
-    for key, files in (
-        ("data.train_files", cfg.data.train_files),
-        ("data.val_files", cfg.data.val_files),
-    ):
-        for i, f in enumerate(files):
-            issues += _file(f"{key}[{i}]" if len(files) > 1 else key, f)
-    issues += _file("reward.custom_function.path", cfg.reward.custom_function.path)
+    if driver:
+        data = (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files))
+        for key, files in data:
+            for i, f in enumerate(files):
+                issues += _file(f"{key}[{i}]" if len(files) > 1 else key, f)
+    if reward_here:
+        issues += _file("reward.custom_function.path", cfg.reward.custom_function.path)
     if metrics_port:
         why = port_taken("127.0.0.1", metrics_port)
         if why is not None:
