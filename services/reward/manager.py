@@ -10,15 +10,24 @@ token-level reward tensor (score on the last valid response token).
 
 Which scorer a data source gets, first match wins:
 
-1. the built-in table (:data:`rlfleet.reward.scorers.DATA_SOURCE_SCORERS`): gsm8k,
-   MATH / math500, hellaswag (multiple choice), hh-rlhf (the reward model);
-2. ``reward.default_scorer`` when set (a built-in name, ``custom`` or ``reward_model``);
-3. the custom function when ``reward.custom_function.path`` is set;
-4. otherwise the sample is rejected (``InvalidArgument`` naming it).
+1. the reward model, for the data sources the table routes to it (hh-rlhf) when
+   one is enabled;
+2. the custom function when ``reward.custom_function.path`` is set: as in verl it
+   replaces the built-in scorers for every data source (unless
+   ``reward.custom_function.keep_builtin_scorers``, an rlfleet option: then it comes
+   after 3 and 4);
+3. the built-in table (:data:`rlfleet.reward.scorers.DATA_SOURCE_SCORERS`): gsm8k,
+   MATH / math500, hellaswag (multiple choice);
+4. ``reward.default_scorer`` when set (a built-in name, ``custom`` or ``reward_model``);
+5. otherwise the sample is rejected (``InvalidArgument`` naming it).
+
+``reward.gsm8k_lenient`` (an rlfleet option) swaps verl's gsm8k rule for the
+lenient one wherever gsm8k is picked.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -35,21 +44,31 @@ from rlfleet.reward.scorers import (
     CUSTOM,
     DATA_SOURCE_SCORERS,
     INLINE_SCORERS,
+    LENIENT_VARIANTS,
     REWARD_MODEL,
+    CustomScorer,
     error_outcome,
     scorer_for_data_source,
 )
 from rlfleet.reward.tensor import token_level_scores
 from rlfleet.reward.types import RewardInfo, Sample, ScoreOutcome, ScoreResult
 
-__all__ = ["DEFAULT_MAX_BATCH_SIZE", "RewardBatch", "RewardManager"]
+__all__ = ["DEFAULT_MAX_BATCH_SIZE", "MAX_REWARD_KWARGS_BYTES", "RewardBatch", "RewardManager"]
 
 DEFAULT_MAX_BATCH_SIZE = 8192
+
+MAX_REWARD_KWARGS_BYTES = 64 * 1024
+"""Most bytes of ``reward_kwargs`` as JSON: they reach each scoring worker on its
+command line."""
+
+_SAMPLE_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 _NUMBER = (int, float)
 _GROUND_TRUTH_TYPES: dict[str, tuple[type, ...]] = {
     "gsm8k": (str, *_NUMBER),
     "gsm8k_flexible": (str, *_NUMBER),
+    "gsm8k_lenient": (str, *_NUMBER),
+    "gsm8k_flexible_lenient": (str, *_NUMBER),
     "math": (str, *_NUMBER, list),
     "multiple_choice": (str, *_NUMBER),
 }
@@ -112,7 +131,11 @@ class RewardManager:
         self.inline_scorers = frozenset(inline_scorers)
         self.metrics = metrics or RewardMetrics(enabled=False)
         cf = self.config.custom_function
-        self.custom: tuple[str, str] | None = (cf.path, cf.name) if cf.path else None
+        self.custom = (
+            CustomScorer(cf.path, cf.name, _checked_reward_kwargs(cf.reward_kwargs))
+            if cf.path
+            else None
+        )
         default = self.config.default_scorer
         known = {*BUILTIN_SCORERS, CUSTOM, REWARD_MODEL}
         if default is not None and default not in known:
@@ -127,12 +150,24 @@ class RewardManager:
                 field="reward.default_scorer",
                 value=default,
             )
+        if (
+            default not in (None, CUSTOM)
+            and self.custom is not None
+            and not cf.keep_builtin_scorers
+        ):
+            raise InvalidArgument(
+                f"default_scorer {default!r} would never be used: the custom function "
+                "scores every data source (verl's rule); remove default_scorer, or set "
+                "reward.custom_function.keep_builtin_scorers: true",
+                field="reward.default_scorer",
+                value=default,
+            )
         if self.custom is not None:
             # Fail at start-up, not on the first request, when the file is wrong.
             from rlfleet.reward.scorers import custom_data_sources, load_custom_function
 
             try:
-                load_custom_function(*self.custom)
+                load_custom_function(self.custom.path, self.custom.name)
                 sources = custom_data_sources(cf.path)
             except (
                 OSError,
@@ -179,10 +214,18 @@ class RewardManager:
         scorer = scorer_for_data_source(data_source)
         if scorer == REWARD_MODEL and self.reward_model is None:
             scorer = None
+        if (
+            scorer != REWARD_MODEL
+            and self.custom is not None
+            and not self.config.custom_function.keep_builtin_scorers
+        ):
+            return CUSTOM
         if scorer is None:
             scorer = self.config.default_scorer or (CUSTOM if self.custom else None)
         if scorer == REWARD_MODEL and self.reward_model is None:
             return None
+        if scorer is not None and self.config.gsm8k_lenient:
+            scorer = LENIENT_VARIANTS.get(scorer, scorer)
         return scorer
 
     def validate(self, samples: Sequence[Sample], offset: int = 0) -> list[str]:
@@ -372,7 +415,11 @@ class RewardManager:
         return RewardBatch(results, scores, tokens)
 
     def info(self) -> RewardInfo:
-        sources = {k: v for k, v in DATA_SOURCE_SCORERS.items() if self.scorer_for(k) == v}
+        sources: dict[str, str] = {}
+        for name in DATA_SOURCE_SCORERS:
+            scorer = self.scorer_for(name)
+            if scorer is not None:
+                sources[name] = scorer
         scorers = [*BUILTIN_SCORERS]
         if self.custom:
             scorers.append(CUSTOM)
@@ -396,6 +443,33 @@ class RewardManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _checked_reward_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``reward_kwargs``, refused at start-up when a call could not take them."""
+    field = "reward.custom_function.reward_kwargs"
+    clash = sorted(set(kwargs) & set(_SAMPLE_ARGUMENTS))
+    if clash:
+        raise InvalidArgument(
+            f"reward_kwargs may not set {clash}: every call passes them per sample",
+            field=field,
+            value=clash,
+        )
+    try:
+        encoded = json.dumps(kwargs, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(
+            f"reward_kwargs must be JSON values (they reach the scoring workers): {exc}",
+            field=field,
+        ) from exc
+    size = len(encoded.encode())
+    if size > MAX_REWARD_KWARGS_BYTES:
+        raise InvalidArgument(
+            f"reward_kwargs take {size} bytes as JSON, over the limit of {MAX_REWARD_KWARGS_BYTES}",
+            field=field,
+            value=size,
+        )
+    return kwargs
 
 
 def decode_responses(tokenizer: Any, response_ids: Any, response_mask: Any) -> list[str]:

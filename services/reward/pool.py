@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlfleet.reward.scorers import BUILTIN_SCORERS, error_outcome, run_scorer
+from rlfleet.reward.scorers import BUILTIN_SCORERS, CustomScorer, error_outcome, run_scorer
 from rlfleet.reward.types import ScoreOutcome
 
 __all__ = ["MAX_ATTEMPTS", "Batch", "Job", "PoolEvents", "ScoringPool"]
@@ -90,7 +90,7 @@ def _worker_main(
     tasks: mpc.Connection,
     results: mpc.Connection,
     progress: mmap.mmap,
-    custom: tuple[str, str] | None,
+    custom: CustomScorer | None,
     flush_interval_s: float,
 ) -> None:
     """Worker process: score chunks until told to stop (None) or the pipe closes."""
@@ -128,7 +128,7 @@ def _worker_entry(argv: list[str]) -> None:
     config = json.loads(argv[3])
     _set_parent_death_signal()
     progress = mmap.mmap(progress_fd, _PROGRESS.size)
-    custom = tuple(config["custom"]) if config["custom"] else None
+    custom = CustomScorer.from_json(config["custom"]) if config["custom"] else None
     _worker_main(
         mpc.Connection(task_fd, writable=False),
         mpc.Connection(result_fd, readable=False),
@@ -220,7 +220,8 @@ class ScoringPool:
     Args:
         num_workers: worker processes; 0 scores inline with no time-out.
         sample_timeout_s: per-sample limit; a sample over it scores 0, ``timed_out``.
-        custom: ``(path, name)`` of verl's ``compute_score`` for the ``"custom"`` scorer.
+        custom: verl's ``compute_score`` (and its ``reward_kwargs``) for the ``"custom"``
+            scorer.
         chunk_size: most samples per round trip to a worker.
         flush_interval_s: a worker reports finished samples at least this often,
             bounding what must be re-scored after a kill.
@@ -232,7 +233,7 @@ class ScoringPool:
         num_workers: int,
         sample_timeout_s: float,
         *,
-        custom: tuple[str, str] | None = None,
+        custom: CustomScorer | None = None,
         chunk_size: int = 64,
         flush_interval_s: float = 0.05,
         events: PoolEvents | None = None,
@@ -358,7 +359,7 @@ class ScoringPool:
         progress = mmap.mmap(progress_fd, _PROGRESS.size)
         _PROGRESS.pack_into(progress, 0, _IDLE, 0.0)
         config = {
-            "custom": list(self.custom) if self.custom else None,
+            "custom": self.custom.to_json() if self.custom else None,
             "flush_interval_s": self.flush_interval_s,
         }
         child_fds = (task_r, result_w, progress_fd)

@@ -28,40 +28,93 @@ def _rows(relative: str) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------ GSM8K
 
 
+# verl's rule (strict, flexible) and the lenient option (strict, flexible), per row.
+GSM8K_TABLE: list[tuple[str, str, Any, tuple[float, float, float, float]]] = [
+    ("exact", "so she makes 18 dollars.\n#### 18", "18", (1, 1, 1, 1)),
+    ("decimal zeros", "#### 18.00", "18", (0, 0, 1, 1)),
+    ("dollar sign", "#### $18", "18", (0, 1, 1, 1)),  # strict: no match; flexible: 18
+    ("trailing period", "The answer:\n#### 18.", "18", (0, 0, 1, 1)),
+    ("thousands separator", "#### 1,000", "1000", (1, 0, 1, 1)),  # flexible keeps commas
+    ("negative", "#### -7", "-7", (1, 1, 1, 1)),
+    ("last marker wins", "#### 18\n#### 20", "20", (1, 1, 1, 1)),
+    ("earlier marker ignored", "#### 20\n#### 18", "20", (0, 0, 0, 0)),
+    ("beyond the last 300", "#### 18\n" + "x" * 400, "18", (0, 0, 1, 1)),
+    ("no answer", "I do not know", "18", (0, 0, 0, 0)),
+    ("no marker", "the answer is 18", "18", (0, 1, 0, 1)),
+    ("no space after ####", "####18", "18", (0, 1, 1, 1)),
+    ("wrong number", "#### 19", "18", (0, 0, 0, 0)),
+    ("comma after the number", "it is 5, I think", "5", (0, 0, 0, 1)),
+    ("trailing zero", "#### 3.50", "3.5", (0, 0, 1, 1)),
+    ("int reference", "#### 18", 18, (1, 1, 1, 1)),
+    ("float reference", "#### 0.5", 0.5, (1, 1, 1, 1)),
+    ("empty response", "", "18", (0, 0, 0, 0)),
+]
+
+
 @pytest.mark.parametrize(
-    ("response", "truth", "score"),
-    [
-        ("so she makes 18 dollars.\n#### 18", "18", 1.0),
-        ("#### 1,234", "1234", 1.0),
-        ("#### 1234", "1,234", 1.0),
-        ("The answer:\n#### 18.", "18", 1.0),
-        ("#### -7", "-7", 1.0),
-        ("#### 3.50", "3.5", 1.0),
-        ("#### $18", "18", 1.0),
-        ("#### 19", "18", 0.0),
-        ("the answer is 18", "18", 0.0),  # strict: no marker
-        ("#### 18\n#### 20", "20", 1.0),  # the last marker wins
-        ("", "18", 0.0),
-        ("#### 18", 18, 1.0),
-        ("#### 0.5", 0.5, 1.0),
-        ("reasoning\n#### 18", "She sells 9 eggs.\n#### 18", 1.0),  # a whole answer as truth
-    ],
+    ("response", "truth", "expected"),
+    [row[1:] for row in GSM8K_TABLE],
+    ids=[row[0] for row in GSM8K_TABLE],
 )
-def test_gsm8k_strict(response: str, truth: Any, score: float) -> None:
-    assert gsm8k.compute_score(response, truth).score == score
+def test_gsm8k_edge_cases(
+    response: str, truth: Any, expected: tuple[float, float, float, float]
+) -> None:
+    got = tuple(
+        gsm8k.compute_score(response, truth, method=method, lenient=lenient).score
+        for lenient in (False, True)
+        for method in ("strict", "flexible")
+    )
+    assert got == expected
 
 
-def test_gsm8k_format_score_and_flexible() -> None:
-    assert gsm8k.compute_score("#### 17", "18", format_score=0.1).score == 0.1
-    assert gsm8k.compute_score("no marker 18", "18", format_score=0.1).score == 0.0
+def test_gsm8k_reads_exactly_the_last_300_characters() -> None:
+    inside = "#### 18" + "x" * 293  # 300 characters: the marker is the tail's start
+    assert len(inside) == gsm8k.TAIL_CHARS
+    assert gsm8k.compute_score(inside, "18").score == 1.0
+    assert gsm8k.compute_score("a" + inside, "18").score == 1.0
+    assert gsm8k.compute_score(inside + "x", "18").score == 0.0  # "### 18" is left
+    assert gsm8k.compute_score(inside + "x", "18", lenient=True).score == 1.0
+
+
+def test_gsm8k_format_score() -> None:
+    def strict(response: str) -> float:
+        return gsm8k.compute_score(response, "18", format_score=0.1).score
+
+    assert strict("#### 18") == 1.0
+    assert strict("#### 17") == 0.1
+    assert strict("#### 18.00") == 0.1  # an answer, not equal as text
+    assert strict("#### 18.") == 0.1
+    assert strict("#### $18") == 0.0  # no answer found
+    assert strict("no marker 18") == 0.0
+    assert gsm8k.compute_score("#### 18", "18", score=2.0).score == 2.0
+    flexible = gsm8k.compute_score("Done.", "18", method="flexible", format_score=0.1)
+    assert flexible.score == 0.1 and flexible.details["extracted"] == "."  # verl's quirk
+    assert gsm8k.compute_score("Done", "18", method="flexible", format_score=0.1).score == 0.0
+    lenient = gsm8k.compute_score("#### 17", "18", format_score=0.1, lenient=True)
+    assert lenient.score == 0.1
+
+
+def test_gsm8k_details() -> None:
+    out = gsm8k.compute_score("so the total is 1,800.\n#### 1,800", "1800")
+    assert out.details == {"extracted": "1800", "format_ok": True}
     out = gsm8k.compute_score("so the total is 1,800.", "1800", method="flexible")
+    assert out.details == {"extracted": "1,800.", "format_ok": False} and out.score == 0.0
+    out = gsm8k.compute_score("so the total is 1,800.", "1800", method="flexible", lenient=True)
     assert out.score == 1.0 and out.details["format_ok"] is False
-    assert gsm8k.compute_score("3 apples and -2.5 more", "-2.5", method="flexible").score == 1.0
 
 
-def test_gsm8k_bad_ground_truth_is_an_error() -> None:
+@pytest.mark.parametrize("truth", ["eighteen", "", "-", "18 ", "She sells 9 eggs.\n#### 18"])
+def test_gsm8k_reference_that_no_answer_can_equal_is_an_error(truth: str) -> None:
     with pytest.raises(ValueError, match="not a number"):
-        gsm8k.compute_score("#### 1", "eighteen")
+        gsm8k.compute_score("#### 18", truth)
+
+
+def test_gsm8k_lenient_reference_forms() -> None:
+    whole = "She sells 9 eggs.\n#### 18"
+    assert gsm8k.compute_score("reasoning\n#### 18", whole, lenient=True).score == 1.0
+    assert gsm8k.compute_score("#### 1234", "1,234", lenient=True).score == 1.0
+    with pytest.raises(ValueError, match="not a number"):
+        gsm8k.compute_score("#### 1", "eighteen", lenient=True)
 
 
 def test_every_gsm8k_test_answer_scores_one_and_a_wrong_number_zero() -> None:
@@ -71,7 +124,8 @@ def test_every_gsm8k_test_answer_scores_one_and_a_wrong_number_zero() -> None:
     for row in rows:
         # The file's own solution is written as a model would: reasoning, then "#### N".
         solution = row["answer"]
-        truth = solution.rsplit("####", 1)[1].strip()
+        # verl's preprocessing: the number after "####", commas removed.
+        truth = solution.rsplit("####", 1)[1].strip().replace(",", "")
         assert gsm8k.compute_score(solution, truth).score == 1.0, solution[-80:]
         wrong = str(int(truth.replace(",", "")) + rng.randint(1, 9))
         wrong_solution = solution.rsplit("####", 1)[0] + "#### " + wrong
@@ -172,7 +226,17 @@ ADVERSARIAL = [
 ]
 
 
-@pytest.mark.parametrize("scorer", ["gsm8k", "gsm8k_flexible", "math", "multiple_choice"])
+@pytest.mark.parametrize(
+    "scorer",
+    [
+        "gsm8k",
+        "gsm8k_flexible",
+        "gsm8k_lenient",
+        "gsm8k_flexible_lenient",
+        "math",
+        "multiple_choice",
+    ],
+)
 def test_adversarial_responses_score_promptly(scorer: str) -> None:
     truth: Any = "B" if scorer == "multiple_choice" else "4"
     for response in ADVERSARIAL:
@@ -246,7 +310,17 @@ _NON_FINITE_RESPONSES = [
 
 
 @pytest.mark.parametrize("truth", _NON_FINITE_TRUTHS, ids=repr)
-@pytest.mark.parametrize("scorer", ["math", "gsm8k", "gsm8k_flexible", "multiple_choice"])
+@pytest.mark.parametrize(
+    "scorer",
+    [
+        "math",
+        "gsm8k",
+        "gsm8k_flexible",
+        "gsm8k_lenient",
+        "gsm8k_flexible_lenient",
+        "multiple_choice",
+    ],
+)
 def test_a_non_finite_ground_truth_never_scores(scorer: str, truth: Any) -> None:
     """NaN (a missing value read from a data frame) or infinity is no answer: an error or 0."""
     for response in _NON_FINITE_RESPONSES:

@@ -3,7 +3,8 @@
 A scorer is a function ``(data_source, response, ground_truth, extra_info) ->
 ScoreOutcome``. The built-in ones are pure, torch-free and bounded on hostile
 input; a custom one is verl's ``compute_score(data_source, solution_str,
-ground_truth, extra_info) -> float | dict`` loaded from a file.
+ground_truth, extra_info, **reward_kwargs) -> float | dict`` loaded from a file and
+called with keyword arguments, as verl calls it.
 
 Two names are not functions here: ``"reward_model"`` (scored by
 :mod:`rlfleet.reward.model` in the service process) and ``"custom"`` (the
@@ -15,7 +16,8 @@ from __future__ import annotations
 import importlib.util
 import math as _math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -29,9 +31,11 @@ __all__ = [
     "CUSTOM",
     "DATA_SOURCE_SCORERS",
     "INLINE_SCORERS",
+    "LENIENT_VARIANTS",
     "MAX_CUSTOM_DATA_SOURCES",
     "REWARD_MODEL",
     "CustomFunction",
+    "CustomScorer",
     "ScorerFn",
     "custom_data_sources",
     "error_outcome",
@@ -58,6 +62,18 @@ def _gsm8k_flexible(
     return gsm8k.compute_score(response, ground_truth, method="flexible")
 
 
+def _gsm8k_lenient(
+    data_source: str, response: str, ground_truth: Any, extra: dict[str, Any]
+) -> ScoreOutcome:
+    return gsm8k.compute_score(response, ground_truth, method="strict", lenient=True)
+
+
+def _gsm8k_flexible_lenient(
+    data_source: str, response: str, ground_truth: Any, extra: dict[str, Any]
+) -> ScoreOutcome:
+    return gsm8k.compute_score(response, ground_truth, method="flexible", lenient=True)
+
+
 def _math_answer(
     data_source: str, response: str, ground_truth: Any, extra: dict[str, Any]
 ) -> ScoreOutcome:
@@ -73,11 +89,21 @@ def _multiple_choice(
 BUILTIN_SCORERS: dict[str, ScorerFn] = {
     "gsm8k": _gsm8k,
     "gsm8k_flexible": _gsm8k_flexible,
+    "gsm8k_lenient": _gsm8k_lenient,
+    "gsm8k_flexible_lenient": _gsm8k_flexible_lenient,
     "math": _math_answer,
     "multiple_choice": _multiple_choice,
 }
 
-INLINE_SCORERS = frozenset({"gsm8k", "gsm8k_flexible", "multiple_choice"})
+LENIENT_VARIANTS: dict[str, str] = {
+    "gsm8k": "gsm8k_lenient",
+    "gsm8k_flexible": "gsm8k_flexible_lenient",
+}
+"""The scorer ``reward.gsm8k_lenient`` puts in place of verl's gsm8k rule."""
+
+INLINE_SCORERS = frozenset(
+    {"gsm8k", "gsm8k_flexible", "gsm8k_lenient", "gsm8k_flexible_lenient", "multiple_choice"}
+)
 """Built-in scorers cheap and bounded enough to run in the caller's thread, with no
 worker round trip and no time-out: linear-time patterns over a clipped tail, a
 few microseconds a sample. ``math`` is not one of them: its math-verify fallback
@@ -116,6 +142,23 @@ def scorer_for_data_source(data_source: str) -> str | None:
 
 
 CustomFunction = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class CustomScorer:
+    """verl's ``custom_reward_function``: which function, and the keyword arguments
+    (``reward_kwargs``, JSON values: they travel to the scoring workers) it gets."""
+
+    path: str
+    name: str = "compute_score"
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "name": self.name, "kwargs": dict(self.kwargs)}
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> CustomScorer:
+        return cls(str(value["path"]), str(value["name"]), dict(value["kwargs"]))
 
 
 MAX_CUSTOM_DATA_SOURCES = 1000
@@ -226,12 +269,23 @@ def run_scorer(
     response: str,
     ground_truth: Any,
     extra_info: dict[str, Any],
-    custom: tuple[str, str] | None = None,
+    custom: CustomScorer | None = None,
 ) -> ScoreOutcome:
-    """Score one sample with a rule scorer or the custom function (``custom=(path, name)``)."""
+    """Score one sample with a rule scorer or the custom function.
+
+    The custom function is called as verl calls it: keyword arguments only, its
+    ``reward_kwargs`` after the four sample fields.
+    """
     if scorer == CUSTOM:
         if custom is None:
             raise ValueError("scorer 'custom' requested but no custom function is configured")
-        fn = load_custom_function(*custom)
-        return outcome_from_custom(fn(data_source, response, ground_truth, extra_info))
+        fn = load_custom_function(custom.path, custom.name)
+        value = fn(
+            data_source=data_source,
+            solution_str=response,
+            ground_truth=ground_truth,
+            extra_info=extra_info,
+            **custom.kwargs,
+        )
+        return outcome_from_custom(value)
     return BUILTIN_SCORERS[scorer](data_source, response, ground_truth, extra_info)

@@ -1,30 +1,51 @@
 """GSM8K: the final number of a response against the reference number.
 
-Two extraction modes:
+By default the score is verl's (``verl/utils/reward_score/gsm8k.py``), exactly:
 
-* ``strict``: the number after the last ``#### `` marker (GSM8K's own answer
-  format); a response without the marker gets no credit and ``format_ok=False``.
-* ``flexible``: the last number anywhere in the response.
+* only the last :data:`TAIL_CHARS` (300) characters of the response count;
+* ``strict``: the text after the last ``#### `` (one space) made of ``-``, digits,
+  ``.`` and ``,``, commas then dropped; no such marker scores 0;
+* ``flexible``: the last run of ``-``, digits, ``.`` and ``,`` anywhere that is not a
+  lone ``.``, as written (commas kept, as verl keeps them);
+* the answer is compared as a string with the reference: equal scores ``score``,
+  different scores ``format_score``. So ``#### 18.00``, ``#### 18.`` and
+  ``#### $18`` do not match ``18``.
 
-Numbers may carry thousands separators (``1,234``), a leading ``$``, a sign, a
-decimal part and a trailing period (``#### 18.``); they compare as exact decimals
-(``18.00 == 18``). A wrong number with the right format scores ``format_score``.
+``lenient=True`` (``reward.gsm8k_lenient``, an rlfleet option) is the older rule:
+numbers may carry a ``$``, separators, a trailing period and any spacing after
+``####``, compare as exact decimals (``18.00 == 18``), the reference may be a whole
+GSM8K answer, and the last :data:`LENIENT_TAIL_CHARS` characters are searched.
 
-Only the last :data:`TAIL_CHARS` characters of a response are searched: the
-answer is at the end, and this bounds the work on a hostile 1 MB response.
+Both modes are linear-time over a clipped tail, so bounded on a hostile 1 MB response.
 """
 
 from __future__ import annotations
 
+import math as _math
 import re
 from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
 from rlfleet.reward.types import ScoreOutcome
 
-__all__ = ["TAIL_CHARS", "compute_score", "extract_answer", "parse_number"]
+__all__ = [
+    "LENIENT_TAIL_CHARS",
+    "TAIL_CHARS",
+    "compute_score",
+    "extract_answer",
+    "extract_verl_answer",
+    "parse_number",
+]
 
-TAIL_CHARS = 1000
+TAIL_CHARS = 300
+"""verl's clip: only this many characters at the end of a response are read."""
+LENIENT_TAIL_CHARS = 1000
+
+# verl's patterns, made of one character class: linear time.
+_VERL_STRICT = re.compile(r"#### (-?[0-9.,]+)")
+_VERL_NUMBER = re.compile(r"-?[0-9.,]+")
+_VERL_REFERENCE = re.compile(r"-?[0-9.,]+")
+_DIGIT = re.compile(r"[0-9]")
 
 # Linear-time patterns: no nested quantifiers over overlapping classes.
 _NUMBER = r"-?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
@@ -53,11 +74,46 @@ def parse_number(text: str) -> Decimal | None:
     return -value if negative else value
 
 
+def extract_verl_answer(
+    response: str, method: Literal["strict", "flexible"] = "strict"
+) -> tuple[str | None, bool]:
+    """verl's answer text (None: none) and whether its strict ``#### N`` was present."""
+    tail = response[-TAIL_CHARS:]
+    strict = _VERL_STRICT.findall(tail)
+    format_ok = bool(strict)
+    if method == "strict":
+        return (strict[-1].replace(",", "") if strict else None), format_ok
+    numbers = _VERL_NUMBER.findall(tail)
+    if not numbers:
+        return None, format_ok
+    found = next((n for n in reversed(numbers) if n != "."), None)
+    # All lone dots: verl's loop ends on the first one, which then matches nothing.
+    return (numbers[0] if found is None else found), format_ok
+
+
+def _verl_reference(ground_truth: Any) -> str | None:
+    """The reference as the text an answer must equal; None when no number."""
+    if isinstance(ground_truth, bool):
+        return None
+    if isinstance(ground_truth, int):
+        return str(ground_truth)
+    if isinstance(ground_truth, float):
+        # verl's references are strings; a float is compared as Python writes it.
+        return repr(ground_truth) if _math.isfinite(ground_truth) else None
+    if (
+        isinstance(ground_truth, str)
+        and _VERL_REFERENCE.fullmatch(ground_truth)
+        and _DIGIT.search(ground_truth)
+    ):
+        return ground_truth
+    return None
+
+
 def extract_answer(
     response: str, method: Literal["strict", "flexible"] = "strict"
 ) -> tuple[str | None, bool]:
-    """The answer text found and whether the strict ``#### N`` format was present."""
-    tail = response[-TAIL_CHARS:]
+    """The lenient answer text found and whether a ``#### N`` was present."""
+    tail = response[-LENIENT_TAIL_CHARS:]
     strict = _STRICT.findall(tail)
     format_ok = bool(strict)
     if method == "strict":
@@ -97,25 +153,40 @@ def compute_score(
     method: Literal["strict", "flexible"] = "strict",
     format_score: float = 0.0,
     score: float = 1.0,
+    lenient: bool = False,
 ) -> ScoreOutcome:
-    """Score one GSM8K response.
+    """Score one GSM8K response (verl's rule unless ``lenient``).
 
     Args:
         response: the model's text.
-        ground_truth: the reference number (``"18"``, ``18``, ``"1,234"``) or a whole
-            GSM8K answer ending in ``#### N``.
+        ground_truth: the reference: a numeric string as verl's data has it (``"18"``),
+            or an int / float (compared as Python writes it: ``18.0`` is ``"18.0"``).
+            Lenient: also ``"1,234"``, or a whole GSM8K answer ending in ``#### N``.
         method: ``strict`` (``#### N``) or ``flexible`` (last number).
-        format_score: score of a well-formed but wrong answer.
+        format_score: score of an answer found but different from the reference.
         score: score of a correct answer.
+        lenient: rlfleet's decimal comparison (module docstring) instead of verl's.
+
+    Raises:
+        ValueError: the reference is not a number (no answer could ever match it).
     """
-    reference = _reference(ground_truth)
-    if reference is None:
+    if not lenient:
+        reference = _verl_reference(ground_truth)
+        if reference is None:
+            raise ValueError(f"ground_truth is not a number: {ground_truth!r}")
+        found, format_ok = extract_verl_answer(response, method)
+        details: dict[str, Any] = {"extracted": found, "format_ok": format_ok}
+        if found is None:
+            return ScoreOutcome(0.0, details)
+        return ScoreOutcome(score if found == reference else format_score, details)
+    number = _reference(ground_truth)
+    if number is None:
         raise ValueError(f"ground_truth is not a number: {ground_truth!r}")
     found, format_ok = extract_answer(response, method)
-    details: dict[str, Any] = {"extracted": found, "format_ok": format_ok}
+    details = {"extracted": found, "format_ok": format_ok}
     if found is None:
         return ScoreOutcome(0.0, details)
     value = parse_number(found)
-    if value is not None and value == reference:
+    if value is not None and value == number:
         return ScoreOutcome(score, details)
     return ScoreOutcome(format_score, details)
