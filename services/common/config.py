@@ -1459,7 +1459,14 @@ def config_from_dict(
         raw = {}
     if not isinstance(raw, Mapping):
         raise ConfigError([ConfigIssue(source, "top level must be a mapping", raw)])
+    verl_issues: list[ConfigIssue] = []
+    from rlfleet.common import verl_config  # imports this module: deferred
+
+    if verl_config.is_verl_shaped(raw, overrides):  # verl's layout: see verl_config.py
+        translation = verl_config.translate(raw, overrides)
+        raw, overrides, verl_issues = translation.raw, translation.overrides, translation.issues
     data, issues = apply_overrides(raw, overrides)
+    issues = verl_issues + issues
     data = _verl_default_pools(data)
 
     sections: dict[str, Any] = {}
