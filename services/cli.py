@@ -43,6 +43,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "rlfleet.common.secrets_cli",
         "make or rotate a cluster's credential set, or its TLS certificates",
     ),
+    "export": (
+        "rlfleet.trainer.export_cli",
+        "write a run's checkpoint (the latest, or --step N) as a Hugging Face folder",
+    ),
     "preprocess": (
         "rlfleet.scheduler.data.preprocess",
         "convert raw datasets (gsm8k, math, hellaswag, full_hh_rlhf, arithmetic) to verl parquet",
