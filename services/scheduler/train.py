@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.torch_threads)
     run_dir = config.run_dir()
     save_resolved(config, run_dir)
+    _note_verl_translation(args.config, args.overrides, run_dir)
     print(f"run dir {run_dir} (config.yaml, metrics.jsonl, checkpoints/)", file=sys.stderr)
     try:
         summary = train(
@@ -104,6 +105,17 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(summary))
     return 0
+
+
+def _note_verl_translation(path: str, overrides: list[str], run_dir: Any) -> None:
+    """A verl-shaped config: list its ignored keys once and save how each key was read
+    next to config.yaml (``verl_translation.yaml``)."""
+    from rlfleet.common.verl_config import load_translation
+
+    translation = load_translation(path, overrides)
+    if translation is not None:
+        print("\n".join(translation.startup_lines()), file=sys.stderr)
+        translation.write(run_dir)
 
 
 def train(
