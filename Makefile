@@ -38,6 +38,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check services tests bench tools examples
 	$(VENV)/bin/mypy
 	$(PY) tools/gen_dashboards.py --check
+	$(PY) tools/gen_verl_doc.py --check
 
 format: setup
 	$(VENV)/bin/ruff check --fix services tests bench tools examples
