@@ -1390,7 +1390,9 @@ def translate(raw: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> T
             continue
         rule = row.rule
         if rule.accepts is not None and not rule.accepts(value, merged):
-            issues.append(_refusal(row, path, value))
+            # A default that follows a refused key (``${...}``) is not refused again.
+            if is_given:
+                issues.append(_refusal(row, path, value))
             continue
         if rule.to is None or (rule.when is not None and not rule.when(merged)):
             entries.append(Entry(path, value, "ignored", reason=rule.why, given=is_given))

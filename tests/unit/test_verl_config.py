@@ -1,0 +1,315 @@
+"""verl's config layout read through rlfleet.common.verl_config (no torch)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlfleet.common import verl_config
+from rlfleet.common.config import ConfigError, config_from_dict, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+VERL_YAML = REPO / "tests" / "fixtures" / "verl" / "ppo_trainer.yaml"
+
+# verl's GSM8K PPO quickstart command line, with local paths.
+QUICKSTART = [
+    "data.train_files=gsm8k/train.parquet",
+    "data.val_files=gsm8k/test.parquet",
+    "data.train_batch_size=256",
+    "data.max_prompt_length=512",
+    "data.max_response_length=256",
+    "actor_rollout_ref.model.path=models/qwen",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+    "critic.optim.lr=1e-5",
+    "critic.model.path=models/critic",
+    "critic.ppo_micro_batch_size_per_gpu=4",
+    "algorithm.kl_ctrl.kl_coef=0.001",
+    "trainer.logger=console",
+    "trainer.val_before_train=False",
+    "trainer.n_gpus_per_node=1",
+    "trainer.nnodes=1",
+    "trainer.save_freq=10",
+    "trainer.test_freq=10",
+    "trainer.total_epochs=15",
+]
+CPU = ["actor_rollout_ref.rollout.name=hf", "trainer.device=cpu"]
+
+
+def _error(raw: object, overrides: list[str]) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(raw, overrides)  # type: ignore[arg-type]
+    return info.value
+
+
+# --------------------------------------------------------------------------- loads
+
+
+def test_verls_own_ppo_trainer_yaml_loads_unchanged() -> None:
+    cfg = load_config(VERL_YAML)
+    assert cfg.actor.model_path == "~/models/deepseek-llm-7b-chat"
+    assert cfg.data.train_batch_size == 1024 and cfg.actor.ppo_mini_batch_size == 256
+    assert cfg.rollout.engine == "vllm" and cfg.rollout.tensor_parallel_size == 2
+    assert cfg.rollout.gpu_memory_utilization == 0.5
+    assert cfg.rollout.max_num_batched_tokens == 8192
+    assert cfg.rollout.dtype == "bfloat16"
+    assert cfg.trainer.logger == ["console", "wandb"]
+    assert cfg.trainer.device == "cuda"
+    assert cfg.resource_pools == {"global_pool": [8]}
+    assert cfg.placement().mode == "colocated"
+    # interpolations: ${trainer.project_name}, ${actor_rollout_ref.model.path}
+    assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
+    assert cfg.critic.tokenizer_path == "~/models/deepseek-llm-7b-chat"
+    assert cfg.critic.ppo_mini_batch_size == 256
+    assert cfg.reward.reward_model.enable is False
+
+
+def test_every_row_accepts_verls_default() -> None:
+    translation = verl_config.translate({"actor_rollout_ref": {}})
+    assert translation.issues == []
+    assert translation.ignored() == []  # nothing given, nothing listed
+
+
+def test_quickstart_maps_each_key_onto_rlfleets() -> None:
+    cfg = config_from_dict(None, QUICKSTART + CPU)
+    assert cfg.data.train_files == ["gsm8k/train.parquet"]
+    assert (cfg.data.train_batch_size, cfg.data.max_response_length) == (256, 256)
+    assert cfg.actor.model_path == "models/qwen"
+    assert cfg.actor.lr == pytest.approx(1e-6)
+    assert cfg.actor.ppo_mini_batch_size == 64 and cfg.actor.ppo_micro_batch_size == 4
+    assert cfg.rollout.log_prob_micro_batch_size == 8
+    assert cfg.rollout.tensor_parallel_size == 1
+    assert cfg.ref.log_prob_micro_batch_size == 4
+    assert cfg.critic.lr == pytest.approx(1e-5)
+    assert cfg.critic.model_path == "models/critic"
+    assert cfg.critic.ppo_micro_batch_size == 4
+    assert cfg.algorithm.kl_ctrl.kl_coef == pytest.approx(0.001)
+    assert cfg.trainer.logger == ["console"]
+    assert cfg.trainer.val_before_train is False
+    assert (cfg.trainer.save_freq, cfg.trainer.test_freq, cfg.trainer.total_epochs) == (10, 10, 15)
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (1, 1)
+    assert cfg.resource_pools == {"global_pool": [1]}
+    assert cfg.rollout.engine == "hf" and cfg.trainer.device == "cpu"
+    # a vLLM memory knob on the hf engine changes nothing: rlfleet's default stays
+    assert cfg.rollout.gpu_memory_utilization == 0.5
+    # keys the quickstart leaves out take verl's defaults, not rlfleet's
+    assert cfg.trainer.project_name == "verl_examples"
+    assert cfg.rollout.dtype == "bfloat16"
+
+
+def test_a_verl_shaped_file_with_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "ppo.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "actor_rollout_ref": {"model": {"path": "m"}, "rollout": {"name": "hf", "n": 4}},
+                "algorithm": {"adv_estimator": "grpo"},
+                "trainer": {"device": "cpu", "n_gpus_per_node": 2, "logger": ["console", "file"]},
+            }
+        )
+    )
+    cfg = load_config(path, ["actor_rollout_ref.rollout.n=2", "+trainer.nnodes=2"])
+    assert cfg.rollout.n == 2
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.critic.enable is False
+    assert cfg.trainer.logger == ["console", "jsonl"]
+    assert cfg.resource_pools == {"global_pool": [2, 2]}
+
+
+# --------------------------------------------------------------------------- ignored
+
+
+def test_ignored_keys_are_listed_once_with_the_reason() -> None:
+    translation = verl_config.translate(
+        None,
+        QUICKSTART
+        + CPU
+        + ["actor_rollout_ref.actor.use_torch_compile=false", "ray_init.num_cpus=4"],
+    )
+    assert translation.issues == []
+    ignored = {e.key: e.reason for e in translation.ignored()}
+    assert set(ignored) == {
+        "actor_rollout_ref.rollout.gpu_memory_utilization",
+        "actor_rollout_ref.actor.use_torch_compile",
+        "ray_init",
+    }
+    assert "hf engine" in ignored["actor_rollout_ref.rollout.gpu_memory_utilization"]
+    assert "Ray" in ignored["ray_init"]
+    lines = translation.startup_lines()
+    assert "3 ignored" in lines[0]
+    for key, reason in ignored.items():
+        [line] = [x for x in lines if key in x]
+        assert reason in line
+
+
+def test_vllm_knobs_map_with_the_vllm_engine() -> None:
+    cfg = config_from_dict(None, [*QUICKSTART, "actor_rollout_ref.rollout.name=vllm"])
+    assert cfg.rollout.engine == "vllm"
+    assert cfg.rollout.gpu_memory_utilization == pytest.approx(0.4)
+    assert cfg.rollout.max_num_batched_tokens == 8192
+
+
+def test_the_report_says_where_each_key_went(tmp_path: Path) -> None:
+    translation = verl_config.translate(None, QUICKSTART + CPU)
+    path = translation.write(tmp_path)
+    assert path == tmp_path / verl_config.REPORT_FILE
+    report = yaml.safe_load(path.read_text())
+    mapped = {m["verl"]: m for m in report["mapped"]}
+    assert mapped["critic.optim.lr"]["rlfleet"] == "critic.lr"
+    assert mapped["trainer.logger"]["value"] == ["console"]
+    assert mapped["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"]["rlfleet"] == (
+        "actor.ppo_micro_batch_size"
+    )
+    [ignored] = report["ignored"]
+    assert ignored["verl"] == "actor_rollout_ref.rollout.gpu_memory_utilization"
+    assert ignored["value"] == 0.4 and ignored["reason"]
+    defaults = {m["verl"]: m for m in report["mapped_from_verl_defaults"]}
+    assert defaults["actor_rollout_ref.rollout.dtype"]["rlfleet"] == "rollout.dtype"
+
+
+# --------------------------------------------------------------------------- refused
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "missing"),
+    [
+        ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name", "engines"),
+        (
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.use_dynamic_bsz",
+            "dynamic",
+        ),
+        ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_rank", "LoRA"),
+        ("algorithm.adv_estimator=grpo_passk", "algorithm.adv_estimator", "advantage estimators"),
+        ("trainer.logger=[console,mlflow]", "trainer.logger", "loggers"),
+        ("trainer.default_hdfs_dir=hdfs://x", "trainer.default_hdfs_dir", "HDFS"),
+        (
+            "actor_rollout_ref.actor.ppo_micro_batch_size=32",
+            "actor_rollout_ref.actor.ppo_micro_batch_size",
+            "global micro-batch",
+        ),
+    ],
+)
+def test_a_refused_value_is_one_line_naming_key_and_value(
+    override: str, key: str, missing: str
+) -> None:
+    err = _error(None, [*QUICKSTART, *CPU, override])
+    [issue] = err.issues
+    assert issue.path == key
+    line = str(issue)
+    assert "\n" not in line
+    assert line.startswith(f"{key}: rlfleet does not implement")
+    assert missing in line
+    value = override.partition("=")[2].strip("[]").split(",")[-1]
+    assert value.lower() in line.lower()
+
+
+def test_refusals_come_with_rlfleets_own_errors_at_once() -> None:
+    err = _error(
+        None,
+        [*QUICKSTART, *CPU, "actor_rollout_ref.rollout.name=sglang", "data.train_batch_size=100"],
+    )
+    paths = {i.path for i in err.issues}
+    assert "actor_rollout_ref.rollout.name" in paths
+    assert "actor.ppo_mini_batch_size" in paths  # 64 does not divide 100
+
+
+def test_an_unknown_key_names_the_close_verl_key() -> None:
+    err = _error(None, [*QUICKSTART, *CPU, "actor_rollout_ref.actor.optim.lrr=1"])
+    [issue] = err.issues
+    assert issue.path == "actor_rollout_ref.actor.optim.lrr"
+    assert "actor_rollout_ref.actor.optim.lr" in issue.message
+
+
+def test_two_given_keys_setting_one_rlfleet_key_differently_are_refused() -> None:
+    err = _error(
+        None,
+        [
+            *QUICKSTART,
+            *CPU,
+            "actor_rollout_ref.actor.grad_clip=0.5",
+            "actor_rollout_ref.actor.optim.clip_grad=2.0",
+        ],
+    )
+    [issue] = err.issues
+    assert "actor.grad_clip" in issue.message
+
+
+# --------------------------------------------------------------------------- the issue's list
+
+
+def test_keys_the_issue_found_refused_are_mapped(tmp_path: Path) -> None:
+    score = tmp_path / "score.py"
+    score.write_text(
+        "def my_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
+    )
+    cfg = config_from_dict(
+        None,
+        [
+            *QUICKSTART,
+            *CPU,
+            f"custom_reward_function.path={score}",
+            "custom_reward_function.name=my_score",
+        ],
+    )
+    assert cfg.reward.custom_function.path == str(score)
+    assert cfg.reward.custom_function.name == "my_score"
+    assert cfg.critic.lr == pytest.approx(1e-5)
+    assert cfg.trainer.nnodes == 1 and cfg.trainer.n_gpus_per_node == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("console", ["console"]), ("[console,wandb]", ["console", "wandb"])]
+)
+def test_logger_is_a_string_or_a_list(value: str, expected: list[str]) -> None:
+    cfg = config_from_dict(None, [*QUICKSTART, *CPU, f"trainer.logger={value}"])
+    assert cfg.trainer.logger == expected
+
+
+def test_rlfleet_keys_mix_in_with_their_own_meaning() -> None:
+    cfg = config_from_dict(
+        {"actor_rollout_ref": {"rollout": {"name": "hf"}}, "resource_pools": {"p": [1], "q": [1]}},
+        [
+            *QUICKSTART,
+            "trainer.device=cpu",
+            "mapping.actor=p",
+            "mapping.rollout=q",
+            "mapping.critic=p",
+            "services.max_restarts=5",
+        ],
+    )
+    assert cfg.resource_pools == {"p": [1], "q": [1]}
+    # an override of one role keeps rlfleet's default for the others
+    assert (cfg.mapping.actor, cfg.mapping.rollout, cfg.mapping.critic) == ("p", "q", "p")
+    assert cfg.mapping.ref == "train_pool"
+    assert cfg.placement().mode == "disaggregated"
+    assert cfg.services.max_restarts == 5
+
+
+def test_an_rlfleet_config_is_not_translated() -> None:
+    assert not verl_config.is_verl_shaped({"actor": {"lr": 1e-3}}, ["rollout.n=2"])
+    assert verl_config.is_verl_shaped(None, ["+actor_rollout_ref.model.path=m"])
+    assert config_from_dict(None, ["actor.lr=1e-3"]).trainer.project_name == "rlfleet"
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def test_docs_verl_md_is_generated_from_the_table() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "gen_verl_doc", REPO / "tools" / "gen_verl_doc.py"
+    )
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    text = (REPO / "docs" / "verl.md").read_text(encoding="utf-8")
+    assert text == gen.render(), "docs/verl.md is stale: run python tools/gen_verl_doc.py"
+    for row in verl_config.ROWS:
+        assert f"| `{row.key}` |" in text
