@@ -308,3 +308,28 @@ def test_two_rank_fsdp_checkpoint_holds_the_full_actor(
     code, _, err = _export("--run", str(run_dir), "--out", str(tmp_path / "hf"), capsys=capsys)
     assert code == 0, err
     _assert_weights(tmp_path / "hf", actor)
+
+
+def test_megatron_checkpoint_holds_a_hf_folder_equal_to_the_actor(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The megatron backend's full state (Hugging Face names, gathered over TP / PP)
+    becomes the same kind of folder."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from rlfleet.trainer.megatron import MegatronBackend
+    from rlfleet.trainer.megatron_testing import cpu_shim, megatron_config, scored_batch
+
+    cfg = megatron_config(
+        str(tiny_model_dir),
+        algorithm={"adv_estimator": "grpo"},
+        actor={"lr": 1e-3},
+        trainer={"default_local_dir": str(tmp_path / "run")},
+    )
+    with cpu_shim():
+        core = TrainerCore(cfg, MegatronBackend(cfg, device=torch.device("cpu")))
+        core.train_step({**scored_batch(0), "uid": torch.tensor([0, 0, 1, 1])})
+        folder, _, _ = checkpoint.save(core, step=1)
+        weights = dict(core.iter_weights())
+    _assert_weights(folder / "huggingface", weights)
+    start, _ = _load_hf(tiny_model_dir)
+    assert any(not torch.equal(p.detach(), weights[n]) for n, p in start.named_parameters())
