@@ -44,7 +44,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RewardService]
     config = RewardConfig(
         num_workers=2,
         sample_timeout_s=30.0,
-        custom_function=CustomRewardFunction(path=str(custom)),
+        # rlfleet's routing: the table's sources keep their built-in scorers.
+        custom_function=CustomRewardFunction(path=str(custom), keep_builtin_scorers=True),
     )
     with start_reward_service(config, port=0, metrics_port=0, max_batch_size=512) as svc:
         yield svc

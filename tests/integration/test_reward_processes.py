@@ -158,6 +158,8 @@ def test_two_processes_share_a_port_and_stop_gracefully(tmp_path: Path) -> None:
         "reward.num_workers=2",
         "-o",
         f"reward.custom_function.path={scorer}",
+        "-o",
+        "reward.custom_function.keep_builtin_scorers=true",
         env=env,
     )
     children: list[int] = []

@@ -54,7 +54,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RewardService]
     config = RewardConfig(
         num_workers=2,
         sample_timeout_s=1.0,
-        custom_function=CustomRewardFunction(path=str(custom)),
+        # rlfleet's routing: the table's sources keep their built-in scorers.
+        custom_function=CustomRewardFunction(path=str(custom), keep_builtin_scorers=True),
     )
     with start_reward_service(config, port=0, metrics_port=0, max_batch_size=512) as svc:
         yield svc
@@ -140,7 +141,7 @@ def _mixed_rule_batch(n: int) -> list[Sample]:
     for i in range(n):
         kind = i % 4
         if kind == 0:
-            samples.append(Sample("openai/gsm8k", f"so\n#### {i:,}.", str(i), id=f"g{i}"))
+            samples.append(Sample("openai/gsm8k", f"so\n#### {i:,}", str(i), id=f"g{i}"))
         elif kind == 1:
             samples.append(Sample("gsm8k", f"#### {i + 1}", i, id=f"w{i}"))  # wrong number
         elif kind == 2:

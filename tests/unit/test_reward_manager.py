@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from rlfleet.reward.manager import RewardManager
 from rlfleet.reward.metrics import RewardMetrics
 from rlfleet.reward.pool import ScoringPool
 from rlfleet.reward.tensor import last_valid_positions, token_level_scores
-from rlfleet.reward.types import Sample
+from rlfleet.reward.types import Sample, ScoreOutcome
 
 CUSTOM = textwrap.dedent(
     """
@@ -44,16 +45,17 @@ def custom_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def manager(custom_file: Path) -> Iterator[RewardManager]:
+    # rlfleet's routing: the table's sources keep their built-in scorers.
     config = RewardConfig(
         num_workers=2,
         sample_timeout_s=0.5,
-        custom_function=CustomRewardFunction(path=str(custom_file)),
+        custom_function=CustomRewardFunction(path=str(custom_file), keep_builtin_scorers=True),
     )
     with RewardManager(config, metrics=RewardMetrics(), max_batch_size=1000) as m:
         yield m
 
 
-def test_routes_by_data_source(manager: RewardManager) -> None:
+def test_keep_builtin_scorers_routes_by_data_source(manager: RewardManager) -> None:
     samples = [
         Sample("openai/gsm8k", "#### 18", "18"),
         Sample("HuggingFaceH4/MATH-500", r"\boxed{\dfrac{1}{2}}", r"\frac12"),
@@ -65,6 +67,123 @@ def test_routes_by_data_source(manager: RewardManager) -> None:
     assert [r.score for r in results] == [1.0, 1.0, 1.0, 1.0]
     assert results[3].details == {"seen": "my_dataset"}
     assert [r.index for r in results] == [0, 1, 2, 3]
+
+
+VERL_CUSTOM = textwrap.dedent(
+    """
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0,
+                      bonus=0.0):
+        right = solution_str.strip().endswith(str(ground_truth))
+        return {"score": scale * right + bonus, "source": data_source,
+                "split": (extra_info or {}).get("split")}
+    """
+)
+
+
+def _verl_config(tmp_path: Path, **custom: Any) -> RewardConfig:
+    path = tmp_path / "verl_reward.py"
+    path.write_text(VERL_CUSTOM)
+    return RewardConfig(
+        num_workers=1,
+        custom_function=CustomRewardFunction(
+            path=str(path), reward_kwargs={"scale": 2.0, "bonus": 0.5}, **custom
+        ),
+    )
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_custom_function_replaces_every_scorer_with_reward_kwargs(
+    tmp_path: Path, num_workers: int
+) -> None:
+    """verl: custom_reward_function.path scores every data source, gsm8k included."""
+    samples = [
+        Sample("openai/gsm8k", "#### 18", "18", extra_info={"split": "test"}),
+        Sample("openai/gsm8k", "#### $18", "18"),  # built-in: 0; here: ends in "18"
+        Sample("openai/gsm8k", "#### 17", "18"),
+        Sample("HuggingFaceH4/MATH-500", r"\boxed{2}", "3"),
+        Sample("hh-rlhf", "fine", "fine"),  # no reward model: the custom function
+        Sample("my/source", "abc", "abc"),
+    ]
+    with RewardManager(_verl_config(tmp_path), num_workers=num_workers) as m:
+        results = m.score(samples)
+        assert m.scorer_for("openai/gsm8k") == "custom"
+        assert m.info().data_sources["openai/gsm8k"] == "custom"
+    assert [r.scorer for r in results] == ["custom"] * 6
+    assert [r.score for r in results] == [2.5, 2.5, 0.5, 0.5, 2.5, 2.5]
+    assert results[0].details == {"source": "openai/gsm8k", "split": "test"}
+
+
+def test_keep_builtin_scorers_leaves_the_table_to_the_built_ins(tmp_path: Path) -> None:
+    config = _verl_config(tmp_path, keep_builtin_scorers=True)
+    with RewardManager(config, num_workers=0) as m:
+        gsm, other = m.score([Sample("openai/gsm8k", "#### 18", "18"), Sample("x", "a", "a")])
+    assert (gsm.scorer, gsm.score) == ("gsm8k", 1.0)
+    assert (other.scorer, other.score) == ("custom", 2.5)
+
+
+class _FakeRewardModel:
+    path = "fake-rm"
+
+    def score(self, samples: list[Sample]) -> list[ScoreOutcome]:
+        return [ScoreOutcome(-1.0) for _ in samples]
+
+
+def test_an_enabled_reward_model_keeps_its_data_sources(tmp_path: Path) -> None:
+    with RewardManager(_verl_config(tmp_path), num_workers=0, reward_model=_FakeRewardModel()) as m:
+        rm, gsm = m.score([Sample("hh-rlhf", "hi", None), Sample("gsm8k", "#### 1", "1")])
+    assert (rm.scorer, rm.score) == ("reward_model", -1.0)
+    assert (gsm.scorer, gsm.score) == ("custom", 2.5)
+
+
+def test_a_default_scorer_the_custom_function_would_hide_is_refused(tmp_path: Path) -> None:
+    config = _verl_config(tmp_path)
+    with pytest.raises(InvalidArgument, match="would never be used") as exc:
+        RewardManager(config.model_copy(update={"default_scorer": "gsm8k"}), num_workers=0)
+    assert exc.value.field == "reward.default_scorer"
+    with RewardManager(config.model_copy(update={"default_scorer": "custom"}), num_workers=0):
+        pass
+    kept = _verl_config(tmp_path, keep_builtin_scorers=True)
+    with RewardManager(kept.model_copy(update={"default_scorer": "gsm8k"}), num_workers=0) as m:
+        assert m.score([Sample("x", "#### 4", "4")])[0].scorer == "gsm8k"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"ground_truth": "1"}, "may not set"),
+        ({"when": object()}, "must be JSON values"),
+        ({"x": float("nan")}, "must be JSON values"),
+        ({"big": "x" * 70_000}, "over the limit"),
+    ],
+)
+def test_bad_reward_kwargs_fail_at_start(
+    tmp_path: Path, kwargs: dict[str, Any], match: str
+) -> None:
+    path = tmp_path / "verl_reward.py"
+    path.write_text(VERL_CUSTOM)
+    config = RewardConfig(
+        custom_function=CustomRewardFunction(path=str(path), reward_kwargs=kwargs)
+    )
+    with pytest.raises(InvalidArgument, match=match) as exc:
+        RewardManager(config, num_workers=0)
+    assert exc.value.field == "reward.custom_function.reward_kwargs"
+
+
+def test_gsm8k_lenient_is_an_option(tmp_path: Path) -> None:
+    samples = [Sample("openai/gsm8k", "#### 18.00", "18"), Sample("x", "it is $18.", "18")]
+    config = RewardConfig(default_scorer="gsm8k_flexible")
+    with RewardManager(config, num_workers=0) as m:
+        assert [(r.scorer, r.score) for r in m.score(samples)] == [
+            ("gsm8k", 0.0),
+            ("gsm8k_flexible", 0.0),
+        ]
+    lenient = config.model_copy(update={"gsm8k_lenient": True})
+    with RewardManager(lenient, num_workers=1) as m:
+        assert [(r.scorer, r.score) for r in m.score(samples)] == [
+            ("gsm8k_lenient", 1.0),
+            ("gsm8k_flexible_lenient", 1.0),
+        ]
+        assert m.info().data_sources["openai/gsm8k"] == "gsm8k_lenient"
 
 
 def test_hanging_and_crashing_custom_scorers_are_contained(manager: RewardManager) -> None:
