@@ -873,13 +873,12 @@ ROWS: tuple[Row, ...] = (
     # ------------------------------------------------------------------ custom_reward_function
     _map("custom_reward_function.path", None, "reward.custom_function.path"),
     _map("custom_reward_function.name", "compute_score", "reward.custom_function.name"),
-    _ign(
+    _map(
         "custom_reward_function.reward_kwargs",
-        NO_DEFAULT,
-        "empty: compute_score gets no extra keyword arguments",
-        accepts=_empty,
-        accepted="{}",
-        missing="extra keyword arguments to the custom compute_score",
+        {},
+        "reward.custom_function.reward_kwargs",
+        convert=_none_skips,
+        note="keyword arguments added to every compute_score call",
     ),
     # ------------------------------------------------------------------ algorithm
     _map("algorithm.gamma", 1.0, "algorithm.gamma"),

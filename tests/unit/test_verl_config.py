@@ -257,10 +257,13 @@ def test_keys_the_issue_found_refused_are_mapped(tmp_path: Path) -> None:
             *CPU,
             f"custom_reward_function.path={score}",
             "custom_reward_function.name=my_score",
+            "custom_reward_function.reward_kwargs={scale: 2.0}",
         ],
     )
     assert cfg.reward.custom_function.path == str(score)
     assert cfg.reward.custom_function.name == "my_score"
+    assert cfg.reward.custom_function.reward_kwargs == {"scale": 2.0}
+    assert cfg.reward.custom_function.keep_builtin_scorers is False  # verl's routing
     assert cfg.critic.lr == pytest.approx(1e-5)
     assert cfg.trainer.nnodes == 1 and cfg.trainer.n_gpus_per_node == 1
 
