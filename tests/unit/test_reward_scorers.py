@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from rlfleet.reward.scorers import gsm8k, math, multiple_choice, outcome_from_custom, run_scorer
+from rlfleet.reward.scorers import (
+    CustomScorer,
+    gsm8k,
+    math,
+    multiple_choice,
+    outcome_from_custom,
+    run_scorer,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = Path(os.environ.get("RLFLEET_DATA_DIR", REPO.parent / "shared" / "data"))
@@ -267,6 +274,20 @@ def test_multiple_choice(response: str, truth: Any, extra: dict[str, Any], score
 
 
 # ------------------------------------------------------------------- custom
+
+
+def test_custom_function_is_called_with_verls_keywords(tmp_path: Path) -> None:
+    """As verl calls it: by keyword (any parameter order), reward_kwargs added."""
+    path = tmp_path / "reordered.py"
+    path.write_text(
+        "def score_it(ground_truth, solution_str, extra_info, data_source, *, weight):\n"
+        "    return weight * (solution_str == ground_truth) + len(extra_info)\n"
+    )
+    custom = CustomScorer(str(path), "score_it", {"weight": 3.0})
+    assert run_scorer("custom", "openai/gsm8k", "18", "18", {"a": 1}, custom).score == 4.0
+    assert CustomScorer.from_json(custom.to_json()) == custom
+    with pytest.raises(ValueError, match="no custom function"):
+        run_scorer("custom", "openai/gsm8k", "18", "18", {})
 
 
 def test_custom_return_conventions() -> None:
