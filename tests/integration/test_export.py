@@ -333,3 +333,18 @@ def test_megatron_checkpoint_holds_a_hf_folder_equal_to_the_actor(
     _assert_weights(folder / "huggingface", weights)
     start, _ = _load_hf(tiny_model_dir)
     assert any(not torch.equal(p.detach(), weights[n]) for n, p in start.named_parameters())
+
+
+def test_a_state_that_does_not_fit_the_model_is_refused(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from rlfleet.common.errors import FailedPrecondition
+
+    cfg = _config(tiny_model_dir, tmp_path / "run")
+    start, _ = _load_hf(tiny_model_dir)
+    state = {k: v.detach() for k, v in start.state_dict().items()}
+    del state["model.norm.weight"]
+    with pytest.raises(FailedPrecondition, match=r"missing \['model.norm.weight'\]") as e:
+        checkpoint.write_hf_folder(state, cfg, tmp_path / "hf")
+    assert e.value.field == "actor.model_path"
+    assert not (tmp_path / "hf").exists()
