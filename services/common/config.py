@@ -668,6 +668,11 @@ class TLSSection(_Section):
     key: str | None = Field(default=None, description="private key of cert")
     ca: str | None = Field(default=None, description="CA that verifies peers")
     require_client_cert: bool = Field(default=False, description="mTLS: clients need a cert")
+    server_name: str | None = Field(
+        default=None,
+        description="the name clients verify certificates against instead of the dialed "
+        "host (`rlfleet secrets tls` puts 'rlfleet' in every certificate); None: the host",
+    )
 
     @model_validator(mode="after")
     def _pairs(self) -> Self:

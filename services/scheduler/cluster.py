@@ -346,7 +346,13 @@ class LocalCluster:
         sec = self.config.security
         t = sec.tls
         tls = (
-            TLSConfig(cert=t.cert, key=t.key, ca=t.ca, require_client_cert=t.require_client_cert)
+            TLSConfig(
+                cert=t.cert,
+                key=t.key,
+                ca=t.ca,
+                require_client_cert=t.require_client_cert,
+                server_name_override=t.server_name,
+            )
             if t.cert is not None or t.ca is not None
             else None
         )

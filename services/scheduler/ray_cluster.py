@@ -360,7 +360,13 @@ class RayCluster:
         sec = self.config.security
         t = sec.tls
         tls = (
-            TLSConfig(cert=t.cert, key=t.key, ca=t.ca, require_client_cert=t.require_client_cert)
+            TLSConfig(
+                cert=t.cert,
+                key=t.key,
+                ca=t.ca,
+                require_client_cert=t.require_client_cert,
+                server_name_override=t.server_name,
+            )
             if t.cert is not None or t.ca is not None
             else None
         )

@@ -372,6 +372,7 @@ def test_rlfleet_train_with_mtls_and_auth(
             "key": str(tls["key"]),
             "ca": str(tls["ca"]),
             "require_client_cert": True,
+            "server_name": "rlfleet",  # clients verify this name, in every certificate
         }
     }
     seen: dict[str, object] = {}
@@ -383,6 +384,7 @@ def test_rlfleet_train_with_mtls_and_auth(
 
         security = current_security()
         assert security is not None and security.role == "driver"
+        assert security.tls is not None and security.tls.server_name_override == "rlfleet"
         # The scheduler's serving line: its gRPC and HTTP addresses.
         log = (tmp_path / "run" / "logs" / "scheduler.log").read_text().splitlines()
         serving = json.loads(next(line for line in log if line.startswith("{")))
