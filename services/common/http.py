@@ -66,6 +66,9 @@ def _server_context(tls: TLSConfig) -> ssl.SSLContext:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # The listen backlog (socketserver's default is 5): connections beyond it wait for
+    # SYN retransmits (seconds) before the accept loop can even refuse them.
+    request_queue_size = 2 * MAX_CONNECTIONS
 
     def __init__(
         self,
@@ -77,6 +80,8 @@ class _Server(ThreadingHTTPServer):
         self.routes = dict(routes)
         self.authenticator = authenticator
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.open = 0  # connections being handled now
+        self._count = threading.Lock()
         super().__init__(address, _Handler)
         if context is not None:
             # The handshake happens on the handler's thread (first read), never in
@@ -90,12 +95,16 @@ class _Server(ThreadingHTTPServer):
             logger.warning("http: %d connections open, closing one more", MAX_CONNECTIONS)
             self.shutdown_request(request)
             return
+        with self._count:
+            self.open += 1
         super().process_request(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self._count:
+                self.open -= 1
             self.slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -161,6 +170,11 @@ class HttpEndpoint:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def connections(self) -> int:
+        """Connections being handled now (at most :data:`MAX_CONNECTIONS`)."""
+        return self._server.open
 
     def stop(self) -> None:
         self.shutdown()

@@ -130,6 +130,10 @@ def test_http_endpoint_needs_a_token_and_is_bounded() -> None:
             socket.create_connection(("127.0.0.1", endpoint.port)) for _ in range(MAX_CONNECTIONS)
         ]
         try:
+            deadline = time.monotonic() + 30
+            while endpoint.connections < MAX_CONNECTIONS:  # every idle one is held
+                assert time.monotonic() < deadline, endpoint.connections
+                time.sleep(0.05)
             extra = socket.create_connection(("127.0.0.1", endpoint.port))
             extra.settimeout(5)
             assert extra.recv(1) == b""  # closed without an answer
