@@ -586,6 +586,20 @@ class PPOTrainer:
         texts = self.tokenizer.batch_decode(
             [s.token_ids for s in samples], skip_special_tokens=True
         )
+        # The prompt as the policy saw it, once per prompt (its n samples share it): a
+        # reward model scores the response in its context (DESIGN: reward is prompt
+        # text and response text in).
+        used = sorted({s.prompt_index for s in samples})
+        prompt_ids = self._prompt_ids(batch)
+        prompts = dict(
+            zip(
+                used,
+                self.tokenizer.batch_decode(
+                    [prompt_ids[i] for i in used], skip_special_tokens=True
+                ),
+                strict=True,
+            )
+        )
         key = self.config.data.reward_fn_key
         items: list[Sample] = []
         for s, text in zip(samples, texts, strict=True):
@@ -597,6 +611,7 @@ class PPOTrainer:
                     data_source=str(batch[key][i]),
                     response=text,
                     ground_truth=rm.get("ground_truth") if isinstance(rm, dict) else None,
+                    prompt=prompts[i],
                     extra_info=dict(extra) if isinstance(extra, dict) else {},
                 )
             )

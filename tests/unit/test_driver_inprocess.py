@@ -151,8 +151,11 @@ def test_role_worker_mapping_and_reward_fn(
     cfg = _config(tiny_model_dir, arithmetic_dir, tmp_path, "trainer.total_training_steps=1")
     calls: list[int] = []
 
+    prompts: set[str] = set()
+
     def reward_fn(samples: list[Any]) -> list[float]:
         calls.append(len(samples))
+        prompts.update(s.prompt for s in samples)
         return [float(len(s.response) % 2) for s in samples]
 
     mapping = in_process_workers(cfg)
@@ -165,6 +168,8 @@ def test_role_worker_mapping_and_reward_fn(
         trainer.close()
     assert sum(calls) == 4 * 2
     assert 0.0 <= record.metrics["critic/score/mean"] <= 1.0
+    # The reward sees each sample's prompt text (a reward model scores in context).
+    assert len(prompts) == 4 and all(p.strip() for p in prompts)
 
 
 def test_tracking_console_without_tty(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
