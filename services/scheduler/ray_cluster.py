@@ -60,6 +60,7 @@ from rlfleet.common.auth import (
     write_credential_set,
 )
 from rlfleet.common.config import Config, save_resolved
+from rlfleet.common.errors import RlfleetError
 from rlfleet.common.rpc import Security, TLSConfig, current_security, set_security
 from rlfleet.scheduler.cluster import (
     ClusterHandle,
@@ -423,6 +424,15 @@ class RayCluster:
         if pool is not None and bundle is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self.placement_groups[pool], placement_group_bundle_index=bundle
+            )
+        else:
+            # Pool-less services (the scheduler; reward without a reward model) go to
+            # the driver's node, where they live as long as the run: never onto a
+            # worker node whose loss would take the registry with it.
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                node_id=ray.get_runtime_context().get_node_id(), soft=True
             )
         return ray.remote(ServiceActor).options(**options).remote()
 
@@ -910,8 +920,12 @@ class RayCluster:
 
         if not self.scheduler_address:
             return
-        with SchedulerClient(self.scheduler_address, timeout_s=5.0) as client:
-            desired, generation = client.scale("rollout")
+        try:
+            with SchedulerClient(self.scheduler_address, timeout_s=5.0) as client:
+                desired, generation = client.scale("rollout")
+        except RlfleetError as e:  # no traceback per round: the scheduler may be back
+            logger.warning("desired scale unknown: scheduler %s: %s", self.scheduler_address, e)
+            return
         if not desired or generation == self._scale_generation:
             return
         self.scale_rollout(desired)
@@ -1032,6 +1046,7 @@ class RayCluster:
             for s in services:
                 with contextlib.suppress(Exception):
                     ray.kill(s.actor)
+            self._await_names_released(ray, [f"rlfleet/{s.name}" for s in services])
             for pg in self.placement_groups.values():
                 with contextlib.suppress(Exception):
                     ray.util.remove_placement_group(pg)
@@ -1040,6 +1055,26 @@ class RayCluster:
         if self.security is not None and current_security() is self.security:
             set_security(self._previous_security)
         logger.info("ray cluster stopped (%d services)", len(services))
+
+    def _await_names_released(
+        self, ray: Any, names: Sequence[str], timeout_s: float = 30.0
+    ) -> None:
+        """Wait until killed actors' names are free (a next run in the namespace takes them)."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(names)
+        while pending and time.monotonic() < deadline:
+            still = []
+            for name in pending:
+                try:
+                    ray.get_actor(name, namespace=self.config.ray.namespace)
+                    still.append(name)
+                except ValueError:
+                    pass
+            pending = still
+            if pending:
+                time.sleep(0.1)
+        if pending:
+            logger.warning("ray actors %s still named after %.0fs", pending, timeout_s)
 
     def __enter__(self) -> RayCluster:
         return self
