@@ -110,10 +110,6 @@ class StepRecord:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-class _Stop(Exception):
-    pass
-
-
 class PPOTrainer:
     """PPO over rlfleet services (see the module docstring).
 
