@@ -264,10 +264,6 @@ class Credentials:
     def to_json(self) -> dict[str, Any]:
         return {"role": self.role, "token": self.token, "verifiers": dict(self.verifiers)}
 
-    def as_role(self, role: str, tokens: Mapping[str, str]) -> Credentials:
-        """The same set's credentials of another role (launchers that hold the set)."""
-        return Credentials(role=role, token=tokens[role], verifiers=self.verifiers, source=role)
-
 
 def generate_tokens() -> dict[str, str]:
     """A fresh credential set: 256 random bits per role."""

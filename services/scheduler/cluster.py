@@ -217,12 +217,42 @@ def process_start_time(pid: int) -> int | None:
         return None
 
 
-def _log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     try:
         text = path.read_text(errors="replace")
     except OSError as e:
         return f"(no log: {e})"
     return "\n".join(text.splitlines()[-lines:])
+
+
+def cluster_tls(config: Config) -> TLSConfig | None:
+    """The TLS material ``security.tls`` names (None: none): what every launcher hands
+    its services and uses for itself."""
+    t = config.security.tls
+    if t.cert is None and t.ca is None:
+        return None
+    return TLSConfig(
+        cert=t.cert,
+        key=t.key,
+        ca=t.ca,
+        require_client_cert=t.require_client_cert,
+        server_name_override=t.server_name,
+    )
+
+
+def deregister_address(scheduler: str, address: str) -> None:
+    """Drop the rollout registry entries at ``address`` (as the driver): a dead or
+    removed replica leaves the fleet at once, and its restart may take the address.
+    Best effort: an entry left goes DEAD after missed heartbeats anyway."""
+    from rlfleet.scheduler.servicer import SchedulerClient
+
+    try:
+        with SchedulerClient(scheduler, timeout_s=5.0) as client:
+            for e in client.list_services("rollout"):
+                if e.spec.address == address:
+                    client.deregister(e.service_id)
+    except Exception as e:
+        logger.info("could not drop the registry entry of %s: %s", address, e)
 
 
 def scheduler_argv(
@@ -344,18 +374,7 @@ class LocalCluster:
         """A credential set for this cluster; each service gets its role's, this process
         the driver's (made the process's security until :meth:`stop`)."""
         sec = self.config.security
-        t = sec.tls
-        tls = (
-            TLSConfig(
-                cert=t.cert,
-                key=t.key,
-                ca=t.ca,
-                require_client_cert=t.require_client_cert,
-                server_name_override=t.server_name,
-            )
-            if t.cert is not None or t.ca is not None
-            else None
-        )
+        tls = cluster_tls(self.config)
         if not sec.auth:
             if not is_loopback(self.host):
                 raise CredentialError(
@@ -591,7 +610,7 @@ class LocalCluster:
         if "--port" in argv:
             argv[argv.index("--port") + 1] = port
         if proc.kind == "rollout" and self.scheduler_address and proc.address:
-            self._forget(proc.address)
+            deregister_address(self.scheduler_address, proc.address)
         fresh = dataclasses.replace(
             proc, argv=argv, popen=None, start_time=None, address=None, metrics_address=None
         )
@@ -606,19 +625,6 @@ class LocalCluster:
             logger.error("restarting %s failed: %s", proc.name, e)
             return
         logger.warning("%s restarted at %s (pid %d)", fresh.name, fresh.address, fresh.pid)
-
-    def _forget(self, address: str) -> None:
-        """Drop a dead replica's registry entry, so its restart may take the address."""
-        from rlfleet.scheduler.servicer import SchedulerClient
-
-        assert self.scheduler_address is not None
-        try:
-            with SchedulerClient(self.scheduler_address, timeout_s=5.0) as client:
-                for e in client.list_services("rollout"):
-                    if e.spec.address == address:
-                        client.deregister(e.service_id)
-        except Exception as e:  # the restart registers anyway once the entry is dead
-            logger.info("could not drop the registry entry of %s: %s", address, e)
 
     def _launch(self, proc: _Proc) -> None:
         if proc.address_file is not None:
@@ -691,7 +697,7 @@ class LocalCluster:
 
     def _failure(self, proc: _Proc, what: str) -> ServiceStartError:
         return ServiceStartError(
-            f"{proc.name} {what}; last lines of {proc.log_path}:\n{_log_tail(proc.log_path)}",
+            f"{proc.name} {what}; last lines of {proc.log_path}:\n{log_tail(proc.log_path)}",
             field=proc.name,
             value=str(proc.log_path),
         )

@@ -61,11 +61,14 @@ from rlfleet.common.auth import (
 )
 from rlfleet.common.config import Config, save_resolved
 from rlfleet.common.errors import RlfleetError
-from rlfleet.common.rpc import Security, TLSConfig, current_security, set_security
+from rlfleet.common.rpc import Security, current_security, set_security
 from rlfleet.scheduler.cluster import (
     ClusterHandle,
     ProcessInfo,
     ServiceStartError,
+    cluster_tls,
+    deregister_address,
+    log_tail,
     reward_argv,
     rollout_argv,
     scheduler_argv,
@@ -170,7 +173,7 @@ class ServiceActor:
             if self._proc.poll() is not None:
                 raise RuntimeError(
                     f"exited with code {self._proc.returncode} during start-up; "
-                    f"last lines of {log}:\n{_tail(log)}"
+                    f"last lines of {log}:\n{log_tail(log)}"
                 )
             if address_file and Path(address_file).exists():
                 text = Path(address_file).read_text().strip()
@@ -221,13 +224,6 @@ def _serving_line(log: Path, start: int) -> dict[str, Any] | None:
         if isinstance(msg, dict) and msg.get("event") == "serving" and msg.get("address"):
             return msg
     return None
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 @dataclass
@@ -309,7 +305,7 @@ class RayCluster:
         try:
             self._place(ray, deadline)
             if self.launch_scheduler:
-                sched = self._start_one(
+                sched = self._launch(
                     ray,
                     "scheduler",
                     "scheduler",
@@ -321,6 +317,7 @@ class RayCluster:
                     config_text,
                     deadline,
                 )
+                self._finish(ray, sched, deadline)
                 self.scheduler_address = sched.address
             self._start_services(ray, config_path, config_text, deadline)
             self._register_probed(deadline)
@@ -359,18 +356,7 @@ class RayCluster:
 
     def _prepare_security(self) -> None:
         sec = self.config.security
-        t = sec.tls
-        tls = (
-            TLSConfig(
-                cert=t.cert,
-                key=t.key,
-                ca=t.ca,
-                require_client_cert=t.require_client_cert,
-                server_name_override=t.server_name,
-            )
-            if t.cert is not None or t.ca is not None
-            else None
-        )
+        tls = cluster_tls(self.config)
         if not sec.auth:
             raise CredentialError(
                 "security.auth=false is refused with launcher=ray: services listen on their "
@@ -426,50 +412,15 @@ class RayCluster:
                 self.placement_groups[pool], placement_group_bundle_index=bundle
             )
         else:
-            # Pool-less services (the scheduler; reward without a reward model) go to
+            # Pool-less services (the scheduler; reward without a reward model) are pinned to
             # the driver's node, where they live as long as the run: never onto a
             # worker node whose loss would take the registry with it.
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
-                node_id=ray.get_runtime_context().get_node_id(), soft=True
+                node_id=ray.get_runtime_context().get_node_id(), soft=False
             )
         return ray.remote(ServiceActor).options(**options).remote()
-
-    def _start_one(
-        self,
-        ray: Any,
-        name: str,
-        kind: str,
-        pool: str | None,
-        bundle: int | None,
-        argv: list[str],
-        env: dict[str, str],
-        config_path: Path,
-        config_text: str,
-        deadline: float,
-        *,
-        address_file: Path | None = None,
-        wait_address: bool = True,
-        actor: Any = None,
-    ) -> _Service:
-        svc = self._launch(
-            ray,
-            name,
-            kind,
-            pool,
-            bundle,
-            argv,
-            env,
-            config_path,
-            config_text,
-            deadline,
-            address_file=address_file,
-            wait_address=wait_address,
-            actor=actor,
-        )
-        self._finish(ray, svc, deadline)
-        return svc
 
     def _launch(
         self,
@@ -777,17 +728,8 @@ class RayCluster:
         self._follow_scale(ray)
 
     def _deregister(self, address: str | None) -> None:
-        from rlfleet.scheduler.servicer import SchedulerClient
-
-        if not address or not self.scheduler_address:
-            return
-        try:
-            with SchedulerClient(self.scheduler_address, timeout_s=5.0) as client:
-                for e in client.list_services("rollout"):
-                    if e.spec.address == address:
-                        client.deregister(e.service_id)
-        except Exception as e:  # it goes DEAD after missed heartbeats anyway
-            logger.info("could not deregister %s: %s", address, e)
+        if address and self.scheduler_address:
+            deregister_address(self.scheduler_address, address)
 
     def _lost(self, ray: Any, svc: _Service, error: BaseException) -> None:
         where = f"node {svc.info.get('ip')} ({str(svc.info.get('node_id', ''))[:12]})"

@@ -79,7 +79,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     ) -> None:
         """``push_targets``: the addresses ``PushWeights`` may send the model to (the
         scheduler's registered rollout replicas); None: any loopback address and the
-        config's ``services.rollout`` (see :func:`check_push_targets`)."""
+        config's ``services.rollout`` (see :func:`refused_push_targets`)."""
         self.core = core
         self.default_bucket_bytes = default_bucket_bytes
         self.push_targets = push_targets
@@ -215,18 +215,6 @@ def refused_push_targets(
             f"{address} is not a rollout replica {where}: weights go only to known replicas"
         )
     return refused
-
-
-def check_push_targets(
-    addresses: Sequence[str], allowed: Collection[str], *, registry: bool
-) -> None:
-    """:func:`refused_push_targets`, raising for the first one.
-
-    Raises:
-        PermissionDenied: naming ``targets[i].address`` and the address.
-    """
-    for i, why in refused_push_targets(addresses, allowed, registry=registry).items():
-        raise PermissionDenied(why, field=f"targets[{i}].address", value=addresses[i])
 
 
 #: ``WeightTransport`` values and the transport names of the rollout's data plane.

@@ -211,7 +211,13 @@ def test_a_replicas_node_removed_mid_run_is_replaced_and_no_sample_is_lost(
     with RayCluster(config, tmp_path / "run", heartbeat_interval_s=0.5) as cluster:
         cluster.supervise_interval_s = 0.3
         handle = cluster.start(timeout_s=300)
-        victim_node = cluster.nodes()["rollout-1"]["node_id"]
+        # A replica on a node other than the driver's: the pool-less services (scheduler,
+        # reward) live on the driver's node, which on one machine (every node at
+        # 127.0.0.1) may be any of them.
+        driver_node = ray.get_runtime_context().get_node_id()
+        nodes = cluster.nodes()
+        victim = next(n for n in ("rollout-1", "rollout-0") if nodes[n]["node_id"] != driver_node)
+        victim_node = nodes[victim]["node_id"]
         node = next(n for n in ray_nodes.list_all_nodes() if n.node_id == victim_node)
         assert node is not ray_nodes.head_node
 
@@ -231,7 +237,7 @@ def test_a_replicas_node_removed_mid_run_is_replaced_and_no_sample_is_lost(
             fleet_metrics=cluster.fleet_metrics,
         ) as trainer:
             trainer.fit()
-        replacement = cluster.nodes()["rollout-1"]
+        replacement = cluster.nodes()[victim]
         assert replacement["node_id"] != removed["node"]
         assert cluster.events["lost"] >= 1
     assert [r.step for r in records] == [1, 2, 3, 4]

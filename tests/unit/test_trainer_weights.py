@@ -98,16 +98,14 @@ def test_receiver_checks_the_version_first() -> None:
 
 
 def test_push_targets_are_only_known_replicas() -> None:
-    from rlfleet.common.errors import PermissionDenied
-    from rlfleet.trainer.servicer import check_push_targets
+    from rlfleet.trainer.servicer import refused_push_targets
 
     registered = {"10.0.0.5:50053"}
-    check_push_targets(["10.0.0.5:50053"], registered, registry=True)
-    with pytest.raises(PermissionDenied, match="registered") as info:
-        check_push_targets(["10.0.0.5:50053", "127.0.0.1:9"], registered, registry=True)
-    assert info.value.field == "targets[1].address" and info.value.value == "127.0.0.1:9"
+    assert refused_push_targets(["10.0.0.5:50053"], registered, registry=True) == {}
+    refused = refused_push_targets(["10.0.0.5:50053", "127.0.0.1:9"], registered, registry=True)
+    assert list(refused) == [1] and "registered with the scheduler" in refused[1]
     # Without a scheduler: the configured replicas and loopback only.
-    check_push_targets(["127.0.0.1:9", "[::1]:9"], (), registry=False)
-    check_push_targets(["10.0.0.5:50053"], registered, registry=False)
-    with pytest.raises(PermissionDenied, match=r"services\.rollout"):
-        check_push_targets(["203.0.113.9:80"], registered, registry=False)
+    assert refused_push_targets(["127.0.0.1:9", "[::1]:9"], (), registry=False) == {}
+    assert refused_push_targets(["10.0.0.5:50053"], registered, registry=False) == {}
+    refused = refused_push_targets(["203.0.113.9:80"], registered, registry=False)
+    assert "services.rollout" in refused[0]
