@@ -17,21 +17,30 @@
     ``--prompt-len-min`` for varied lengths). Targets (issue 14):
     ``engine_vs_generate`` >= 0.95, ``service_vs_engine`` >= 0.95.
 (b) **Weight update**: ``--params`` bf16 parameters of random values (1 GiB by
-    default: 32 matrices of 4096 x 4096) pushed with ``rlfleet.rollout.client.push_weights``
+    default: 32 matrices of 4096 x 4096) pushed with ``rlfleet.weightsync.sender.send_update``
     over each transport (gRPC chunks, raw TCP, shared memory) into a ``RolloutCore``
     served over gRPC in a separate process, whose engine holds a state of the same
     names, shapes and dtype; against a raw TCP socket moving the same bytes into the
     same process, and a memcpy of the same bytes in this process.
     ``--bucket-bytes N`` (default 0: off) adds a second phase: the same bytes pushed
     as buckets of at most N bytes over each transport with the trainer's bucketed
-    push (``rlfleet.trainer.weights.push_weights``: one bulk transfer per bucket,
+    push (``rlfleet.weightsync.sender.push_weights``: one bulk transfer per bucket,
     staged by the replica, applied once; gRPC: the bucketed chunk stream),
     interleaved with the raw TCP baseline again (same receiver, same run).
+(c) **The weight push of a real run**: a trainer service (``python -m
+    rlfleet.trainer.server``, its own process) holding a Llama of ``--push-params``
+    float32 parameters (2**27 by default: 537 MB) pushes it, on the driver's
+    ``PushWeights`` call, through its real push path
+    (``rlfleet.weightsync.sender.push_weights``) into a real rollout replica
+    (``python -m rlfleet.rollout.server``, HF engine, the same model) for each
+    ``rollout.weight_transport`` (auto, shm, tcp, grpc); against raw TCP moving the
+    same number of bytes between two processes, interleaved in the same run. Auth on.
 
     python bench/rollout.py                                  # tiny + small, 1 GiB update
     python bench/rollout.py --presets tiny --params 64e6 --repeats 3     # quick
     # generation only, the issue's batch (64 prompts x 4 samples, 16 new tokens):
     python bench/rollout.py --presets tiny --params 0 --prompts 64 --n 4 --max-tokens 16
+    python bench/rollout.py --presets '' --params 0 --push-params 134217728  # (c) only
 
 ``tokens_per_s`` / ``GBps`` are medians of ``--repeats`` timed runs after one warm-up
 (``best_*`` the fastest); methods are interleaved run by run, so background load hits
@@ -48,6 +57,7 @@ import math
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import socket
 import statistics
 import struct
@@ -69,9 +79,8 @@ import torch
 from rlfleet.common.auth import load_credentials, write_credential_set
 from rlfleet.common.errors import FailedPrecondition, InvalidArgument
 from rlfleet.common.rpc import Security, create_channel, set_security
-from rlfleet.rollout import client as rollout_client
 from rlfleet.rollout.engine import EngineInfo, GenerationRequest, SampleOutput, SamplingParams
-from rlfleet.trainer import weights as trainer_weights
+from rlfleet.weightsync import sender as weight_sender
 
 TIMEOUT_S = 600.0
 _MATRIX = 4096  # columns of every weight matrix in (b)
@@ -437,7 +446,7 @@ def _raw_tcp_send(views: list[memoryview], port: int) -> None:
 
 class PhaseTimer:
     """Times the sender's phases inside the real ``push_weights``: wraps the functions
-    ``rlfleet.rollout.client`` calls (``make_offer``: the layout, no pass over the
+    ``rlfleet.weightsync.sender`` calls (``make_offer``: the layout, no pass over the
     bytes; ``send_tcp`` / ``send_shm``: moving the bytes and checksumming each block
     as it goes) and records their seconds under the current method's name."""
 
@@ -456,9 +465,9 @@ class PhaseTimer:
         return timed
 
     def install(self) -> None:
-        rollout_client.make_offer = self._wrap("offer", rollout_client.make_offer)
-        rollout_client.send_tcp = self._wrap("move", rollout_client.send_tcp)
-        rollout_client.send_shm = self._wrap("move", rollout_client.send_shm)
+        weight_sender.make_offer = self._wrap("offer", weight_sender.make_offer)
+        weight_sender.send_tcp = self._wrap("move", weight_sender.send_tcp)
+        weight_sender.send_shm = self._wrap("move", weight_sender.send_shm)
 
 
 def bench_weights(
@@ -508,7 +517,7 @@ def bench_weights(
                 version += 1
                 versions[version] = transport
                 timer.method = transport
-                result = rollout_client.push_weights(
+                result = weight_sender.send_update(
                     channel, state, version, transports=(transport,), timeout_s=TIMEOUT_S
                 )
                 if result.transport != transport or result.version != version:
@@ -537,7 +546,7 @@ def bench_weights(
                     name = f"{transport}_bucketed"
                     versions[version] = name
                     timer.method = name
-                    summary = trainer_weights.push_weights(
+                    summary = weight_sender.push_weights(
                         state.items(),
                         [("bench-receiver", address)],
                         version,
@@ -647,7 +656,7 @@ def _bucketed_results(
     return {
         "bucket_bytes": bucket_bytes,
         "buckets": n_buckets,
-        "pushed_with": "rlfleet.trainer.weights.push_weights (one bulk transfer per bucket)",
+        "pushed_with": "rlfleet.weightsync.sender.push_weights (one bulk transfer per bucket)",
         "median_s": {k: round(v, 4) for k, v in med.items()},
         "GBps": {k: round(v, 3) for k, v in gbps.items()},
         "best_GBps": {k: round(size / 1e9 / min(v), 3) for k, v in times.items()},
@@ -662,6 +671,203 @@ def _bucketed_results(
         },
         "raw_tcp_GBps_this_phase_vs_first": round(raw / one_bucket_gbps["tcp_raw"], 3),
     }
+
+
+# --------------------------------------------------------------------------- (c)
+
+
+def _push_model(out: Path, n_params: int) -> Path:
+    """A Llama of about ``n_params`` parameters (float32, tied embeddings; hidden 1024,
+    MLP 4096, as many layers as it takes) with the tiny model's tokenizer."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from rlfleet.common.tiny_model import train_tokenizer
+
+    tokenizer = train_tokenizer(2048)
+    hidden, mlp, vocab = 1024, 4096, len(tokenizer)
+    per_layer = 4 * hidden * hidden + 3 * hidden * mlp + 2 * hidden
+    layers = max(1, round((n_params - vocab * hidden) / per_layer))
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=256,
+        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _start_trainer(config: Path, env: dict[str, str], workdir: Path) -> tuple[Any, str]:
+    """``python -m rlfleet.trainer.server`` on port 0 (its own process, as deployed)."""
+    address_file = workdir / "trainer.address"
+    cmd = [sys.executable, "-m", "rlfleet.trainer.server", "--config", str(config)]
+    cmd += ["--host", "127.0.0.1", "--port", "0", "--address-file", str(address_file)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if address_file.exists():
+            return proc, address_file.read_text().strip()
+        if proc.poll() is not None:
+            raise RuntimeError(f"trainer server exited with {proc.returncode} before serving")
+        time.sleep(0.2)
+    proc.terminate()
+    raise TimeoutError("trainer server did not write its address within 300 s")
+
+
+def _raw_tcp_process(conn: Connection, total: int, runs: int) -> None:
+    """The raw TCP baseline's receiver in a process of its own (as a replica is)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(TIMEOUT_S)
+    conn.send(listener.getsockname()[1])
+    _raw_tcp_receiver(listener, total, runs)
+
+
+def bench_trainer_push(n_params: int, repeats: int, threads: int) -> dict[str, Any]:
+    """(c) The weight push of a real run: the driver's ``PushWeights`` call to a real
+    trainer service (its own process, holding a model of ``n_params`` float32
+    parameters), which pushes the model through its real push path
+    (``rlfleet.weightsync.sender.push_weights``: gather, buckets, negotiate, move,
+    commit) to a real rollout replica (``python -m rlfleet.rollout.server``, HF
+    engine, the same model), for each ``rollout.weight_transport`` (auto, shm, tcp,
+    grpc); against raw TCP moving the same number of bytes between two processes,
+    interleaved run by run. Auth on everywhere, as deployed."""
+    workdir = Path(tempfile.mkdtemp(prefix="rlfleet-bench-push-"))
+    try:
+        return _trainer_push(workdir, n_params, repeats, threads)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _trainer_push(workdir: Path, n_params: int, repeats: int, threads: int) -> dict[str, Any]:
+    from rlfleet.trainer.client import RemoteTrainerClient
+    from rlfleet.weightsync.wire import transports_for
+
+    log(f"(c) building a {n_params / 1e6:.0f}M-parameter model")
+    model = _push_model(workdir / "model", n_params)
+    secrets = write_credential_set(workdir / "secrets")
+    set_security(
+        Security(
+            credentials=load_credentials({"RLFLEET_CREDENTIALS": str(secrets / "driver.json")})
+        )
+    )
+    config = workdir / "run.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "actor": {"model_path": str(model), "dtype": "float32"},
+                "algorithm": {"adv_estimator": "grpo"},  # no critic: only the actor pushes
+                "rollout": {"dtype": "float32", "n": 2},
+                "trainer": {"device": "cpu", "default_local_dir": str(workdir / "run")},
+            }
+        )
+    )
+    base = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    cmd = [sys.executable, "-m", "rlfleet.rollout.server", "--model", str(model), "--engine"]
+    cmd += ["hf", "--port", "0", "--metrics-port", "-1", "--log-level", "WARNING"]
+    cmd += ["--torch-threads", str(threads)]
+    rollout = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**base, "RLFLEET_CREDENTIALS": str(secrets / "rollout.json")},
+    )
+    trainer = None
+    ctx = mp.get_context("spawn")
+    raw_conn, child = ctx.Pipe()
+    raw_proc = None
+    try:
+        trainer, trainer_address = _start_trainer(
+            config, {**base, "RLFLEET_CREDENTIALS": str(secrets / "trainer.json")}, workdir
+        )
+        rollout_address = _serving_address(rollout)
+        client = RemoteTrainerClient(trainer_address, timeout_s=TIMEOUT_S)
+        target = [("r0", rollout_address)]
+        probe = client.push_weights(target, version=1, transports=("grpc",))
+        size = probe.bytes
+        data = np.ones(size, dtype=np.uint8)
+        raw_proc = ctx.Process(target=_raw_tcp_process, args=(child, size, repeats + 2))
+        raw_proc.start()
+        if not raw_conn.poll(60):
+            raise TimeoutError("raw TCP receiver did not start within 60 s")
+        port = raw_conn.recv()
+        version = 1
+        used: dict[str, list[str]] = defaultdict(list)
+        replica_s: dict[str, list[float]] = defaultdict(list)
+
+        def push(mode: str) -> Callable[[], Any]:
+            def run() -> Any:
+                nonlocal version
+                version += 1
+                out = client.push_weights(target, version=version, transports=transports_for(mode))
+                if not out.ok.get("r0"):
+                    raise RuntimeError(f"{mode} push v{version} failed: {out.errors}")
+                used[mode].append(out.transports["r0"])
+                replica_s[mode].append(out.seconds["r0"])
+                return out
+
+            return run
+
+        methods: dict[str, Callable[[], Any]] = {
+            "tcp_raw": lambda: _raw_tcp_send([data.data], port),
+            **{mode: push(mode) for mode in ("auto", "shm", "tcp", "grpc")},
+        }
+        # Two warm-ups: the replica's staging buffers ping-pong (adopted over TCP and
+        # shared memory), so the second push of each transport touches fresh memory.
+        for fn in methods.values():
+            fn()
+        times, _ = interleaved(methods, repeats)
+        client.close()
+    finally:
+        for p in (trainer, rollout):
+            if p is not None:
+                _stop(p)
+        if raw_proc is not None:
+            raw_proc.join(10)
+            if raw_proc.is_alive():
+                raw_proc.terminate()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    gbps = {k: size / 1e9 / v for k, v in med.items()}
+    return {
+        "parameters": size // 4,
+        "bytes": size,
+        "dtype": "float32",
+        "path": "driver PushWeights -> trainer service (own process) -> "
+        "rlfleet.weightsync.sender.push_weights -> rollout service (own process, HF engine)",
+        "median_s": {k: round(v, 4) for k, v in med.items()},
+        "GBps": {k: round(v, 3) for k, v in gbps.items()},
+        "transport_used": {k: sorted(set(v)) for k, v in used.items()},
+        # The trainer's own time of each timed push (two warm-ups left out).
+        "trainer_reported_s": {k: round(statistics.median(v[2:]), 4) for k, v in replica_s.items()},
+        "vs_raw_tcp": {
+            k: round(gbps[k] / gbps["tcp_raw"], 3) for k in ("auto", "shm", "tcp", "grpc")
+        },
+        "target": "weight push inside a real run (auto) >= 0.8 x raw TCP of the same bytes",
+        "met": gbps["auto"] / gbps["tcp_raw"] >= 0.8,
+    }
+
+
+def _serving_address(proc: Any) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"rollout server exited with {proc.wait()} before serving")
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event.get("event") == "serving":
+            return str(event["address"])
+    raise TimeoutError("rollout server did not print its address within 300 s")
 
 
 # --------------------------------------------------------------------------- main
@@ -709,6 +915,12 @@ def main() -> None:
         help="torch intra-op threads, here and in the service process (see BENCHMARKS.md)",
     )
     ap.add_argument(
+        "--push-params",
+        type=float,
+        default=float(2**27),
+        help="(c): float32 parameters of the model the trainer service pushes (0 skips)",
+    )
+    ap.add_argument(
         "--copy-apply",
         action="store_true",
         help="(b): the engine copies every update into its state, as before it adopted "
@@ -742,6 +954,10 @@ def main() -> None:
             max(1, args.weight_repeats),
             adopt=not args.copy_apply,
             bucket_bytes=int(args.bucket_bytes),
+        )
+    if args.push_params > 0:
+        out["trainer_push"] = bench_trainer_push(
+            int(args.push_params), max(1, args.weight_repeats), args.threads
         )
     out["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(out, indent=2))

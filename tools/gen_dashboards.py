@@ -183,6 +183,20 @@ def training() -> dict[str, Any]:
                 [(f"{s}tokens_per_second", "tokens/s")],
                 unit="short",
             ),
+            Panel(
+                "Health checks firing",
+                [(f"max by (check) ({s}health_firing)", "{{check}}")],
+                description="trainer.health: 1 while a check fires (docs/driver.md, "
+                "'When a run goes wrong')",
+            ),
+            Panel(
+                "Health warnings and guard interventions",
+                [
+                    (f"sum by (check) ({s}health_warnings_total)", "warnings {{check}}"),
+                    (f"sum by (action) ({s}health_interventions_total)", "guard {{action}}"),
+                    (f"min({s}health_lr_scale)", "actor lr scale"),
+                ],
+            ),
         ],
     )
 

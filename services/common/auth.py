@@ -5,8 +5,10 @@ A cluster has one *credential set*: a random bearer token per role
 
     <secrets dir>/            mode 0700, made by `rlfleet secrets init` or a launcher
       driver.json             {"role": "driver", "token": "...", "verifiers": {...}}
-      trainer.json  rollout.json  reward.json  scheduler.json  observer.json  tools.json
+      trainer.json  rollout.json  reward.json  scheduler.json  observer.json  agent.json
+      tools.json
       observer.token          the observer's bare token (Prometheus' credentials_file)
+      agent.token             the agent's bare token (an OpenAI client's api_key)
 
 ``verifiers`` maps every role to the SHA-256 of that role's token, so a service can
 tell which role a caller holds without being able to act as any role but its own:
@@ -55,6 +57,7 @@ __all__ = [
     "CREDENTIALS_JSON_ENV",
     "INSECURE_ENV",
     "METHOD_ROLES",
+    "OPENAI_ENDPOINT_ROLES",
     "SHARED_TOKEN_ENV",
     "TLS_ENV",
     "TLS_SERVER_NAME",
@@ -112,6 +115,10 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/rlfleet.v1.RolloutService/Sleep": frozenset({"trainer", "driver"}),
     "/rlfleet.v1.RolloutService/WakeUp": frozenset({"trainer", "driver"}),
     "/rlfleet.v1.RolloutService/GetStatus": ALL_ROLES,
+    # Trajectories recorded by the OpenAI endpoint: the driver takes finished ones to
+    # train on; an agent may read sessions back (it knows their ids).
+    "/rlfleet.v1.RolloutService/GetTrajectories": frozenset({"driver", "agent"}),
+    "/rlfleet.v1.RolloutService/PopTrajectories": frozenset({"driver"}),
     # Reward: text in, scores out, for whoever trains or generates.
     "/rlfleet.v1.RewardService/Score": _CALLERS,
     "/rlfleet.v1.RewardService/ScoreStream": _CALLERS,
@@ -131,6 +138,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
             "SaveCheckpoint",
             "LoadCheckpoint",
             "PushWeights",
+            "SetLRScale",
         )
     },
     "/rlfleet.v1.TrainerService/GetStatus": ALL_ROLES,
@@ -151,6 +159,10 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/rlfleet.v1.ToolService/ListTools": ALL_ROLES,
     "/rlfleet.v1.ToolService/CallTool": frozenset({"rollout", "driver"}),
 }
+
+#: Roles that may use a rollout replica's OpenAI-compatible HTTP endpoint (generate,
+#: list models, finish sessions with a reward); :data:`ADMIN` too.
+OPENAI_ENDPOINT_ROLES: frozenset[str] = frozenset({"agent", "driver"})
 
 _REFLECTION_PREFIX = "/grpc.reflection."
 
@@ -293,7 +305,8 @@ def write_credential_set(directory: str | Path, tokens: Mapping[str, str] | None
     """Write a credential set into ``directory`` (mode 0700, files 0600); returns it.
 
     One ``<role>.json`` per role (give each process its own) and
-    ``observer.token`` (the bare observer token, for Prometheus).
+    ``observer.token`` and ``agent.token`` (bare tokens: Prometheus' credentials
+    file, an agent's ``OPENAI_API_KEY``).
     """
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
@@ -301,9 +314,15 @@ def write_credential_set(directory: str | Path, tokens: Mapping[str, str] | None
     creds = credential_set(tokens or generate_tokens())
     for role, c in creds.items():
         _write_private(root / f"{role}.json", json.dumps(c.to_json(), indent=1) + "\n")
-    if "observer" in creds:
-        _write_private(root / "observer.token", creds["observer"].token)
+    for bare in ("observer", "agent"):  # bare tokens: Prometheus, OPENAI_API_KEY
+        if bare in creds:
+            _write_private(root / f"{bare}.token", creds[bare].token)
     return root
+
+
+#: Principals added after credential sets were first written: a set without them
+#: still reads (nobody can act as them until `rlfleet secrets rotate` adds them).
+_LATER_PRINCIPALS = frozenset({"agent", "tools"})
 
 
 def read_credential_set(directory: str | Path) -> dict[str, str]:
@@ -312,6 +331,15 @@ def read_credential_set(directory: str | Path) -> dict[str, str]:
     tokens = {}
     for role in PRINCIPALS:
         path = root / f"{role}.json"
+        if role in _LATER_PRINCIPALS and not path.exists():
+            logger.warning(
+                "%s has no %s: no %s can authenticate (`rlfleet secrets rotate --dir %s` adds it)",
+                root,
+                path.name,
+                role,
+                root,
+            )
+            continue
         tokens[role] = _read_file(path).token
     return tokens
 

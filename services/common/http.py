@@ -32,7 +32,15 @@ from typing import Any
 from rlfleet.common.auth import Authenticator
 from rlfleet.common.rpc import Security, TLSConfig, current_security
 
-__all__ = ["MAX_CONNECTIONS", "HttpEndpoint", "Route", "http_get", "metrics_route", "serve_http"]
+__all__ = [
+    "MAX_CONNECTIONS",
+    "HttpEndpoint",
+    "Route",
+    "http_get",
+    "metrics_route",
+    "serve_handler",
+    "serve_http",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,13 +84,22 @@ class _Server(ThreadingHTTPServer):
         routes: Mapping[str, Route],
         authenticator: Authenticator | None,
         context: ssl.SSLContext | None,
+        *,
+        handler: type[BaseHTTPRequestHandler] | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        app: Any = None,
     ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.routes = dict(routes)
         self.authenticator = authenticator
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.app = app  # what a custom handler serves (``self.server.app``)
+        self.max_connections = max_connections
+        self.request_queue_size = 2 * max_connections
+        self.slots = threading.BoundedSemaphore(max_connections)
         self.open = 0  # connections being handled now
         self._count = threading.Lock()
-        super().__init__(address, _Handler)
+        super().__init__(address, handler or _Handler)
         if context is not None:
             # The handshake happens on the handler's thread (first read), never in
             # the accept loop, so a silent client cannot stall other connections.
@@ -92,7 +109,7 @@ class _Server(ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
-            logger.warning("http: %d connections open, closing one more", MAX_CONNECTIONS)
+            logger.warning("http: %d connections open, closing one more", self.max_connections)
             self.shutdown_request(request)
             return
         with self._count:
@@ -200,6 +217,41 @@ def serve_http(
     ``security`` None: the process's (:func:`~rlfleet.common.rpc.current_security`);
     when that is None too, the endpoint is open plaintext (in-process tests).
     """
+    authenticator, context = _security_parts(security)
+    server = _Server((host, port), routes, authenticator, context)
+    return HttpEndpoint(server, host)
+
+
+def serve_handler(
+    host: str,
+    port: int,
+    handler: type[BaseHTTPRequestHandler],
+    app: Any,
+    *,
+    security: Security | None = None,
+    max_connections: int = MAX_CONNECTIONS,
+) -> HttpEndpoint:
+    """Serve a custom ``handler`` class (its requests see ``app`` as ``self.server.app``
+    and the credential set's :class:`~rlfleet.common.auth.Authenticator` as
+    ``self.server.authenticator``, None when auth is off) with the same TLS, connection
+    cap and listen backlog as :func:`serve_http`. The handler authenticates each
+    request itself (it knows which roles its routes take)."""
+    authenticator, context = _security_parts(security)
+    server = _Server(
+        (host, port),
+        {},
+        authenticator,
+        context,
+        handler=handler,
+        max_connections=max_connections,
+        app=app,
+    )
+    return HttpEndpoint(server, host)
+
+
+def _security_parts(
+    security: Security | None,
+) -> tuple[Authenticator | None, ssl.SSLContext | None]:
     security = security if security is not None else current_security()
     authenticator = None
     context = None
@@ -209,8 +261,7 @@ def serve_http(
         tls = security.server_tls()
         if tls is not None:
             context = _server_context(tls)
-    server = _Server((host, port), routes, authenticator, context)
-    return HttpEndpoint(server, host)
+    return authenticator, context
 
 
 def http_get(

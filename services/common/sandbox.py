@@ -49,6 +49,7 @@ unprivileged uid, so as root the system Python usually runs the code.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import math
@@ -352,8 +353,19 @@ def _python_candidates(python: str | None) -> list[str]:
 # ------------------------------------------------------------------- the runner
 
 
+def _above_stdio(fd: int) -> int:
+    """``fd`` moved to 3 or above (close-on-exec kept). A host process whose standard
+    streams were closed gets 0-2 back from ``pipe`` / ``memfd_create``, and the child's
+    stdin/stdout/stderr set-up would then overwrite the status pipe or a file."""
+    if fd > 2:
+        return fd
+    high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    os.close(fd)
+    return high
+
+
 def _memfd(name: str, data: bytes) -> int:
-    fd = os.memfd_create(f"rlfleet-sandbox-{name}")  # close-on-exec; pass_fds passes it
+    fd = _above_stdio(os.memfd_create(f"rlfleet-sandbox-{name}"))  # close-on-exec
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
@@ -497,7 +509,7 @@ class Sandbox:
             fds.append(stdin_fd)
             file_fds = {name: _memfd(name, data) for name, data in files.items()}
             fds.extend(file_fds.values())
-            status_r, status_w = os.pipe()
+            status_r, status_w = (_above_stdio(fd) for fd in os.pipe())
             fds.extend((status_r, status_w))
             mode = self.report.mode
             popen_kw: dict[str, Any] = {}

@@ -93,6 +93,17 @@ PRESETS: dict[str, Preset] = {
         num_attention_heads=4,
         num_key_value_heads=2,
     ),
+    # ~1.3M parameters, shaped otherwise (narrower, twice as deep, its own smaller
+    # vocabulary and so its own tokenizer): the second model the recipe test trains
+    # with the demo's example configs, unchanged.
+    "tiny-deep": Preset(
+        vocab_size=1024,
+        hidden_size=112,
+        intermediate_size=320,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
     # ~20.7M parameters: the demo model, still trainable on a CPU.
     "small": Preset(
         vocab_size=8192,

@@ -1,11 +1,15 @@
 """The driver's batches: what one step generated and scored, and the trainer's batch
-built from it (verl's layout), plus the metrics only the driver knows."""
+built from it (verl's layout), plus the metrics only the driver knows.
+
+With dynamic sampling (DAPO) a step's batch is assembled from several generation rounds:
+:func:`select_prompts` keeps the prompt groups that stay and :func:`concat_prompts` joins
+the rounds' prompts, so the trainer's batch is built as from one loader batch."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,9 +20,11 @@ from rlfleet.rollout.engine import SampleOutput
 __all__ = [
     "Batch",
     "GeneratedBatch",
+    "concat_prompts",
     "multi_turn_metrics",
     "prompt_ids",
     "rollout_metrics",
+    "select_prompts",
     "trainer_batch",
 ]
 
@@ -39,12 +45,46 @@ class GeneratedBatch:
     timing: dict[str, float]
     min_weight_version: int = 0
     requeued_samples: int = 0  # samples re-generated after their replica failed
+    sampling: dict[str, float] = field(default_factory=dict)  # dynamic sampling, shaping
+    # Built by the source already (external rollouts: rlfleet.driver.external); None:
+    # trainer_batch() builds it from prompts and samples.
+    trainer_batch: Batch | None = None
+    extra_metrics: dict[str, float] = field(default_factory=dict)
 
 
 def prompt_ids(batch: Batch) -> list[list[int]]:
     """Each prompt's token ids without padding (the dataset's ``raw_prompt_ids``)."""
     ids: list[list[int]] = batch["raw_prompt_ids"]
     return ids
+
+
+def select_prompts(batch: Batch, rows: Sequence[int]) -> Batch:
+    """The loader batch's ``rows`` (tensors and per-prompt lists), in that order."""
+    index = torch.as_tensor(list(rows), dtype=torch.long)
+    size = len(batch["raw_prompt_ids"])
+    out: Batch = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = value.index_select(0, index)
+        elif isinstance(value, list) and len(value) == size:
+            out[key] = [value[i] for i in rows]
+        else:
+            raise ValueError(f"prompt batch column {key!r} is not per prompt: {type(value)}")
+    return out
+
+
+def concat_prompts(batches: Sequence[Batch]) -> Batch:
+    """Loader batches joined row-wise (their tensors have the same width: the dataset
+    pads every prompt to ``max_prompt_length``)."""
+    first = batches[0]
+    if any(b.keys() != first.keys() for b in batches):
+        raise ValueError("prompt batches with different columns cannot be joined")
+    return {
+        key: torch.cat([b[key] for b in batches])
+        if isinstance(first[key], torch.Tensor)
+        else [x for b in batches for x in b[key]]
+        for key in first
+    }
 
 
 def trainer_batch(gb: GeneratedBatch, n: int, pad_token_id: int) -> Batch:
@@ -57,6 +97,9 @@ def trainer_batch(gb: GeneratedBatch, n: int, pad_token_id: int) -> Batch:
     ``attention_mask`` covers every real token; ``response_mask`` only the tokens the
     model generated: a multi-turn sample's tool turns (``loss_mask`` 0) are attended
     to but left out of every loss, advantage and metric (verl's ``response_mask``).
+
+    ``rollout_log_probs`` ``[B, R]`` (the engine's log-prob of each response token, 0
+    on padding) is there when every sample carries one per token.
     """
     p = gb.prompts
     mask = p["attention_mask"]
@@ -79,7 +122,7 @@ def trainer_batch(gb: GeneratedBatch, n: int, pad_token_id: int) -> Batch:
             dtype=torch.long,
         )
     uid = [f"{gb.step}-{i}" for i in range(prompt_tokens.shape[0] // n) for _ in range(n)]
-    return {
+    out = {
         "input_ids": torch.cat([prompt_tokens, responses], dim=1),
         "attention_mask": torch.cat([prompt_mask, real], dim=1),
         "responses": responses,
@@ -87,6 +130,14 @@ def trainer_batch(gb: GeneratedBatch, n: int, pad_token_id: int) -> Batch:
         "scores": torch.tensor(gb.scores, dtype=torch.float32),
         "uid": uid,
     }
+    if all(len(s.logprobs) == len(s.token_ids) for s in gb.samples):
+        rollout_log_probs = torch.zeros((len(gb.samples), r_len), dtype=torch.float32)
+        rollout_log_probs[real.bool()] = torch.tensor(
+            list(itertools.chain.from_iterable(s.logprobs for s in gb.samples)),
+            dtype=torch.float32,
+        )
+        out["rollout_log_probs"] = rollout_log_probs
+    return out
 
 
 def _loss_mask(s: SampleOutput) -> Iterable[int]:

@@ -14,6 +14,23 @@ One step (``global_steps`` counts from 1, as in verl)::
       -> weight sync: trainer -> every rollout replica, versioned
       -> metrics; validation every trainer.test_freq; checkpoint every save_freq
 
+**Dynamic sampling** (DAPO, ``algorithm.filter_groups.enable``): a generation round
+draws the next loader batch (``data.gen_batch_size`` prompts, default
+``train_batch_size``), generates and scores it, and drops the prompt groups whose
+samples all have the same ``filter_groups.metric`` (all right or all wrong: zero
+group-relative advantage); rounds go on until ``train_batch_size`` prompts are kept
+(the surplus of the last round is cut, as in verl). After ``max_num_gen_batches``
+rounds a batch still short fails the step with a message that says so (verl's
+behaviour; training on a smaller batch would change the mini-batch split). This runs
+inside the batch producer, so it works the same in sync and pipelined mode; metrics:
+``train/num_gen_batches`` (verl's name) and ``dynamic_sampling/*``.
+
+**Overlong shaping** (DAPO, ``reward.overlong_buffer``): each training sample's score
+gets :func:`~rlfleet.trainer.ppo.core_algos.compute_overlong_penalty` of its length
+before the filter and the trainer see it (``reward/overlong_reward/mean``,
+``reward/overlong/mean``); validation scores are left unshaped, so
+``val/test_score`` stays the scorer's accuracy.
+
 **Pipelined mode** (``trainer.pipeline.enable``): a background thread produces the
 generated and scored batches in step order while the main thread trains. The batch
 of step ``s`` may start generating once the weights after step ``s - 1 - k`` are on
@@ -45,6 +62,7 @@ others, so the step still trains on the full batch (``rollout/requeued_samples``
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import queue
@@ -63,8 +81,10 @@ from rlfleet.common.errors import NotFound, RlfleetError
 from rlfleet.driver.batch import (
     Batch,
     GeneratedBatch,
+    concat_prompts,
     prompt_ids,
     rollout_metrics,
+    select_prompts,
     trainer_batch,
 )
 from rlfleet.driver.clients import (
@@ -75,10 +95,13 @@ from rlfleet.driver.clients import (
     in_process_workers,
     resolve_workers,
 )
+from rlfleet.driver.external import ExternalRollouts, TrajectorySource, sources_for
 from rlfleet.driver.fleet import RolloutFleet
+from rlfleet.driver.health import Guard, GuardAction, HealthMonitor, sampled_entropy
 from rlfleet.driver.reward import RewardAdapter, RewardFn
 from rlfleet.driver.tracking import SchedulerMetrics, Tracking, start_metrics_server
 from rlfleet.rollout.engine import SampleOutput, SamplingParams
+from rlfleet.trainer.ppo import core_algos
 
 if TYPE_CHECKING:
     from rlfleet.driver.data.dataset import RLHFDataset
@@ -91,6 +114,7 @@ __all__ = ["GeneratedBatch", "PPOTrainer", "Role", "StepRecord"]
 logger = logging.getLogger(__name__)
 
 _SEED_MIX = 1_000_003
+_ROUND_SEED_MIX = 104_729  # dynamic sampling: each generation round samples anew
 
 
 @dataclass
@@ -124,6 +148,9 @@ class PPOTrainer:
             rollout membership from; None: ``services.scheduler``, else fixed replicas.
         fleet_metrics: what the launcher did (restarts, replacements, replicas), merged
             into every step's metrics (``fleet/...``); None: nothing.
+        trajectory_sources: with ``trainer.rollout_source: external``, where finished
+            agent sessions come from; None: every rollout replica's ``PopTrajectories``
+            (:mod:`rlfleet.driver.external`).
     """
 
     def __init__(
@@ -141,8 +168,12 @@ class PPOTrainer:
         on_step: Callable[[StepRecord], None] | None = None,
         scheduler: str | SchedulerClient | None = None,
         fleet_metrics: Callable[[], Mapping[str, float]] | None = None,
+        trajectory_sources: Sequence[TrajectorySource] | None = None,
     ) -> None:
         self.config = config
+        self.external_rollouts = config.trainer.rollout_source == "external"
+        self._trajectory_sources = trajectory_sources
+        self._external: ExternalRollouts | None = None
         self.fleet_metrics = fleet_metrics
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -175,15 +206,26 @@ class PPOTrainer:
         # The policy version of the weights the trainer holds, once this driver pushed
         # them (None before: it cannot know what the replicas were started with).
         self._trainer_weights: int | None = None
+        # The last push's step metrics (``weight_sync/...``; see ``_push_weights``).
+        self.weight_sync_metrics: dict[str, float] = {}
         self._loader_iter: Iterator[Batch] | None = None
         self._scheduler_spec = scheduler if scheduler is not None else config.services.scheduler
         self._scheduler: SchedulerClient | None = None
         self.fleet: RolloutFleet | None = None
         self._headline: dict[str, float] = {}  # published with the training status
+        self.health = HealthMonitor(config.trainer.health)
+        self.guard = Guard(config.trainer.health)
 
         self._build_data(train_dataset, val_dataset)
         t = config.trainer
-        self.total_training_steps = t.total_training_steps or len(self.loader) * t.total_epochs
+        if self.external_rollouts:  # no dataset to count over (the config check asks for it)
+            if t.total_training_steps is None:
+                raise ValueError(
+                    "trainer.rollout_source external needs trainer.total_training_steps"
+                )
+            self.total_training_steps = t.total_training_steps
+        else:
+            self.total_training_steps = t.total_training_steps or len(self.loader) * t.total_epochs
         self.colocated = self.resource_pool_manager.placement == "colocated"
         self.pipelined = t.pipeline.enable and t.pipeline.max_staleness > 0
         if self.pipelined and self.colocated:
@@ -203,21 +245,30 @@ class PPOTrainer:
         d = self.config.data
         # A reward model reads the prompt's chat turns: keep them in the batches.
         chats = self.config.reward.reward_model.enable
-        self.train_dataset = train or RLHFDataset.from_config(
-            d.train_files, self.tokenizer, d, tensor_type="torch", return_raw_chat=chats
-        )
         if val is None and d.val_files:
             val = RLHFDataset.from_config(
                 d.val_files, self.tokenizer, d, tensor_type="torch", return_raw_chat=chats
             )
         self.val_dataset = val
+        if self.external_rollouts and train is None:
+            return  # the prompts come from the agents: no training set, no loader
+        self.train_dataset = train or RLHFDataset.from_config(
+            d.train_files, self.tokenizer, d, tensor_type="torch", return_raw_chat=chats
+        )
         if len(self.train_dataset) < d.train_batch_size:
             raise ValueError(
                 f"data.train_batch_size {d.train_batch_size} is larger than the training set "
                 f"({len(self.train_dataset)} prompts)"
             )
+        # Dynamic sampling draws generation rounds of gen_batch_size prompts.
+        size = d.gen_batch_size or d.train_batch_size
+        if len(self.train_dataset) < size:
+            raise ValueError(
+                f"data.gen_batch_size {size} is larger than the training set "
+                f"({len(self.train_dataset)} prompts)"
+            )
         self.loader: PromptLoader = PromptLoader(
-            self.train_dataset, d.train_batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=True
+            self.train_dataset, size, shuffle=d.shuffle, seed=d.seed, drop_last=True
         )
 
     def init_workers(self) -> None:
@@ -230,7 +281,7 @@ class PPOTrainer:
         workers = resolve_workers(mapping, self.config)
         self.workers = workers
         if self.reward_fn is None:
-            if workers.reward is None:
+            if workers.reward is None and not self.external_rollouts:
                 workers.close()
                 self.workers = None
                 raise ValueError("no reward_fn and no Role.RewardModel worker")
@@ -253,14 +304,32 @@ class PPOTrainer:
         elif self._scheduler_spec is not None:
             self._scheduler = self._scheduler_spec
         key = self.config.data.reward_fn_key
-        self._reward = RewardAdapter(self.reward_fn, self.tokenizer, key)
-        self._val_reward = RewardAdapter(self.val_reward_fn, self.tokenizer, key)
+        # External rollouts may run without one: the agents post their rewards.
+        self._reward = (
+            RewardAdapter(self.reward_fn, self.tokenizer, key)
+            if self.reward_fn is not None
+            else None
+        )
+        self._val_reward = (
+            RewardAdapter(self.val_reward_fn, self.tokenizer, key)
+            if self.val_reward_fn is not None
+            else None
+        )
         self.fleet = RolloutFleet(
             workers,
             push=self._push_weights,
             version=lambda: self._policy_version,
             scheduler=self._scheduler,
         )
+        if self.external_rollouts:
+            sources = self._trajectory_sources
+            if sources is None:
+                sources = sources_for(workers.rollouts)
+                workers.owned.extend(sources)
+            pad = self.tokenizer.pad_token_id
+            self._external = ExternalRollouts(
+                sources, self.config, 0 if pad is None else int(pad), self._reward
+            )
         versions = [r.client.status().weight_version for r in workers.rollouts]
         self._policy_version = max(versions)
         logger.info(
@@ -386,16 +455,159 @@ class PPOTrainer:
         )
 
     def _produce(self, step: int, min_version: int) -> GeneratedBatch:
-        prompts, state, epoch = self._next_prompts()
+        """One step's generated and scored batch (several rounds with dynamic sampling)."""
+        if self._external is not None:  # trainer.rollout_source: external
+            return self._external.next_batch(step, self._policy_version)
         params = self._sampling(validate=False, step=step)
+        if self.config.algorithm.filter_groups.enable:
+            return self._produce_filtered(step, min_version, params)
+        prompts, state, epoch = self._next_prompts()
         stats: dict[str, int] = {}
-        samples, scores, _details, timing = self._rollout_and_score(
+        if self._reward is None:
+            raise RuntimeError("call init_workers() first (no reward adapter)")
+        samples, raw, _details, timing = self._rollout_and_score(
             prompts, params, self._reward, min_version=min_version, stats=stats
         )
+        penalty = self._overlong_penalty(samples)
+        scores = _add(raw, penalty)
         requeued = stats.get("requeued_samples", 0)
         return GeneratedBatch(
-            step, prompts, state, epoch, samples, scores, timing, min_version, requeued
+            step, prompts, state, epoch, samples, scores, timing, min_version, requeued,
+            sampling=self._overlong_metrics(penalty),
+        )  # fmt: skip
+
+    def _produce_filtered(
+        self, step: int, min_version: int, params: SamplingParams
+    ) -> GeneratedBatch:
+        """DAPO's dynamic sampling (see the module docstring)."""
+        fg = self.config.algorithm.filter_groups
+        want = self.config.data.train_batch_size
+        n = params.n
+        kept: list[tuple[Batch, list[SampleOutput], list[float], list[float]]] = []
+        have = drawn = dropped = surplus = requeued = 0
+        generated: list[float] = []  # every sample's score, kept or not
+        timing = {"gen": 0.0, "reward": 0.0}
+        first_epoch: int | None = None
+        for round_ in range(fg.max_num_gen_batches):
+            prompts, state, epoch = self._next_prompts()
+            first_epoch = epoch if first_epoch is None else first_epoch
+            p = params
+            if p.seed is not None:
+                p = dataclasses.replace(p, seed=(p.seed + round_ * _ROUND_SEED_MIX) % (2**63))
+            stats: dict[str, int] = {}
+            samples, raw, details, t = self._rollout_and_score(
+                prompts, p, self._reward, min_version=min_version, stats=stats
+            )
+            requeued += stats.get("requeued_samples", 0)
+            timing["gen"] += t["gen"]
+            timing["reward"] += t["reward"]
+            penalty = self._overlong_penalty(samples)
+            scores = _add(raw, penalty)
+            generated.extend(scores)
+            values = self._filter_values(fg.metric, scores, raw, details)
+            keep = core_algos.compute_group_filter_mask(
+                torch.tensor(values, dtype=torch.float64), [s.prompt_index for s in samples]
+            ).tolist()
+            rows = sorted({s.prompt_index for s, k in zip(samples, keep, strict=True) if k})
+            n_prompts = len(prompt_ids(prompts))
+            drawn += n_prompts
+            dropped += n_prompts - len(rows)
+            take = rows[: want - have]
+            surplus += len(rows) - len(take)
+            if take:
+                where = {row: j for j, row in enumerate(take)}
+                picked = [i for i, s in enumerate(samples) if s.prompt_index in where]
+                chosen = [samples[i] for i in picked]
+                for s in chosen:  # indices into the joined prompt batch
+                    s.prompt_index = have + where[s.prompt_index]
+                kept.append(
+                    (
+                        select_prompts(prompts, take),
+                        chosen,
+                        [scores[i] for i in picked],
+                        [penalty[i] for i in picked] if penalty else [],
+                    )
+                )
+                have += len(take)
+            if have == want:
+                break
+        else:
+            raise RuntimeError(
+                f"dynamic sampling (algorithm.filter_groups): {fg.max_num_gen_batches} "
+                f"generation rounds (max_num_gen_batches) drew {drawn} prompts and kept {have} "
+                f"whose {n} samples differ in {fg.metric}; data.train_batch_size needs {want}. "
+                "The other groups scored the same on every sample (all right or all wrong), "
+                "so the data may be too easy or too hard for the model: raise "
+                "algorithm.filter_groups.max_num_gen_batches or data.gen_batch_size"
+            )
+        trained_penalty = [x for _, _, _, pen in kept for x in pen]
+        sampling = self._overlong_metrics(trained_penalty)
+        sampling.update(
+            {
+                "train/num_gen_batches": float(round_ + 1),
+                "dynamic_sampling/prompts_drawn": float(drawn),
+                "dynamic_sampling/prompts_dropped": float(dropped),
+                "dynamic_sampling/prompts_surplus": float(surplus),
+                "dynamic_sampling/drop_fraction": dropped / drawn,
+                "dynamic_sampling/samples_generated": float(drawn * n),
+                # the policy's reward before the filter (critic/score/mean is after it)
+                "dynamic_sampling/score_mean": float(np.mean(generated)),
+            }
         )
+        return GeneratedBatch(
+            step,
+            concat_prompts([k[0] for k in kept]),
+            state,
+            first_epoch if first_epoch is not None else 0,
+            [s for k in kept for s in k[1]],
+            [x for k in kept for x in k[2]],
+            timing,
+            min_version,
+            requeued,
+            sampling=sampling,
+        )
+
+    def _filter_values(
+        self,
+        metric: str,
+        scores: Sequence[float],
+        raw: Sequence[float],
+        details: Sequence[Mapping[str, Any]],
+    ) -> list[float]:
+        """Each sample's value of ``filter_groups.metric``."""
+        if metric in ("seq_reward", "seq_final_reward"):  # no in-reward KL (a config check)
+            return list(scores)
+        if metric == "score":
+            return list(raw)
+        missing = [i for i, d in enumerate(details) if "acc" not in d]
+        if missing:
+            raise RuntimeError(
+                "algorithm.filter_groups.metric acc: the scorer returned no 'acc' for "
+                f"{len(missing)} of {len(details)} samples (a verl-style compute_score returns "
+                "{'score': ..., 'acc': ...}; the reward service returns a score only): use "
+                "metric score or seq_reward"
+            )
+        return [float(d["acc"]) for d in details]
+
+    def _overlong_penalty(self, samples: Sequence[SampleOutput]) -> list[float]:
+        """DAPO's overlong penalty of each sample (empty when reward.overlong_buffer is off)."""
+        ob = self.config.reward.overlong_buffer
+        if not ob.enable:
+            return []
+        r = self.config.rollout
+        limit = ob.max_resp_len or r.response_length or self.config.data.max_response_length
+        lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.long)
+        penalty = core_algos.compute_overlong_penalty(lengths, limit, ob.len, ob.penalty_factor)
+        return [float(x) for x in penalty.tolist()]
+
+    @staticmethod
+    def _overlong_metrics(penalty: Sequence[float]) -> dict[str, float]:
+        if not penalty:
+            return {}
+        return {
+            "reward/overlong_reward/mean": float(np.mean(penalty)),
+            "reward/overlong/mean": float(np.mean([p < 0 for p in penalty])),
+        }
 
     # ------------------------------------------------------------------ weights
 
@@ -416,20 +628,55 @@ class PPOTrainer:
         return time.perf_counter() - t0
 
     def _push_weights(self, replicas: Sequence[RolloutReplica], version: int) -> None:
-        """The trainer's current weights to ``replicas``, labelled ``version``."""
-        if self._in_process_weights():
+        """The trainer's current weights to ``replicas``, labelled ``version``.
+
+        Replicas that are services (they have an address) get the trainer's push,
+        each over the best transport it can take under ``rollout.weight_transport``
+        (``auto``: shared memory on the trainer's host, else TCP, else the gRPC
+        stream); in-process replicas of an in-process trainer get the tensors. Each
+        replica's push is one log line (version, replica, transport, bytes, seconds,
+        GB/s), counted in ``rlfleet_scheduler_weight_pushes_total{transport}`` /
+        ``..._weight_push_bytes_total{transport}``, and summed up in the step metrics
+        ``weight_sync/transport/<name>`` (replicas pushed over it), ``weight_sync/bytes``
+        (per replica) and ``weight_sync/GBps`` (the slowest replica's)."""
+        from rlfleet.weightsync.wire import transports_for
+
+        pushed: list[tuple[RolloutReplica, str, int, float]] = []  # replica, transport, B, s
+        local = [r for r in replicas if not r.address]
+        remote = [r for r in replicas if r.address]
+        if local:
+            if not self._in_process_weights():
+                raise RuntimeError(
+                    f"rollout replicas {[r.replica_id for r in local]} have no address: a "
+                    "remote trainer can only push to replicas that are services"
+                )
             trainer: Any = self._w.trainer
-            core = trainer.core
             dtype = getattr(torch, self.config.rollout.dtype)
-            weights = {k: v.clone() for k, v in core.iter_weights(dtype)}
-            with concurrent.futures.ThreadPoolExecutor(len(replicas)) as ex:
-                list(ex.map(lambda r: r.client.update_weights(weights, version), replicas))
-        else:
-            targets = [(r.replica_id, r.address or "") for r in replicas]
-            outcome = self._w.trainer.push_weights(targets, version=version)
+            weights = {k: v.clone() for k, v in trainer.core.iter_weights(dtype)}
+            nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+
+            def hand_over(r: RolloutReplica) -> tuple[RolloutReplica, str, int, float]:
+                t0 = time.perf_counter()
+                r.client.update_weights(weights, version)
+                return r, "inprocess", nbytes, time.perf_counter() - t0
+
+            with concurrent.futures.ThreadPoolExecutor(len(local)) as ex:
+                pushed += list(ex.map(hand_over, local))
+        if remote:
+            targets = [(r.replica_id, r.address or "") for r in remote]
+            outcome = self._w.trainer.push_weights(
+                targets,
+                version=version,
+                transports=transports_for(self.config.rollout.weight_transport),
+            )
+            pushed += [
+                (r, outcome.transports[r.replica_id], outcome.bytes, outcome.seconds[r.replica_id])
+                for r in remote
+                if outcome.ok.get(r.replica_id) and r.replica_id in outcome.transports
+            ]
             if outcome.errors:
                 self.metrics.weight_sync_failures.inc()
-                failed = [r for r in replicas if r.replica_id in outcome.errors]
+                failed = [r for r in remote if r.replica_id in outcome.errors]
                 if len(failed) == len(replicas):
                     raise RuntimeError(f"weight push of version {version} failed: {outcome.errors}")
                 # Those replicas would serve stale weights: out of the fleet (a
@@ -439,6 +686,23 @@ class PPOTrainer:
                                    "dropping it", r.replica_id, r.address,
                                    outcome.errors[r.replica_id])  # fmt: skip
                     self._fleet.drop(r)
+        summary: dict[str, float] = {}
+        slowest = 0.0
+        for r, transport, nbytes, seconds in pushed:
+            logger.info(
+                "weight push v%d -> rollout replica %s (%s): %s, %d bytes, %.3f s, %.2f GB/s",
+                version, r.replica_id, r.address or "in-process", transport, nbytes, seconds,
+                nbytes / 1e9 / max(seconds, 1e-9),
+            )  # fmt: skip
+            self.metrics.weight_pushes.labels(transport).inc()
+            self.metrics.weight_push_bytes.labels(transport).inc(nbytes)
+            key = f"weight_sync/transport/{transport}"
+            summary[key] = summary.get(key, 0.0) + 1.0
+            summary["weight_sync/bytes"] = float(nbytes)
+            slowest = max(slowest, seconds)
+        if pushed:
+            summary["weight_sync/GBps"] = summary["weight_sync/bytes"] / 1e9 / max(slowest, 1e-9)
+        self.weight_sync_metrics = summary
 
     def _swaps(self) -> bool:
         """Colocated replicas free their memory while the trainer works."""
@@ -450,7 +714,9 @@ class PPOTrainer:
         """One ``TrainStep`` call on the scored batch (the batch goes up once and stays
         on the trainer); returns the trainer's metrics (its phases timed there) and the
         new weight version (None when the actor did not update)."""
-        batch = trainer_batch(gb, self.config.rollout.n, self.train_dataset.pad_token_id)
+        batch = gb.trainer_batch
+        if batch is None:
+            batch = trainer_batch(gb, self.config.rollout.n, self.train_dataset.pad_token_id)
         on_policy = self._on_policy(gb)
         t0 = time.perf_counter()
         result = self._w.trainer.train_step(batch, on_policy=on_policy)
@@ -482,6 +748,8 @@ class PPOTrainer:
         metrics["training/epoch"] = float(gb.epoch)
         metrics["rollout/requeued_samples"] = float(gb.requeued_samples)
         metrics["rollout/replicas"] = float(len(self._fleet))
+        metrics.update(gb.sampling)
+        metrics.update(gb.extra_metrics)
         return metrics
 
     # ------------------------------------------------------------------ validation
@@ -490,6 +758,9 @@ class PPOTrainer:
         """Greedy (``rollout.val_kwargs``) responses to the whole validation set; mean
         score per data_source (``val/test_score/<data_source>``) and overall."""
         if self.val_dataset is None or len(self.val_dataset) == 0:
+            return {}
+        if self._val_reward is None:
+            logger.warning("validation skipped: no reward function to score it with")
             return {}
         ds = self.val_dataset
         size = self.config.data.val_batch_size or len(ds)
@@ -537,6 +808,7 @@ class PPOTrainer:
             "global_steps": self.global_steps,
             "dataloader": loader_state,
             "policy_version": self._policy_version,
+            "health": {"monitor": self.health.state_dict(), "guard": self.guard.state_dict()},
         }
         # Relative to the trainer's run directory, where it confines checkpoints (the
         # same folder as checkpoint_dir when the trainer reads this run's config). The
@@ -566,9 +838,12 @@ class PPOTrainer:
             logger.info("no checkpoint under %s: starting from scratch", path)
             return False
         extra = json.loads(info.extra_state_json or "{}")
-        if "dataloader" in extra:
+        if "dataloader" in extra and not self.external_rollouts:
             self.loader.load_state_dict(extra["dataloader"])
         self.global_steps = int(extra.get("global_steps", info.step))
+        if "health" in extra:
+            self.health.load_state_dict(extra["health"].get("monitor", {}))
+            self.guard.load_state_dict(extra["health"].get("guard", {}))
         version = int(self._w.trainer.status()["weight_version"])
         self._sync_weights(version)
         logger.info("resumed from %s at step %d", info.path, self.global_steps)
@@ -600,6 +875,8 @@ class PPOTrainer:
                 self.val_history.append((self.global_steps, val))
                 tracking.note(_val_line(self.global_steps, val))
                 tracking.log(val, self.global_steps, kind="validation")
+                if "val/test_score/mean" in val:
+                    self.health.note_validation(self.global_steps, val["val/test_score/mean"])
             run = self._fit_pipelined if self.pipelined else self._fit_sync
             records = run(tracking)
             state = "done" if self.global_steps >= self.total_training_steps else "running"
@@ -721,6 +998,7 @@ class PPOTrainer:
         sync_s = 0.0
         if version is not None:
             sync_s = self._sync_weights(version)
+            metrics.update(self.weight_sync_metrics)
         if on_synced is not None:
             on_synced(gb.step, self._policy_version)
         metrics["timing_s/weight_sync"] = sync_s
@@ -736,11 +1014,13 @@ class PPOTrainer:
         save = t.save_freq > 0 and (is_last or self.global_steps % t.save_freq == 0)
         if self.fleet_metrics is not None:
             metrics.update(self.fleet_metrics())
+        self._check_health(gb, metrics, tracking)
         step_s = time.perf_counter() - t0
         metrics["timing_s/step"] = step_s
         # The trainer's phases and the batch's trip there: the TrainStep call as a whole.
         busy = metrics["timing_s/train"]
         busy += wait_s + sync_s + swap_s + metrics.get("timing_s/validation", 0.0)
+        busy += metrics.get("timing_s/guard", 0.0)
         if not self.pipelined:
             busy += gb.timing["gen"] + gb.timing["reward"]
         metrics["timing_s/scheduler"] = max(0.0, step_s - busy)
@@ -755,10 +1035,82 @@ class PPOTrainer:
         # time is therefore kept in the step record only, outside timing_s/step.
         if save:
             metrics["timing_s/checkpoint"] = self.save_checkpoint(gb.loader_state)
+            self.guard.checkpoint_saved(self.global_steps, healthy=self.health.healthy)
         self._publish_status("running", metrics)
         if self.on_step is not None:
             self.on_step(record)
         return record
+
+    # ------------------------------------------------------------------ health
+
+    def _check_health(
+        self, gb: GeneratedBatch, metrics: dict[str, float], tracking: Tracking
+    ) -> None:
+        """The step's health checks (``trainer.health``): new warnings on the console,
+        ``health/...`` in the metrics, and the guard's intervention if it is on."""
+        entropy = sampled_entropy([s.logprobs for s in gb.samples])
+        if entropy is not None:
+            metrics["rollout/neg_log_prob_mean"] = entropy
+        warnings = self.health.observe(self.global_steps, metrics)
+        for w in warnings:
+            tracking.warn(w.message)
+        action = self.guard.decide(warnings)
+        actions: list[str] = []
+        if action is not None:
+            t0 = time.perf_counter()
+            actions = self._intervene(action, tracking)
+            metrics["timing_s/guard"] = time.perf_counter() - t0
+        elif warnings and self.guard.enabled and not self.guard.spent_noted:
+            self.guard.spent_noted = True
+            tracking.warn(
+                f"health guard: all {self.guard.config.max_interventions} interventions "
+                "(trainer.health.guard.max_interventions) are spent; warnings only from now on"
+            )
+        metrics.update(self.health.metrics())
+        metrics.update(self.guard.metrics())
+        self.metrics.record_health(
+            self.health.active, [w.check for w in warnings], actions, self.guard.lr_scale
+        )
+
+    def _intervene(self, action: GuardAction, tracking: Tracking) -> list[str]:
+        """Roll the trainer back to the last good checkpoint (when there is one and
+        ``rollback`` is on) and push its weights, then set the actor's lr scale;
+        returns what was done (``rollback``, ``lr_cut``)."""
+        g = self.guard.config
+        done = []
+        actions = []
+        if action.rollback_step is not None:
+            path = f"{_CHECKPOINTS}/global_step_{action.rollback_step}"
+            try:
+                self._w.trainer.load_checkpoint(path)
+            except NotFound:
+                done.append(f"no rollback: the checkpoint of step {action.rollback_step} is "
+                            "gone (trainer.max_actor_ckpt_to_keep)")  # fmt: skip
+            else:
+                self._sync_weights(int(self._w.trainer.status()["weight_version"]))
+                self.guard.rolled_back()
+                actions.append("rollback")
+                done.append(f"rolled back to the checkpoint of step {action.rollback_step}")
+        elif g.rollback:
+            why = "trainer.save_freq is -1" if self.config.trainer.save_freq <= 0 else (
+                "none was saved while healthy yet")  # fmt: skip
+            done.append(f"no checkpoint to roll back to ({why})")
+        lr = self._w.trainer.set_lr_scale("actor", action.lr_scale)
+        actions.append("lr_cut")
+        done.append(f"actor lr now {lr:.3g} ({action.lr_scale:g} x actor.lr)")
+        self.health.restart(self.global_steps, g.cooldown_steps)
+        tracking.warn(
+            f"health guard: step {self.global_steps}: intervention {action.number} of "
+            f"{g.max_interventions} on {action.reason}: " + "; ".join(done)
+        )
+        return actions
+
+
+def _add(scores: Sequence[float], penalty: Sequence[float]) -> list[float]:
+    """``scores`` plus ``penalty`` (empty: no penalty)."""
+    if not penalty:
+        return list(scores)
+    return [s + p for s, p in zip(scores, penalty, strict=True)]
 
 
 _CHECKPOINTS = "checkpoints"
@@ -773,6 +1125,7 @@ STATUS_METRICS = frozenset(
         "staleness/mean",
         "rollout/replicas",
         "val/test_score/mean",
+        "health/warnings",
     }
 )
 

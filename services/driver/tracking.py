@@ -31,6 +31,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from rlfleet.driver.health import CHECKS
+
 __all__ = [
     "PHASES",
     "SchedulerMetrics",
@@ -259,6 +261,15 @@ class Tracking:
         else:
             logger.info("%s", text)
 
+    def warn(self, text: str) -> None:
+        """A warning (a health check firing, the guard acting): a console line, or a
+        logged warning without the console logger. The step's record carries the
+        matching ``health/...`` metrics."""
+        if self._console is not None:
+            self._console.note(text)
+        else:
+            logger.warning("%s", text)
+
     def close(self) -> None:
         if self._console is not None:
             self._console.close()
@@ -301,6 +312,12 @@ class SchedulerMetrics:
     actor_entropy: Any
     loss: Any
     weight_sync_failures: Any
+    weight_pushes: Any
+    weight_push_bytes: Any
+    health_firing: Any
+    health_warnings: Any
+    health_interventions: Any
+    health_lr_scale: Any
 
     def __init__(self) -> None:
         try:
@@ -312,6 +329,9 @@ class SchedulerMetrics:
             self.reward_mean = self.staleness = self.global_step = noop
             self.val_score = self.samples = noop
             self.actor_kl = self.actor_entropy = self.loss = self.weight_sync_failures = noop
+            self.weight_pushes = self.weight_push_bytes = noop
+            self.health_firing = self.health_warnings = noop
+            self.health_interventions = self.health_lr_scale = noop
             return
         r = prom.CollectorRegistry()
         self.registry = r
@@ -351,12 +371,47 @@ class SchedulerMetrics:
             p + "weight_sync_failures", "weight pushes to the rollout replicas that failed",
             registry=r,
         )  # fmt: skip
+        self.weight_pushes = prom.Counter(
+            p + "weight_pushes", "weight pushes to one rollout replica, by the transport used",
+            ["transport"], registry=r,
+        )  # fmt: skip
+        self.weight_push_bytes = prom.Counter(
+            p + "weight_push_bytes", "bytes of weights pushed to the rollout replicas, by transport",
+            ["transport"], registry=r,
+        )  # fmt: skip
+        self.health_firing = prom.Gauge(
+            p + "health_firing", "1 while a health check fires (trainer.health), else 0",
+            ["check"], registry=r,
+        )  # fmt: skip
+        self.health_warnings = prom.Counter(
+            p + "health_warnings", "health warnings raised (a check that started firing)",
+            ["check"], registry=r,
+        )  # fmt: skip
+        self.health_interventions = prom.Counter(
+            p + "health_interventions", "what the health guard did: rollback, lr_cut",
+            ["action"], registry=r,
+        )  # fmt: skip
+        self.health_lr_scale = prom.Gauge(
+            p + "health_lr_scale", "the actor's lr as a fraction of actor.lr (the guard's cuts)",
+            registry=r,
+        )  # fmt: skip
         # Every known label value exists from the start at zero, so that rate() over a
         # short run sees the first observation as an increase.
         for phase in PHASES:
             self.phase_seconds.labels(phase)
         for name in _LOSSES.values():
             self.loss.labels(name)
+        from rlfleet.weightsync.wire import AUTO
+
+        for transport in AUTO:
+            self.weight_pushes.labels(transport)
+            self.weight_push_bytes.labels(transport)
+        for check in CHECKS:
+            self.health_firing.labels(check).set(0)
+            self.health_warnings.labels(check)
+        for action in ("rollback", "lr_cut"):
+            self.health_interventions.labels(action)
+        self.health_lr_scale.set(1.0)
 
     def record_step(self, metrics: Mapping[str, float], step: int, samples: int) -> None:
         for phase in PHASES:
@@ -382,6 +437,23 @@ class SchedulerMetrics:
                 self.loss.labels(name).set(metrics[key])
         self.global_step.set(step)
         self.samples.inc(samples)
+
+    def record_health(
+        self,
+        active: Mapping[str, bool],
+        new: Sequence[str],
+        actions: Sequence[str],
+        lr_scale: float,
+    ) -> None:
+        """One step's health: which checks fire, the warnings raised (check names),
+        what the guard did (``rollback``, ``lr_cut``), the actor's lr scale."""
+        for check, on in active.items():
+            self.health_firing.labels(check).set(1.0 if on else 0.0)
+        for check in new:
+            self.health_warnings.labels(check).inc()
+        for action in actions:
+            self.health_interventions.labels(action).inc()
+        self.health_lr_scale.set(lr_scale)
 
     def record_validation(self, scores: Mapping[str, float]) -> None:
         for source, value in scores.items():

@@ -717,6 +717,8 @@ class LocalCluster:
                 proc.address = str(msg["address"])
                 metrics = msg.get("metrics_address") or msg.get("metrics")
                 proc.metrics_address = str(metrics) if metrics else None
+                if msg.get("openai_url"):  # rollout.openai.port: where agents connect
+                    logger.info("%s: OpenAI endpoint at %s", proc.name, msg["openai_url"])
 
     def _failure(self, proc: _Proc, what: str) -> ServiceStartError:
         return ServiceStartError(

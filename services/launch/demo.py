@@ -13,6 +13,11 @@ Steps, each skipped when its output already exists (``--fresh`` redoes them):
 
 By default every role runs in this process (no start-up cost); ``--services`` runs
 the same PPO through ``rlfleet train``'s local cluster, every service a process.
+
+``--preset tiny-deep --ops +- --sft-steps 300`` runs the same example configs on the
+second model the project builds (narrower, twice as deep, its own tokenizer) from a
+weak warm start on additions and subtractions: the recipe-robustness check of
+``tests/e2e/test_recipe_robustness.py`` (numbers in BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -24,7 +29,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_arguments", "main", "make_data", "run", "sft_warm_start"]
+__all__ = [
+    "add_arguments",
+    "data_dir_name",
+    "main",
+    "make_data",
+    "run",
+    "run_example",
+    "sft_warm_start",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -38,6 +51,15 @@ EXAMPLES = ROOT / "examples"
 # this size far longer.
 OPS = "+"
 N_TEST = 100
+_OP_NAMES = {"+": "add", "-": "sub", "*": "mul"}
+
+
+def data_dir_name(ops: str) -> str:
+    """``arithmetic`` for the demo's additions (the example configs' path), else
+    ``arithmetic-<ops>`` (``+-``: ``arithmetic-add-sub``)."""
+    if ops == OPS:
+        return "arithmetic"
+    return "arithmetic-" + "-".join(_OP_NAMES[op] for op in ops)
 
 
 def make_data(
@@ -93,6 +115,17 @@ def make_data(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="outputs", help="where models, data and runs go")
+    from rlfleet.common.tiny_model import PRESETS  # torch-free
+
+    parser.add_argument(
+        "--preset", default="tiny", choices=sorted(PRESETS), help="the model to build"
+    )
+    parser.add_argument(
+        "--ops",
+        default=OPS,
+        help="operators of the problems, from '+-*' (a two-digit and a one-digit operand, "
+        "no carry or borrow)",
+    )
     parser.add_argument("--sft-steps", type=int, default=250, help="warm-start optimizer steps")
     parser.add_argument("--sft-lr", type=float, default=3e-3)
     parser.add_argument(
@@ -232,16 +265,20 @@ def _sft_batch(prompts: list[list[int]], responses: list[list[int]], pad: int) -
     return {"input_ids": ids, "attention_mask": mask, "responses": ids[:, p_len:]}
 
 
-def _ppo(
+def run_example(
     example: str,
     model: Path,
     data: Path,
     out: Path,
     *,
-    steps: int | None,
-    services: bool,
-    extra: list[str],
+    steps: int | None = None,
+    services: bool = False,
+    extra: list[str] | tuple[str, ...] = (),
 ) -> dict[str, Any]:
+    """Train with ``examples/<example>`` as it is, but for the model and data paths
+    (and ``steps``, ``extra`` overrides when given), every role in this process
+    (``services``: as local services); :func:`rlfleet.launch.train.train`'s summary
+    plus ``seconds``. The run goes to ``out/runs/<example's stem>``."""
     from rlfleet.common.config import load_config
     from rlfleet.launch.train import train
 
@@ -272,30 +309,33 @@ def run(args: argparse.Namespace) -> int:
     from rlfleet.common.tiny_model import build_tiny_model
 
     out = Path(args.out)
-    model = out / "models" / "tiny"
-    data = out / "data" / "arithmetic"
-    sft = out / "models" / "tiny-sft"
+    unknown = sorted(set(args.ops) - set(_OP_NAMES))
+    if not args.ops or unknown:
+        raise SystemExit(f"rlfleet demo: --ops takes operators from '+-*', got {args.ops!r}")
+    model = out / "models" / args.preset
+    data = out / "data" / data_dir_name(args.ops)
+    sft = out / "models" / f"{args.preset}-sft"
     t_start = time.perf_counter()
     # Each output records what made it (.rlfleet-demo.json); one made otherwise (an
     # `rlfleet preprocess arithmetic` into the same folder, other warm-start settings)
     # is rebuilt, and so is everything after it.
-    model_key = {"preset": "tiny", "seed": args.seed}
-    data_key = {"ops": OPS, "carry": False, "n_test": N_TEST, "seed": args.seed}
+    model_key = {"preset": args.preset, "seed": args.seed}
+    data_key = {"ops": args.ops, "carry": False, "n_test": N_TEST, "seed": args.seed}
     sft_key = {
         "steps": args.sft_steps, "lr": args.sft_lr, "batch": args.sft_batch,
         "format_fraction": args.format_fraction, "seed": args.seed, "data": data_key,
     }  # fmt: skip
     fresh = args.fresh or not _stamped(model, model_key)
     if fresh:
-        _say(f"[1/4] building the tiny model -> {model}")
-        build_tiny_model(model, preset="tiny", seed=args.seed, force=True)
+        _say(f"[1/4] building the {args.preset} model -> {model}")
+        build_tiny_model(model, preset=args.preset, seed=args.seed, force=True)
         _stamp(model, model_key)
     else:
-        _say(f"[1/4] tiny model: {model} (exists)")
+        _say(f"[1/4] {args.preset} model: {model} (exists)")
     fresh = fresh or not _stamped(data, data_key)
     if fresh:
-        _say(f"[2/4] arithmetic data (two-digit {OPS} one-digit, no carry) -> {data}")
-        make_data(data, seed=args.seed)
+        _say(f"[2/4] arithmetic data (two-digit {args.ops} one-digit, no carry) -> {data}")
+        make_data(data, seed=args.seed, ops=args.ops)
         _stamp(data, data_key)
     else:
         _say(f"[2/4] arithmetic data: {data} (exists)")
@@ -313,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     for i, variant in enumerate(chosen):
         _say(f"[4/4] PPO ({variant}) from the warm start, run {i + 1}/{len(chosen)}")
-        summary = _ppo(
+        summary = run_example(
             runs[variant], sft, data, out,
             steps=args.ppo_steps, services=args.services, extra=args.overrides,
         )  # fmt: skip

@@ -113,8 +113,23 @@ def preflight(
     if reward_here and cfg.reward.reward_model.enable:
         rm = cfg.reward.reward_model
         issues += _model_dir("reward.reward_model.path", rm.path, "config.json")
+    if driver and cfg.trainer.rollout_source == "external":
+        if in_process:
+            issues.append(ConfigIssue(
+                "trainer.rollout_source", "external rollouts need rollout replicas running as "
+                "services (their OpenAI endpoints and PopTrajectories): not --in-process",
+                "external",
+            ))  # fmt: skip
+        elif not s.rollout and cfg.rollout.openai.port is None:
+            issues.append(ConfigIssue(
+                "rollout.openai.port", "trainer.rollout_source external trains on sessions "
+                "agents run through the replicas' OpenAI endpoints: give the launched "
+                "replicas one (0: a free port)", None,
+            ))  # fmt: skip
     if driver:
-        data = (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files))
+        data = [("data.val_files", cfg.data.val_files)]
+        if cfg.trainer.rollout_source != "external":  # external: the agents bring the prompts
+            data.insert(0, ("data.train_files", cfg.data.train_files))
         for key, files in data:
             for i, f in enumerate(files):
                 issues += _file(f"{key}[{i}]" if len(files) > 1 else key, f)

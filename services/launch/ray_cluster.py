@@ -374,6 +374,7 @@ class RayCluster:
         self._role_env = {
             role: {**credentials_env(creds[role]), INSECURE_ENV: "", **tls_env}
             for role in PRINCIPALS
+            if role in creds  # a set written before a principal existed lacks it
         }
         self._previous_security = current_security()
         set_security(self.security)

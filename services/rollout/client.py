@@ -7,43 +7,36 @@
         ...
     client.update_weights(model.state_dict(), version=7)   # shm > tcp > grpc chunks
 
-:func:`push_weights` is the sender side the trainer uses: it negotiates the bulk
-data plane (shared memory on the same host, else raw TCP) and falls back to the
-portable gRPC chunk stream.
+``update_weights`` sends through :func:`rlfleet.weightsync.sender.send_update` (the
+bulk data plane, shared memory on the same host, else raw TCP, falling back to the
+portable gRPC chunk stream); the trainer's bucketed push to many replicas is
+:func:`rlfleet.weightsync.sender.push_weights`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import grpc
 
-from rlfleet.common.codec.wire import DEFAULT_MAX_CHUNK_BYTES, iter_chunk_bytes, serialize_chunk
 from rlfleet.common.errors import RlfleetError
 from rlfleet.common.rpc import DEFAULT_TIMEOUT_S, Watchdog, create_channel, to_rlfleet_error
 from rlfleet.rollout import serde
 from rlfleet.rollout.core import RolloutCore, RolloutStatusInfo
 from rlfleet.rollout.engine import SampleOutput, SamplingParams
-from rlfleet.rollout.transport import TRANSPORTS, AbortResult, make_offer, send_shm, send_tcp
-from rlfleet.rollout.weights import UpdateResult
 from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc
+from rlfleet.weightsync.sender import send_update
+from rlfleet.weightsync.wire import AUTO, UpdateResult
 
 __all__ = [
-    "BulkUpdate",
     "InProcessRolloutClient",
     "RemoteRolloutClient",
     "RolloutClient",
-    "push_weights",
 ]
 
 logger = logging.getLogger(__name__)
-
-_UPDATE_WEIGHTS = "/rlfleet.v1.RolloutService/UpdateWeights"
-# An abort is one small RPC, sent while giving up: it must not hold the caller long.
-_ABORT_TIMEOUT_S = 10.0
 
 
 class RolloutClient(Protocol):
@@ -64,7 +57,7 @@ class RolloutClient(Protocol):
         named_tensors: Mapping[str, Any],
         version: int,
         *,
-        transports: Sequence[str] = TRANSPORTS,
+        transports: Sequence[str] = AUTO,
     ) -> UpdateResult: ...
 
     def status(self) -> RolloutStatusInfo: ...
@@ -96,7 +89,7 @@ class InProcessRolloutClient:
         named_tensors: Mapping[str, Any],
         version: int,
         *,
-        transports: Sequence[str] = TRANSPORTS,
+        transports: Sequence[str] = AUTO,
     ) -> UpdateResult:
         return self.core.update_weights(named_tensors, version)
 
@@ -220,9 +213,9 @@ class RemoteRolloutClient:
         named_tensors: Mapping[str, Any],
         version: int,
         *,
-        transports: Sequence[str] = TRANSPORTS,
+        transports: Sequence[str] = AUTO,
     ) -> UpdateResult:
-        return push_weights(self.channel, named_tensors, version, transports=transports)
+        return send_update(self.channel, named_tensors, version, transports=transports)
 
     def status(self) -> RolloutStatusInfo:
         try:
@@ -256,227 +249,3 @@ class RemoteRolloutClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _weight_chunk_bytes(version: int, chunk: bytes) -> bytes:
-    # WeightChunk{version = 1 (varint), chunk = 2 (bytes)}, framed by hand so the
-    # serialized TensorBatchChunk is not parsed and copied again.
-    head = (b"\x08" + _varint(version)) if version else b""
-    return head + b"\x12" + _varint(len(chunk)) + chunk
-
-
-class BulkUpdate:
-    """One weight update to one replica over the bulk data plane, one transfer per
-    bucket (``OpenWeightTransfer`` -> move the bytes -> ``CommitWeightTransfer``).
-
-    A model in one bucket is one ``send(..., final=True)``: a whole update, as any
-    replica takes it. Several buckets: ``send(bucket, final=False)`` for each but
-    the last; the replica stages each one (verified, not applied) and applies the
-    union when the final bucket commits (see :mod:`rlfleet.rollout.transport`).
-
-    A sender that gives up a started bucketed update calls :meth:`abort`, so that
-    the replica frees the staged buckets at once rather than at its transfer
-    time-out. :meth:`send` does so itself when a bucket fails (any exception,
-    KeyboardInterrupt included), and so does leaving a ``with BulkUpdate(...)``
-    block before the final bucket committed.
-
-    Args:
-        stub: the replica's ``RolloutService`` stub.
-        transports: preference order; ``grpc`` lets the replica refuse the bulk plane.
-    """
-
-    def __init__(
-        self,
-        stub: rollout_pb2_grpc.RolloutServiceStub,
-        version: int,
-        transports: Sequence[str] = TRANSPORTS,
-        *,
-        timeout_s: float = 600.0,
-    ) -> None:
-        self._stub = stub
-        self.version = version
-        self._transports = list(transports)
-        self._timeout_s = timeout_s
-        self.update_id = ""
-        self.buckets = 0  # buckets committed
-        self.transport = ""  # of the last bucket
-        self.done = False  # the final bucket committed (or the update was aborted)
-
-    @property
-    def pending(self) -> bool:
-        """A bucketed update the replica stages for us: started, neither applied nor
-        given up."""
-        return bool(self.update_id) and not self.done
-
-    def abort(self, reason: str = "") -> AbortResult | None:
-        """Give up the update: ask the replica to drop its staged buckets now.
-        Best effort and at most once: a failed abort is logged, not raised (the
-        replica's transfer time-out still frees the buckets). None when there was
-        nothing to abort (no bucketed update started, or it finished) or the abort
-        itself failed."""
-        if not self.pending:
-            return None
-        self.done = True
-        request = rollout_pb2.AbortWeightTransferRequest(update_id=self.update_id, reason=reason)
-        try:
-            msg = self._stub.AbortWeightTransfer(
-                request, timeout=min(self._timeout_s, _ABORT_TIMEOUT_S)
-            )
-        except grpc.RpcError as e:
-            logger.warning(
-                "abort of weight update %s failed (%s); the replica frees it at its time-out",
-                self.update_id,
-                _error(e),
-            )
-            return None
-        return serde.abort_from_proto(msg)
-
-    def __enter__(self) -> BulkUpdate:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if self.pending:
-            what = "no final bucket" if exc_type is None else exc_type.__name__
-            self.abort(f"the sender left the update ({what})")
-
-    def send(self, named_tensors: Mapping[str, Any], *, final: bool) -> UpdateResult | None:
-        """Move one bucket and commit it. Returns the replica's report (``staged``
-        for a bucket before the final one), or None when the replica chose the gRPC
-        stream for bucket 0 (nothing was sent: send the whole update there).
-
-        Any failure (including KeyboardInterrupt) aborts a started bucketed update
-        (:meth:`abort`) before it propagates.
-
-        Raises:
-            RlfleetError: as the replica raised it (a refused offer, ``DataLoss`` at
-                commit); the replica then dropped every bucket it staged.
-            OSError: the socket or the shared-memory segment failed.
-        """
-        if self.done:
-            raise RuntimeError(f"weight update {self.update_id or '(whole)'} already ended")
-        try:
-            return self._send(named_tensors, final=final)
-        except BaseException as e:
-            self.abort(f"bucket {self.buckets} failed: {type(e).__name__}: {e}")
-            raise
-
-    def _send(self, named_tensors: Mapping[str, Any], *, final: bool) -> UpdateResult | None:
-        offer = make_offer(
-            named_tensors,
-            self.version,
-            self._transports,
-            bucket=self.buckets,
-            final=final,
-            update_id=self.update_id,
-        )
-        try:
-            plan = serde.plan_from_proto(
-                self._stub.OpenWeightTransfer(serde.offer_to_proto(offer), timeout=self._timeout_s)
-            )
-            if plan.transport not in ("tcp", "shm"):
-                if self.buckets:
-                    raise RuntimeError(
-                        f"the replica answered {plan.transport!r} for bucket {self.buckets}"
-                    )
-                return None
-            # Known from bucket 0's plan on: a failure from here on is abortable.
-            self.update_id = plan.update_id or self.update_id
-            if plan.transport == "tcp":
-                crcs = send_tcp(plan, named_tensors, offer.tensors, timeout_s=self._timeout_s)
-            else:
-                crcs = send_shm(plan, named_tensors, offer.tensors)
-            msg = self._stub.CommitWeightTransfer(
-                rollout_pb2.WeightTransferCommit(transfer_id=plan.transfer_id, crc32c=crcs),
-                timeout=self._timeout_s,
-            )
-        except grpc.RpcError as e:
-            raise _error(e) from e
-        self.buckets += 1
-        self.transport = plan.transport
-        self.done = final
-        return serde.update_from_proto(msg, plan.transport)
-
-
-def push_weights(
-    target: str | grpc.Channel,
-    named_tensors: Mapping[str, Any],
-    version: int,
-    *,
-    transports: Sequence[str] = TRANSPORTS,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-    timeout_s: float = 600.0,
-    auth_token: str | None = None,
-) -> UpdateResult:
-    """Send ``named_tensors`` as weight ``version`` to a rollout replica, in one piece.
-
-    Tries the bulk data plane when ``transports`` name ``shm`` or ``tcp`` (the
-    replica picks the first it can serve; ``shm`` only on the same host), and the
-    gRPC chunk stream when the list is only ``grpc`` or the replica chose it. (The
-    trainer's bucketed push, :func:`rlfleet.trainer.weights.push_weights`, sends
-    larger models bucket by bucket through :class:`BulkUpdate`.)
-
-    Returns:
-        The replica's report (version now serving, bytes, tensors, seconds); its
-        ``transport`` says which path moved the bytes.
-
-    Raises:
-        InvalidArgument: a name / dtype / shape the model does not have (nothing sent).
-        DataLoss: the bytes arrived corrupted; the old weights keep serving.
-        FailedPrecondition: ``version`` is older than the one serving.
-    """
-    check_transports(transports)
-    channel = (
-        target if not isinstance(target, str) else create_channel(target, auth_token=auth_token)
-    )
-    try:
-        if any(t != "grpc" for t in transports):
-            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-            bulk = BulkUpdate(stub, version, transports, timeout_s=timeout_s)
-            result = bulk.send(named_tensors, final=True)
-            if result is not None:
-                return result
-        return stream_weights(channel, named_tensors, version, max_chunk_bytes, timeout_s)
-    finally:
-        if isinstance(target, str):
-            with contextlib.suppress(Exception):
-                channel.close()
-
-
-def check_transports(transports: Sequence[str]) -> None:
-    unknown = [t for t in transports if t not in ("shm", "tcp", "grpc")]
-    if unknown or not transports:
-        raise ValueError(
-            f"transports must be a non-empty subset of shm, tcp, grpc; got {transports}"
-        )
-
-
-def stream_weights(
-    channel: grpc.Channel,
-    named_tensors: Mapping[str, Any],
-    version: int,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-    timeout_s: float = 600.0,
-) -> UpdateResult:
-    """The whole update as one codec stream over ``UpdateWeights`` (the portable path)."""
-    update = channel.stream_unary(
-        _UPDATE_WEIGHTS,
-        request_serializer=serialize_chunk,
-        response_deserializer=rollout_pb2.UpdateWeightsResponse.FromString,
-    )
-    chunks = (
-        _weight_chunk_bytes(version, c)
-        for c in iter_chunk_bytes(dict(named_tensors), max_chunk_bytes=max_chunk_bytes)
-    )
-    try:
-        return serde.update_from_proto(update(chunks, timeout=timeout_s), "grpc")
-    except grpc.RpcError as e:
-        raise _error(e) from e

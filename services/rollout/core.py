@@ -5,7 +5,7 @@
   batch, so concurrent callers share the forward passes. Samples are handed to
   their caller as soon as they finish.
 * **Weights**: the gRPC chunk stream, the bulk data plane and in-process tensors
-  all go through one :class:`~rlfleet.rollout.weights.WeightReceiver`; the swap
+  all go through one :class:`~rlfleet.weightsync.receiver.WeightReceiver`; the swap
   waits for the running batch (the engine's lock), so every sample is generated
   with exactly one weight version, which it carries.
 * **Limits and cancellation**: a request is checked against the replica's
@@ -45,14 +45,9 @@ from rlfleet.rollout.engine import (
 )
 from rlfleet.rollout.metrics import RolloutMetrics
 from rlfleet.rollout.multiturn import ConversationHandle, MultiTurn
-from rlfleet.rollout.transport import (
-    TOKEN_TIMEOUT_S,
-    AbortResult,
-    BulkReceiver,
-    TransferOffer,
-    TransferPlan,
-)
-from rlfleet.rollout.weights import UpdateResult, WeightReceiver
+from rlfleet.weightsync.receiver import BulkReceiver, WeightReceiver
+from rlfleet.weightsync.tcp import TOKEN_TIMEOUT_S
+from rlfleet.weightsync.wire import AbortResult, TransferOffer, TransferPlan, UpdateResult
 
 __all__ = ["GenerationHandle", "RolloutCore", "RolloutStatusInfo"]
 

@@ -1,44 +1,30 @@
-"""Protobuf <-> rollout dataclasses, in one place (servicer and remote client)."""
+"""Protobuf <-> rollout dataclasses, in one place (servicer and remote client).
+
+The weight messages (``UpdateWeightsResponse``, the bulk plane's offer, plan and
+abort) convert in :mod:`rlfleet.weightsync.wire`, with the rest of weight sync."""
 
 from __future__ import annotations
 
 import math
 
-from rlfleet.common.codec.batch import TensorSpec
+import numpy as np
+
 from rlfleet.common.errors import InvalidArgument
 from rlfleet.rollout.core import RolloutStatusInfo
 from rlfleet.rollout.engine import DEFAULT_MAX_TOKENS, FinishReason, SampleOutput, SamplingParams
-from rlfleet.rollout.transport import AbortResult, TransferOffer, TransferPlan
-from rlfleet.rollout.weights import UpdateResult
+from rlfleet.rollout.trajectories import Completion, Trajectory
 from rlfleet.v1 import rollout_pb2
 
 __all__ = [
-    "TRANSPORT_NAMES",
-    "abort_from_proto",
-    "abort_to_proto",
-    "offer_from_proto",
-    "offer_to_proto",
-    "plan_from_proto",
-    "plan_to_proto",
     "result_from_proto",
     "result_to_proto",
     "sampling_from_proto",
     "sampling_to_proto",
     "status_from_proto",
     "status_to_proto",
-    "update_from_proto",
-    "update_to_proto",
+    "trajectory_from_proto",
+    "trajectory_to_proto",
 ]
-
-_T = rollout_pb2
-TRANSPORT_NAMES: dict[int, str] = {
-    _T.WEIGHT_TRANSPORT_GRPC: "grpc",
-    _T.WEIGHT_TRANSPORT_TCP: "tcp",
-    _T.WEIGHT_TRANSPORT_SHM: "shm",
-    _T.WEIGHT_TRANSPORT_NCCL: "nccl",
-    _T.WEIGHT_TRANSPORT_CUDA_IPC: "cuda_ipc",
-}
-_TRANSPORT_CODES = {v: k for k, v in TRANSPORT_NAMES.items()}
 
 
 def sampling_from_proto(msg: rollout_pb2.SamplingParams) -> SamplingParams:
@@ -117,89 +103,6 @@ def result_from_proto(msg: rollout_pb2.GenerateResult) -> SampleOutput:
     )
 
 
-def update_to_proto(r: UpdateResult) -> rollout_pb2.UpdateWeightsResponse:
-    return rollout_pb2.UpdateWeightsResponse(
-        version=r.version, bytes=r.bytes, tensors=r.tensors, seconds=r.seconds, staged=r.staged
-    )
-
-
-def update_from_proto(
-    msg: rollout_pb2.UpdateWeightsResponse, transport: str = "grpc"
-) -> UpdateResult:
-    return UpdateResult(
-        version=msg.version,
-        bytes=msg.bytes,
-        tensors=msg.tensors,
-        seconds=msg.seconds,
-        transport=transport,
-        staged=msg.staged,
-    )
-
-
-def offer_to_proto(o: TransferOffer) -> rollout_pb2.WeightTransferOffer:
-    return rollout_pb2.WeightTransferOffer(
-        version=o.version,
-        tensors=[
-            rollout_pb2.TensorSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in o.tensors
-        ],
-        total_bytes=o.total_bytes,
-        transports=[_TRANSPORT_CODES[t] for t in o.transports],
-        sender_host=o.sender_host,
-        bucket=o.bucket,
-        more_buckets=not o.final,
-        update_id=o.update_id,
-    )
-
-
-def offer_from_proto(msg: rollout_pb2.WeightTransferOffer) -> TransferOffer:
-    """Offsets are recomputed (packed in order, no padding); dtypes and shapes are
-    checked later against the model."""
-    from rlfleet.rollout.transport import spec_nbytes
-
-    specs: list[TensorSpec] = []
-    offset = 0
-    for i, t in enumerate(msg.tensors):
-        shape = tuple(int(d) for d in t.shape)
-        nbytes = spec_nbytes(t.name, t.dtype, shape, field=f"tensors[{i}]")
-        specs.append(TensorSpec(t.name, t.dtype, shape, nbytes, offset))
-        offset += nbytes
-    unknown = [c for c in msg.transports if c not in TRANSPORT_NAMES]
-    if unknown:
-        raise InvalidArgument(
-            f"unknown transports {unknown}", field="transports", value=list(msg.transports)
-        )
-    return TransferOffer(
-        version=msg.version,
-        tensors=specs,
-        total_bytes=msg.total_bytes,
-        transports=[TRANSPORT_NAMES[c] for c in msg.transports],
-        sender_host=msg.sender_host,
-        bucket=msg.bucket,
-        final=not msg.more_buckets,
-        update_id=msg.update_id,
-    )
-
-
-def plan_to_proto(p: TransferPlan) -> rollout_pb2.WeightTransferPlan:
-    return rollout_pb2.WeightTransferPlan(
-        transfer_id=p.transfer_id,
-        transport=_TRANSPORT_CODES[p.transport],
-        endpoint=p.endpoint,
-        token=p.token,
-        update_id=p.update_id,
-    )
-
-
-def plan_from_proto(msg: rollout_pb2.WeightTransferPlan) -> TransferPlan:
-    return TransferPlan(
-        transfer_id=msg.transfer_id,
-        transport=TRANSPORT_NAMES.get(msg.transport, "grpc"),
-        endpoint=msg.endpoint,
-        token=msg.token,
-        update_id=msg.update_id,
-    )
-
-
 def status_to_proto(s: RolloutStatusInfo) -> rollout_pb2.RolloutStatus:
     return rollout_pb2.RolloutStatus(
         replica_id=s.replica_id,
@@ -234,13 +137,46 @@ def status_from_proto(msg: rollout_pb2.RolloutStatus) -> RolloutStatusInfo:
     )
 
 
-def abort_to_proto(r: AbortResult) -> rollout_pb2.AbortWeightTransferResponse:
-    return rollout_pb2.AbortWeightTransferResponse(
-        aborted=r.aborted, staged_buckets=r.staged_buckets, freed_bytes=r.freed_bytes
+def trajectory_to_proto(t: Trajectory) -> rollout_pb2.Trajectory:
+    msg = rollout_pb2.Trajectory(
+        session_id=t.session_id,
+        completions=[
+            rollout_pb2.TrajectoryCompletion(
+                prompt_token_ids=c.prompt_ids.tolist(),
+                token_ids=c.token_ids.tolist(),
+                logprobs=c.logprobs.tolist(),
+                weight_version=c.weight_version,
+                finish_reason=int(c.finish_reason),
+                temperature=c.temperature,
+                created_unix_s=c.created,
+            )
+            for c in t.completions
+        ],
+        finished=t.finished,
+        info=t.info,
     )
+    if t.reward is not None:
+        msg.reward = t.reward
+    return msg
 
 
-def abort_from_proto(msg: rollout_pb2.AbortWeightTransferResponse) -> AbortResult:
-    return AbortResult(
-        aborted=msg.aborted, staged_buckets=msg.staged_buckets, freed_bytes=msg.freed_bytes
+def trajectory_from_proto(msg: rollout_pb2.Trajectory) -> Trajectory:
+    """Raises ``InvalidArgument`` when a completion's token ids and log-probs do not pair up."""
+    return Trajectory(
+        session_id=msg.session_id,
+        completions=[
+            Completion.of(
+                np.array(c.prompt_token_ids, dtype=np.int32),
+                np.array(c.token_ids, dtype=np.int32),
+                np.array(c.logprobs, dtype=np.float32),
+                weight_version=c.weight_version,
+                finish_reason=FinishReason(c.finish_reason or FinishReason.ABORT),
+                temperature=c.temperature,
+                created=c.created_unix_s,
+            )
+            for c in msg.completions
+        ],
+        finished=msg.finished,
+        reward=msg.reward if msg.HasField("reward") else None,
+        info=dict(msg.info),
     )

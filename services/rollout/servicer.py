@@ -11,23 +11,36 @@ from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
-from rlfleet.common.errors import InvalidArgument
+from rlfleet.common.errors import FailedPrecondition, InvalidArgument
 from rlfleet.rollout import serde
 from rlfleet.rollout.core import RolloutCore
+from rlfleet.rollout.trajectories import TrajectoryStore
 from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc
+from rlfleet.weightsync import wire
 
 __all__ = ["Detokenizer", "RolloutServicer"]
 
 #: token ids -> text (the model's tokenizer ``decode``).
 Detokenizer = Callable[[Sequence[int]], str]
 
+#: Sessions one GetTrajectories may name, and the tokens one answer may carry (about
+#: 12 bytes each on the wire: well under the 64 MiB message limit).
+MAX_TRAJECTORY_IDS = 1024
+MAX_TRAJECTORY_TOKENS = 1 << 22
+
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     """Thin adapter; every decision lives in the core."""
 
-    def __init__(self, core: RolloutCore, detokenize: Detokenizer | None = None) -> None:
+    def __init__(
+        self,
+        core: RolloutCore,
+        detokenize: Detokenizer | None = None,
+        trajectories: TrajectoryStore | None = None,
+    ) -> None:
         self.core = core
         self._detokenize = detokenize
+        self._trajectories = trajectories
 
     def Generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext
@@ -69,17 +82,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         result = self.core.update_weights_from_chunks(
             (c.version, c.chunk) for c in request_iterator
         )
-        return serde.update_to_proto(result)
+        return wire.update_to_proto(result)
 
     def OpenWeightTransfer(
         self, request: rollout_pb2.WeightTransferOffer, context: grpc.ServicerContext
     ) -> rollout_pb2.WeightTransferPlan:
-        return serde.plan_to_proto(self.core.open_transfer(serde.offer_from_proto(request)))
+        return wire.plan_to_proto(self.core.open_transfer(wire.offer_from_proto(request)))
 
     def CommitWeightTransfer(
         self, request: rollout_pb2.WeightTransferCommit, context: grpc.ServicerContext
     ) -> rollout_pb2.UpdateWeightsResponse:
-        return serde.update_to_proto(
+        return wire.update_to_proto(
             self.core.commit_transfer(request.transfer_id, list(request.crc32c))
         )
 
@@ -88,7 +101,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     ) -> rollout_pb2.AbortWeightTransferResponse:
         if not request.update_id:
             raise InvalidArgument("no update_id to abort", field="update_id")
-        return serde.abort_to_proto(self.core.abort_transfer(request.update_id, request.reason))
+        return wire.abort_to_proto(self.core.abort_transfer(request.update_id, request.reason))
 
     def Sleep(
         self, request: rollout_pb2.SleepRequest, context: grpc.ServicerContext
@@ -105,3 +118,45 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self, request: rollout_pb2.GetRolloutStatusRequest, context: grpc.ServicerContext
     ) -> rollout_pb2.RolloutStatus:
         return serde.status_to_proto(self.core.status())
+
+    def _store(self) -> TrajectoryStore:
+        if self._trajectories is None:
+            raise FailedPrecondition(
+                "this replica records no trajectories: start it with --openai-port",
+                code="NO_OPENAI_ENDPOINT",
+            )
+        return self._trajectories
+
+    def GetTrajectories(
+        self, request: rollout_pb2.GetTrajectoriesRequest, context: grpc.ServicerContext
+    ) -> rollout_pb2.TrajectoriesResponse:
+        store = self._store()
+        ids = list(request.session_ids)
+        if len(ids) > MAX_TRAJECTORY_IDS:
+            raise InvalidArgument(
+                f"{len(ids)} session ids, at most {MAX_TRAJECTORY_IDS} per call",
+                field="session_ids",
+                value=len(ids),
+                code="LIMIT_EXCEEDED",
+            )
+        found: list[rollout_pb2.Trajectory] = []
+        tokens = 0
+        for t in store.get(ids):
+            tokens += t.tokens
+            if found and tokens > MAX_TRAJECTORY_TOKENS:
+                break  # the caller asks again for the rest
+            found.append(serde.trajectory_to_proto(t))
+        return rollout_pb2.TrajectoriesResponse(trajectories=found, replica_id=self.core.replica_id)
+
+    def PopTrajectories(
+        self, request: rollout_pb2.PopTrajectoriesRequest, context: grpc.ServicerContext
+    ) -> rollout_pb2.TrajectoriesResponse:
+        store = self._store()
+        taken = store.pop_finished(
+            min(max(1, request.max_sessions), MAX_TRAJECTORY_IDS),
+            max_tokens=MAX_TRAJECTORY_TOKENS,
+        )
+        return rollout_pb2.TrajectoriesResponse(
+            trajectories=[serde.trajectory_to_proto(t) for t in taken],
+            replica_id=self.core.replica_id,
+        )

@@ -92,6 +92,11 @@ class Backend(Protocol):
         """The current learning rate of ``role``."""
         ...
 
+    def set_lr_scale(self, role: ModelRole, scale: float) -> None:
+        """From now on the schedule of ``role`` multiplies its configured lr times
+        ``scale`` (see :func:`rlfleet.trainer.fsdp.set_base_lr`)."""
+        ...
+
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel group (identity on one rank)."""
         ...

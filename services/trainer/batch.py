@@ -14,6 +14,7 @@ key                    shape / type        meaning
 ``token_level_scores`` (bs, R) float       reward per token, or:
 ``scores``             (bs,) float         one score, placed on the last valid token
 ``old_log_probs``      (bs, R) float       log-probs under the behaviour policy
+``rollout_log_probs``  (bs, R) float       the rollout engine's log-probs of the samples
 ``ref_log_prob``       (bs, R) float       log-probs under the reference policy
 ``values``             (bs, R) float       critic values at rollout time
 ``advantages``         (bs, R) float
@@ -64,6 +65,7 @@ _RESP_KEYS = (
     "token_level_scores",
     "token_level_rewards",
     "old_log_probs",
+    "rollout_log_probs",
     "ref_log_prob",
     "values",
     "advantages",
@@ -74,6 +76,7 @@ _FLOAT_FINITE = (
     "token_level_rewards",
     "scores",
     "old_log_probs",
+    "rollout_log_probs",
     "ref_log_prob",
     "values",
     "advantages",

@@ -6,8 +6,8 @@ Layout under the checkpoint root (``<run dir>/checkpoints`` by default)::
         actor.pt             model, optimizer and lr scheduler state (full, unsharded)
         critic.pt            the same for the critic, when there is one
         rng_rank0.pt ...     each rank's torch / python / numpy (/ cuda) RNG states, as tensors
-        trainer_state.json   global_step, weight_version, kl_coef, world_size, roles,
-                             extra_state_json (e.g. the dataloader position)
+        trainer_state.json   global_step, weight_version, kl_coef, kl_loss_coef, world_size,
+                             roles, extra_state_json (e.g. the dataloader position)
         huggingface/         the actor as a Hugging Face folder: config.json, the tokenizer,
                              safetensors weights (``trainer.save_hf``, on by default)
     latest_checkpointed_iteration.txt   "12" (verl's name)
@@ -240,6 +240,7 @@ def save(
                 "global_step": core.state.global_step,
                 "weight_version": core.state.weight_version,
                 "kl_coef": core.kl_ctrl.value,
+                "kl_loss_coef": core.kl_loss_ctrl.value,
                 "world_size": core.world_size,
                 "roles": roles,
                 "extra_state_json": extra_state_json,
@@ -389,6 +390,7 @@ def load(core: TrainerCore, path: str | None = None) -> tuple[Path, int, str]:
             global_step=int(meta["global_step"]),
             weight_version=int(meta["weight_version"]),
             kl_coef=float(meta["kl_coef"]),
+            kl_loss_coef=float(meta["kl_loss_coef"]) if "kl_loss_coef" in meta else None,
         )
     return (
         folder,

@@ -26,8 +26,9 @@ from rlfleet.common.codec.wire import ChunkAssembler, iter_chunks
 from rlfleet.common.errors import RlfleetError
 from rlfleet.common.rpc import Watchdog, create_channel, health_probe, to_rlfleet_error
 from rlfleet.trainer.core import TrainStepResult
-from rlfleet.trainer.servicer import METRICS_META_KEY, TRANSPORT_NAMES, transport_codes
+from rlfleet.trainer.servicer import METRICS_META_KEY
 from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
+from rlfleet.weightsync.wire import TRANSPORT_NAMES, transport_codes
 
 __all__ = [
     "CheckpointInfo",
@@ -65,6 +66,7 @@ class PushOutcome:
     ok: dict[str, bool] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     transports: dict[str, str] = field(default_factory=dict)  # replica -> grpc | tcp | shm
+    seconds: dict[str, float] = field(default_factory=dict)  # replica -> its push's seconds
 
 
 class TrainerClient(Protocol):
@@ -96,6 +98,11 @@ class TrainerClient(Protocol):
         bucket_bytes: int = 0,
         transports: Sequence[str] = (),
     ) -> PushOutcome: ...
+    def set_lr_scale(self, role: str, scale: float) -> float:
+        """The lr of ``role`` becomes its configured lr times ``scale`` (in (0, 1],
+        absolute); returns the lr now in effect."""
+        ...
+
     def status(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
@@ -109,6 +116,7 @@ def _outcome(resp: trainer_pb2.PushWeightsResponse) -> PushOutcome:
         transports={
             r.replica_id: TRANSPORT_NAMES.get(r.transport, "grpc") for r in resp.results if r.ok
         },
+        seconds={r.replica_id: r.seconds for r in resp.results if r.ok},
     )
 
 
@@ -182,7 +190,7 @@ class InProcessTrainerClient:
         transports: Sequence[str] = (),
     ) -> PushOutcome:
         from rlfleet.trainer.servicer import push_to_targets
-        from rlfleet.trainer.weights import DEFAULT_BUCKET_BYTES
+        from rlfleet.weightsync.sender import DEFAULT_BUCKET_BYTES
 
         return _outcome(
             push_to_targets(
@@ -193,6 +201,10 @@ class InProcessTrainerClient:
                 transports=transport_codes(transports),
             )
         )
+
+    def set_lr_scale(self, role: str, scale: float) -> float:
+        lr: float = self.core.set_lr_scale(role, scale)
+        return lr
 
     def status(self) -> dict[str, Any]:
         status: dict[str, Any] = self.core.status()
@@ -342,6 +354,11 @@ class RemoteTrainerClient:
             transports=transport_codes(transports),
         )
         return _outcome(self._call(self._stub.PushWeights, req))
+
+    def set_lr_scale(self, role: str, scale: float) -> float:
+        req = trainer_pb2.SetLRScaleRequest(role=role, scale=scale)
+        resp: trainer_pb2.SetLRScaleResponse = self._call(self._stub.SetLRScale, req)
+        return float(resp.lr)
 
     def status(self) -> dict[str, Any]:
         s: trainer_pb2.TrainerStatus = self._call(

@@ -28,6 +28,13 @@ the old log-probs equal the log-probs of the actor's own forward in its update, 
 loss takes those, detached (the ratio is exactly 1; the gradient is the same). During
 critic warm-up without an in-reward KL nothing reads them, so the pass is skipped too.
 
+KL coefficients: the in-reward penalty's (``algorithm.kl_ctrl``) and the KL loss's
+(``actor.kl_loss_coef``, moved by ``actor.kl_loss_ctrl``) are each a fixed or adaptive
+controller of ``core_algos``, updated after every step by the KL it measured, reported
+(``actor/reward_kl_penalty_coeff``, ``actor/kl_coef``) and kept by checkpoints.
+:meth:`TrainerCore.set_lr_scale` changes a role's lr at run time (the driver's health
+guard lowers the actor's).
+
 Counters: ``global_step`` counts training steps (``train_step``, ``update_actor``,
 ``sft_step``); ``weight_version`` counts actor updates, i.e. the version of the weights a
 push sends.
@@ -36,6 +43,7 @@ push sends.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -67,7 +75,8 @@ class TrainerState:
 
     global_step: int = 0
     weight_version: int = 0
-    kl_coef: float = 0.0
+    kl_coef: float = 0.0  # the in-reward KL penalty's (algorithm.kl_ctrl)
+    kl_loss_coef: float = 0.0  # the KL loss's (actor.kl_loss_coef, moved by actor.kl_loss_ctrl)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -150,7 +159,12 @@ class TrainerCore:
         self.dp_size = len({dp for dp, _ in self.layout})
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = core_algos.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
-        self.state = TrainerState(kl_coef=self.kl_ctrl.value)
+        a = config.actor
+        loss_kl = a.kl_loss_ctrl
+        self.kl_loss_ctrl = core_algos.get_kl_controller(
+            loss_kl.type, a.kl_loss_coef, loss_kl.target_kl, loss_kl.horizon
+        )
+        self.state = TrainerState(kl_coef=self.kl_ctrl.value, kl_loss_coef=self.kl_loss_ctrl.value)
         # Token ids are checked against it before any model sees them.
         self.vocab_size = model_vocab_size(config, self.roles)
         # One operation at a time: gRPC serves calls on a thread pool, and the
@@ -227,12 +241,48 @@ class TrainerCore:
         failure raised here. The caller holds :attr:`lock` when ``op`` changes state."""
         return self._check(self.dispatcher.run(op, None, **kwargs))
 
-    def restore_state(self, *, global_step: int, weight_version: int, kl_coef: float) -> None:
-        """The counters a checkpoint saved (the caller holds :attr:`lock`)."""
+    def restore_state(
+        self,
+        *,
+        global_step: int,
+        weight_version: int,
+        kl_coef: float,
+        kl_loss_coef: float | None = None,
+    ) -> None:
+        """The counters a checkpoint saved (the caller holds :attr:`lock`);
+        ``kl_loss_coef`` None (a checkpoint from before it was saved): left as it is."""
         self.state.global_step = global_step
         self.state.weight_version = weight_version
         self.kl_ctrl.value = kl_coef
         self.state.kl_coef = kl_coef
+        if kl_loss_coef is not None:
+            self.kl_loss_ctrl.value = kl_loss_coef
+            self.state.kl_loss_coef = kl_loss_coef
+
+    def set_lr_scale(self, role: str, scale: float) -> float:
+        """Make the lr of ``role`` (``actor`` or ``critic``) its configured lr times
+        ``scale`` from now on, under the same schedule (warm-up and decay go on where
+        they are). Idempotent: the scale is absolute, not applied on the previous one.
+        Checkpoints keep it (the scheduler's base lr). Returns the lr now in effect.
+
+        Raises:
+            InvalidArgument: ``scale`` not in (0, 1], or ``role`` not a trained role.
+            FailedPrecondition: this trainer does not hold ``role``.
+        """
+        if role not in ("actor", "critic"):
+            raise InvalidArgument(
+                f"set_lr_scale: role must be actor or critic, got {role!r}",
+                field="role",
+                value=role,
+            )
+        if not (math.isfinite(scale) and 0.0 < scale <= 1.0):
+            raise InvalidArgument(
+                f"set_lr_scale: scale must be in (0, 1], got {scale}", field="scale", value=scale
+            )
+        self._need(role, "set_lr_scale")
+        with self.lock:
+            lrs = self.run_on_ranks("set_lr_scale", role=role, scale=scale)
+        return float(lrs[0])
 
     def _check(self, results: list[Any]) -> list[Any]:
         for r, res in enumerate(results):
@@ -407,8 +457,12 @@ class TrainerCore:
         return {k: batch[k] for k in keys}
 
     def _actor_keys(self) -> tuple[str, ...]:
-        keys = (*_MODEL_KEYS, "old_log_probs", "advantages")
-        return (*keys, "ref_log_prob") if self.config.actor.use_kl_loss else keys
+        keys: tuple[str, ...] = (*_MODEL_KEYS, "old_log_probs", "advantages")
+        if self.config.actor.use_kl_loss:
+            keys = (*keys, "ref_log_prob")
+        if self.config.algorithm.rollout_correction.rollout_is is not None:
+            keys = (*keys, "rollout_log_probs")  # the truncated IS weights need them
+        return keys
 
     def _actor_view(self, batch: Batch, *, old_log_probs: bool = True) -> Batch:
         keys = (*self._actor_keys(), "position_ids", "response_mask")
@@ -421,10 +475,24 @@ class TrainerCore:
         a = self.config.actor
         mini = self._mini_size(B.batch_size(batch), a.ppo_mini_batch_size, "update_actor")
         with self.lock:
-            metrics = self._update_on_ranks("update_actor", self._actor_view(batch), mini)
+            metrics = self._update_on_ranks(
+                "update_actor", self._actor_view(batch), mini, **self._kl_loss_kwargs()
+            )
+            self._update_kl_loss_ctrl(metrics, B.batch_size(batch))
             self.state.global_step += 1
             self.state.weight_version += 1
         return metrics
+
+    def _kl_loss_kwargs(self) -> dict[str, float]:
+        """The KL-loss coefficient of this update (the controller's value)."""
+        return {"kl_loss_coef": self.kl_loss_ctrl.value} if self.config.actor.use_kl_loss else {}
+
+    def _update_kl_loss_ctrl(self, metrics: dict[str, float], samples: int) -> None:
+        """After an actor update: move the KL-loss coefficient by the KL it measured
+        (``actor/kl_loss``, the mean KL estimate to the reference over the update)."""
+        if self.config.actor.use_kl_loss and "actor/kl_loss" in metrics:
+            self.kl_loss_ctrl.update(metrics["actor/kl_loss"], n_steps=samples)
+            self.state.kl_loss_coef = self.kl_loss_ctrl.value
 
     def sft_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of cross-entropy on the response tokens."""
@@ -459,6 +527,8 @@ class TrainerCore:
             need.append("uid")
         if alg.adv_estimator == "remax":
             need.append("reward_baselines")
+        if alg.rollout_correction.rollout_is is not None:
+            need.append("rollout_log_probs")
         return need
 
     def skips_old_log_prob(self, batch_size: int, *, on_policy: bool, actor_update: bool) -> bool:
@@ -552,17 +622,18 @@ class TrainerCore:
                 )
             if actor_update:
                 actor_view = self._actor_view(batch, old_log_probs=not skip_old)
-                metrics.update(
-                    timed(
+                actor_metrics = timed(
+                    "update_actor",
+                    lambda: self._update_on_ranks(
                         "update_actor",
-                        lambda: self._update_on_ranks(
-                            "update_actor",
-                            actor_view,
-                            actor_mini,
-                            old_log_probs_from_current=skip_old,
-                        ),
-                    )
+                        actor_view,
+                        actor_mini,
+                        old_log_probs_from_current=skip_old,
+                        **self._kl_loss_kwargs(),
+                    ),
                 )
+                metrics.update(actor_metrics)
+                self._update_kl_loss_ctrl(actor_metrics, bs)
                 self.state.weight_version += 1
             self.state.global_step += 1
             return TrainStepResult(

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlfleet.trainer.backend import Backend
+from rlfleet.trainer.backend import Backend, ModelRole
 from rlfleet.trainer.worker import Worker
 
 __all__ = ["STOP", "Dispatcher", "RankOps", "follow"]
@@ -49,6 +49,7 @@ class RankOps:
             "load_checkpoint": self.load_checkpoint,
             "drain_full_params": self.drain_full_params,
             "export_hf": self.export_hf,
+            "set_lr_scale": self.set_lr_scale,
         }
 
     def run(self, op: str, arg: Any, kwargs: dict[str, Any]) -> Any:
@@ -102,6 +103,11 @@ class RankOps:
 
     def export_hf(self, role: str, path: str) -> None:
         self.backend.export_hf(role, path)
+
+    def set_lr_scale(self, role: ModelRole, scale: float) -> float:
+        """The configured lr of ``role`` times ``scale`` from now on; the lr in effect."""
+        self.backend.set_lr_scale(role, scale)
+        return self.backend.lr(role)
 
 
 class Dispatcher:

@@ -42,7 +42,13 @@ from rlfleet.trainer.models import (
 )
 from rlfleet.trainer.packing import Packed, enable_packing, pack
 
-__all__ = ["FSDPBackend", "WarmupSchedule", "build_scheduler", "ensure_process_group"]
+__all__ = [
+    "FSDPBackend",
+    "WarmupSchedule",
+    "build_scheduler",
+    "ensure_process_group",
+    "set_base_lr",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +85,21 @@ def build_scheduler(
         warmup = int(section.lr_warmup_steps_ratio * (total or 0))
     schedule = WarmupSchedule(warmup, total, section.lr_scheduler, section.min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def set_base_lr(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, base_lr: float
+) -> None:
+    """Make ``base_lr`` the lr that ``scheduler`` multiplies by its schedule, from the
+    current step on: the lr in effect becomes ``base_lr * schedule(step)`` at once, and
+    warm-up or decay continue where they are. The scheduler's and the optimizer's
+    state dicts carry it (``base_lrs``, ``initial_lr``), so a checkpoint keeps it."""
+    for i, group in enumerate(optimizer.param_groups):
+        factor = scheduler.lr_lambdas[i](scheduler.last_epoch)
+        group["lr"] = base_lr * factor
+        group["initial_lr"] = base_lr
+        scheduler.base_lrs[i] = base_lr
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def ensure_process_group(device: torch.device) -> None:
@@ -321,6 +342,9 @@ class FSDPBackend:
 
     def lr(self, role: ModelRole) -> float:
         return float(self.optimizers[role].param_groups[0]["lr"])
+
+    def set_lr_scale(self, role: ModelRole, scale: float) -> None:
+        set_base_lr(self.optimizers[role], self.schedulers[role], self.sections[role].lr * scale)
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         if not self.distributed or self.world_size == 1:

@@ -51,7 +51,7 @@ from torch import nn
 from rlfleet.common.config import ActorConfig, Config, CriticConfig, MegatronConfig
 from rlfleet.common.errors import FailedPrecondition
 from rlfleet.trainer.backend import LossFn, Metrics, ModelRole, Outputs
-from rlfleet.trainer.fsdp import build_scheduler, ensure_process_group
+from rlfleet.trainer.fsdp import build_scheduler, ensure_process_group, set_base_lr
 from rlfleet.trainer.megatron_convert import (
     ModelShape,
     ParamSpec,
@@ -728,6 +728,9 @@ class MegatronBackend:
 
     def lr(self, role: ModelRole) -> float:
         return float(self.optimizers[role].param_groups[0]["lr"])
+
+    def set_lr_scale(self, role: ModelRole, scale: float) -> None:
+        set_base_lr(self.optimizers[role], self.schedulers[role], self.sections[role].lr * scale)
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.dp_size == 1:

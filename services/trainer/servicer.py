@@ -27,8 +27,9 @@ from rlfleet.common.rpc import is_loopback
 from rlfleet.trainer import checkpoint
 from rlfleet.trainer.core import TrainerCore
 from rlfleet.trainer.models import torch_dtype
-from rlfleet.trainer.weights import DEFAULT_BUCKET_BYTES, push_weights
 from rlfleet.v1 import common_pb2, rollout_pb2, trainer_pb2, trainer_pb2_grpc
+from rlfleet.weightsync import wire
+from rlfleet.weightsync.sender import DEFAULT_BUCKET_BYTES, push_weights
 
 __all__ = ["METRICS_META_KEY", "TrainerServicer", "decode_stream", "encode_result"]
 
@@ -210,6 +211,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             )
         return response
 
+    def SetLRScale(
+        self, request: trainer_pb2.SetLRScaleRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.SetLRScaleResponse:
+        return trainer_pb2.SetLRScaleResponse(
+            lr=self.core.set_lr_scale(request.role, request.scale)
+        )
+
     def GetStatus(
         self, request: trainer_pb2.GetTrainerStatusRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.TrainerStatus:
@@ -238,43 +246,6 @@ def refused_push_targets(
     return refused
 
 
-#: ``WeightTransport`` values and the transport names of the rollout's data plane.
-TRANSPORT_NAMES: dict[int, str] = {
-    rollout_pb2.WEIGHT_TRANSPORT_GRPC: "grpc",
-    rollout_pb2.WEIGHT_TRANSPORT_TCP: "tcp",
-    rollout_pb2.WEIGHT_TRANSPORT_SHM: "shm",
-}
-_TRANSPORT_CODES = {name: code for code, name in TRANSPORT_NAMES.items()}
-
-
-def transport_codes(names: Iterable[str]) -> list[int]:
-    """Transport names (``shm``, ``tcp``, ``grpc``) -> ``WeightTransport`` values."""
-    names = list(names)
-    unknown = [n for n in names if n not in _TRANSPORT_CODES]
-    if unknown:
-        raise ValueError(f"unknown weight transports {unknown}; known: {sorted(_TRANSPORT_CODES)}")
-    return [_TRANSPORT_CODES[n] for n in names]
-
-
-def transport_names(codes: Iterable[int]) -> list[str]:
-    """``WeightTransport`` values -> names; an empty list is the portable gRPC stream.
-
-    Empty stays the gRPC stream (rather than trying the bulk plane first) because a
-    replica need not serve ``OpenWeightTransfer`` (the trainer's test replica does
-    not); a caller that wants TCP / shared memory names them."""
-    names = []
-    for code in codes:
-        if code not in TRANSPORT_NAMES:
-            raise InvalidArgument(
-                f"weight transport {code} is not implemented by the trainer's push "
-                f"(implemented: {sorted(TRANSPORT_NAMES)})",
-                field="transports",
-                value=code,
-            )
-        names.append(TRANSPORT_NAMES[code])
-    return names or ["grpc"]
-
-
 def push_to_targets(
     core: TrainerCore,
     targets: list[tuple[str, str]],
@@ -283,15 +254,22 @@ def push_to_targets(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     transports: list[int] | None = None,
 ) -> trainer_pb2.PushWeightsResponse:
-    """Push the actor's weights (in the rollout's dtype) to ``targets``: the bucketed
-    gRPC chunk stream, or the bulk data plane for a one-bucket model when
-    ``transports`` ask for TCP / shared memory (:func:`rlfleet.trainer.weights.push_weights`)."""
+    """Push the actor's weights (in the rollout's dtype) to ``targets`` with
+    :func:`rlfleet.weightsync.sender.push_weights`, each replica over the first of
+    ``transports`` (``WeightTransport`` codes, preference order) it can take; empty
+    is the trainer's ``rollout.weight_transport`` (default ``auto``, the best
+    available: shared memory on the replica's host, else TCP, else the gRPC stream,
+    :data:`rlfleet.weightsync.wire.AUTO`)."""
     if not targets:
         raise InvalidArgument("no rollout targets to push to", field="targets")
     for rid, address in targets:
         if not address:
             raise InvalidArgument(f"target {rid!r} has no address", field="targets")
-    names = transport_names(transports or [])
+    names = (
+        wire.transport_names(transports)
+        if transports
+        else list(wire.transports_for(core.config.rollout.weight_transport))
+    )
     version = version or core.weight_version
     dtype = torch_dtype(core.config.rollout.dtype)
     summary = push_weights(
@@ -305,7 +283,7 @@ def push_to_targets(
                 replica_id=r.replica_id,
                 ok=r.ok,
                 error=r.error,
-                transport=_TRANSPORT_CODES.get(r.transport, rollout_pb2.WEIGHT_TRANSPORT_GRPC),
+                transport=wire.TRANSPORT_CODES.get(r.transport, rollout_pb2.WEIGHT_TRANSPORT_GRPC),
                 seconds=r.seconds,
             )
             for r in summary.results

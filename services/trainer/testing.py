@@ -15,9 +15,9 @@ import torch
 
 from rlfleet.common.config import Config, config_from_dict
 from rlfleet.common.errors import InvalidArgument
-from rlfleet.common.weight_stream import WeightStreamReceiver
 from rlfleet.trainer.batch import Batch
 from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc
+from rlfleet.weightsync.wire import WeightStreamReceiver
 
 __all__ = ["FakeRollout", "make_batch", "make_config", "make_varied_batch"]
 
@@ -98,7 +98,7 @@ def make_varied_batch(
 
 class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
     """A rollout replica that only takes weights: assembles every ``UpdateWeights``
-    stream with :class:`~rlfleet.common.weight_stream.WeightStreamReceiver` and keeps the
+    stream with :class:`~rlfleet.weightsync.wire.WeightStreamReceiver` and keeps the
     tensors of the last complete update, checked against ``expected`` names/shapes."""
 
     def __init__(self, expected: Mapping[str, tuple[int, ...]] | None = None) -> None:

@@ -21,10 +21,28 @@ times the world size (FSDP averages gradients over ranks). The accumulated gradi
 then exactly the gradient of the loss over the whole mini-batch, however it is cut into
 micro-batches and ranks; this is what makes a 1-rank and an N-rank update agree.
 
+A loss whose terms aggregate differently scales each term by its own share: GSPO's policy
+term is always a mean over sequences (``seq-mean-token-mean``, as in verl), its entropy
+and KL terms follow ``loss_agg_mode``.
+
+Policy losses (``actor.policy_loss.loss_mode``, verl's key): ``vanilla`` (dual-clip PPO),
+``gspo`` (sequence-level ratio; a sequence is a row of the micro-batch, whole whether the
+backend packs it or not, so the per-sequence mean needs no regrouping) and ``cispo``;
+all from :mod:`~rlfleet.trainer.ppo.core_algos`. With
+``algorithm.rollout_correction.rollout_is`` set, each token's policy loss is weighted by
+the truncated importance weight ``min(exp(old_log_prob - rollout_log_prob), C)``
+(``rollout_corr/rollout_is_mean``, ``rollout_corr/rollout_is_max``,
+``rollout_corr/rollout_is_ratio_fraction_high``); when the old log-probs come from the
+update's own forward (see :meth:`Worker.update_actor`), the weights use those.
+
 Metrics are weighted the same way: each micro-batch reports its values times its share,
 so a step's metrics (``actor/pg_loss``, ``actor/pg_clipfrac``, ``critic/vf_loss``, ...)
-are the values over the whole mini-batch (token-weighted for ``token-mean``), whatever
-the micro-batches and ranks; an update reports their mean over its optimizer steps.
+are the values over the whole mini-batch, whatever the micro-batches and ranks: a loss
+as it aggregates, per-token diagnostics (``actor/pg_clipfrac``, ``actor/ppo_kl``,
+``rollout_corr/rollout_is_mean``, ...) as token means; an update reports their mean
+over its optimizer steps.
+Maxima (``rollout_corr/rollout_is_max``) are the maximum over micro-batches, optimizer
+steps and ranks instead.
 They stay tensors on the device until the end of the update and are read back in
 one transfer, so a micro-batch costs no host-device synchronisation beyond the
 forward and backward themselves. The actor's entropy (a pass over the full vocabulary)
@@ -46,27 +64,41 @@ from rlfleet.trainer.backend import Backend, Metrics, ModelRole, Outputs
 from rlfleet.trainer.batch import Batch, batch_size, index_select, split, token_budget_groups
 from rlfleet.trainer.ppo import core_algos
 
-__all__ = ["MicroBatching", "Worker"]
+__all__ = ["MAX_METRICS", "MicroBatching", "Worker"]
 
 _TOKEN_MODES = ("token-mean",)
+#: GSPO's policy term is a mean over sequences whatever loss_agg_mode says (as in verl).
+_GSPO_AGG = "seq-mean-token-mean"
+#: Metrics reduced by their maximum (over micro-batches, steps and ranks), not a mean.
+MAX_METRICS = frozenset({"rollout_corr/rollout_is_max"})
 
 
 def _mean_metrics(items: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The mean of each metric over ``items`` (the maximum for :data:`MAX_METRICS`)."""
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
+    most: dict[str, float] = {}
     for m in items:
         for k, v in m.items():
+            if k in MAX_METRICS:
+                most[k] = max(most.get(k, v), v)
+                continue
             sums[k] += v
             counts[k] += 1
-    return {k: sums[k] / counts[k] for k in sums}
+    return {k: sums[k] / counts[k] for k in sums} | most
 
 
 def _sum_metrics(items: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The sum of each metric over ``items`` (the maximum for :data:`MAX_METRICS`)."""
     sums: dict[str, float] = defaultdict(float)
+    most: dict[str, float] = {}
     for m in items:
         for k, v in m.items():
-            sums[k] += v
-    return dict(sums)
+            if k in MAX_METRICS:
+                most[k] = max(most.get(k, v), v)
+            else:
+                sums[k] += v
+    return dict(sums) | most
 
 
 def _read_metrics(items: Sequence[Metrics]) -> list[dict[str, float]]:
@@ -95,8 +127,13 @@ def _share(mask: torch.Tensor, mode: str, scale: float) -> torch.Tensor:
 
 def _weighted(metrics: Metrics, share: torch.Tensor) -> Metrics:
     """Each metric times the micro-batch's share: summed over a step's micro-batches
-    (and averaged over ranks) they give the mini-batch's value, however it was cut."""
-    return {k: v.detach() * share for k, v in metrics.items() if isinstance(v, torch.Tensor)}
+    (and averaged over ranks) they give the mini-batch's value, however it was cut.
+    :data:`MAX_METRICS` stay as they are (their maximum is taken instead)."""
+    return {
+        k: v.detach() if k in MAX_METRICS else v.detach() * share
+        for k, v in metrics.items()
+        if isinstance(v, torch.Tensor)
+    }
 
 
 @dataclass(frozen=True)
@@ -244,26 +281,30 @@ class Worker:
         epochs: int,
         shuffle: bool,
         seed: int,
-        loss_mode: str,
+        loss_modes: Sequence[str],
         loss_fn_for: Any,
         with_entropy: bool,
         extra: Mapping[str, float] | None = None,
     ) -> dict[str, float]:
+        """``loss_fn_for(scales)`` builds a micro-batch loss from ``scales``: for each of
+        ``loss_modes``, the world size over the mini-batch's loss units on all ranks."""
         prefix = "critic" if role == "critic" else "actor"
         how = self.batching(op)
+        modes = list(dict.fromkeys(loss_modes))
         per_mb: list[Metrics] = []
         counts: list[int] = []  # micro-batches of each optimizer step
         steps: list[tuple[float, bool]] = []
         for epoch in range(epochs):
             for mb in self._minibatches(batch, mini_per_rank, shuffle, seed + epoch):
-                local = _units(mb["response_mask"], loss_mode)
-                total = float(self.backend.all_reduce_sum(local.reshape(1)).item())
-                scale = self.backend.world_size / max(total, 1.0)
+                local = torch.stack([_units(mb["response_mask"], m) for m in modes])
+                totals = self.backend.all_reduce_sum(local).tolist()
+                world = self.backend.world_size
+                scales = {m: world / max(t, 1.0) for m, t in zip(modes, totals, strict=True)}
                 micro, _ = self._micro(mb, how)
                 got = self.backend.forward_backward(
                     role,
                     micro,
-                    loss_fn_for(scale),
+                    loss_fn_for(scales),
                     temperature=self.temperature,
                     with_entropy=with_entropy,
                 )
@@ -293,8 +334,12 @@ class Worker:
         mini_per_rank: int,
         seed: int,
         old_log_probs_from_current: bool = False,
+        kl_loss_coef: float | None = None,
     ) -> dict[str, float]:
         """PPO policy updates on this rank's rows.
+
+        ``kl_loss_coef``: the KL loss's coefficient for this update (the trainer core's
+        controller, ``actor.kl_loss_ctrl``); None: ``actor.kl_loss_coef``.
 
         ``old_log_probs_from_current``: the batch has no ``old_log_probs``; the loss
         takes the actor's own log-probs of this forward, detached (ratio exactly 1).
@@ -312,42 +357,77 @@ class Worker:
             )
         low, high = a.clip_ratio_low, a.clip_ratio_high
         use_kl = a.use_kl_loss
+        kl_coef = a.kl_loss_coef if kl_loss_coef is None else kl_loss_coef
         mode = a.loss_agg_mode
+        loss_mode = a.policy_loss.loss_mode
+        pg_mode = _GSPO_AGG if loss_mode == "gspo" else mode
+        correction = self.config.algorithm.rollout_correction
         with_entropy = a.entropy_coeff != 0
 
-        def loss_fn_for(scale: float) -> Any:
+        def policy_loss(
+            old: torch.Tensor,
+            log_prob: torch.Tensor,
+            advantages: torch.Tensor,
+            mask: torch.Tensor,
+            weights: torch.Tensor | None,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            if loss_mode == "gspo":
+                return core_algos.compute_policy_loss_gspo(
+                    old, log_prob, advantages, mask, low, high, pg_mode, weights
+                )
+            if loss_mode == "cispo":
+                return core_algos.compute_policy_loss_cispo(
+                    old, log_prob, advantages, mask, low, high, pg_mode, weights
+                )
+            return core_algos.compute_policy_loss(
+                old, log_prob, advantages, mask, low, high, a.clip_ratio_c, pg_mode, weights
+            )
+
+        def loss_fn_for(scales: Mapping[str, float]) -> Any:
             def loss_fn(out: Outputs, mb: dict[str, Any]) -> tuple[torch.Tensor, Metrics]:
                 mask = mb["response_mask"]
                 log_prob = out["log_prob"]
                 old = log_prob.detach() if old_log_probs_from_current else mb["old_log_probs"]
-                pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = core_algos.compute_policy_loss(
-                    old,
-                    log_prob,
-                    mb["advantages"],
-                    mask,
-                    clip_ratio_low=low,
-                    clip_ratio_high=high,
-                    clip_ratio_c=a.clip_ratio_c,
-                    loss_agg_mode=mode,
+                weights = None
+                is_metrics: Metrics = {}
+                if correction.rollout_is is not None:
+                    weights, found = core_algos.compute_rollout_is_weights(
+                        old,
+                        mb["rollout_log_probs"],
+                        mask,
+                        correction.rollout_is,
+                        correction.rollout_is_threshold,
+                    )
+                    is_metrics = {f"rollout_corr/{k}": v for k, v in found.items()}
+                pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = policy_loss(
+                    old, log_prob, mb["advantages"], mask, weights
                 )
-                loss = pg_loss
-                m: Metrics = {
-                    "actor/pg_loss": pg_loss,
+                pg_share = _share(mask, pg_mode, scales[pg_mode])
+                share = _share(mask, mode, scales[mode])
+                token_share = _share(mask, _TOKEN_MODES[0], scales[_TOKEN_MODES[0]])
+                loss = pg_loss * pg_share
+                # Means over tokens weigh by tokens, whatever the loss aggregates over.
+                token_metrics: Metrics = {
                     "actor/pg_clipfrac": pg_clipfrac,
                     "actor/ppo_kl": ppo_kl,
                     "actor/pg_clipfrac_lower": pg_clipfrac_lower,
+                    **is_metrics,
                 }
+                m: Metrics = {}
                 if with_entropy:
                     entropy = core_algos.agg_loss(out["entropy"], mask, mode)
-                    loss = loss - a.entropy_coeff * entropy
+                    loss = loss - a.entropy_coeff * entropy * share
                     m["actor/entropy"] = entropy
                 if use_kl:
                     kld = core_algos.kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type)
                     kl_loss = core_algos.agg_loss(kld, mask, mode)
-                    loss = loss + a.kl_loss_coef * kl_loss
+                    loss = loss + kl_coef * kl_loss * share
                     m["actor/kl_loss"] = kl_loss
-                share = _share(mask, mode, scale)
-                return loss * share, _weighted(m, share)
+                return loss, (
+                    _weighted({"actor/pg_loss": pg_loss}, pg_share)
+                    | _weighted(token_metrics, token_share)
+                    | _weighted(m, share)
+                )
 
             return loss_fn
 
@@ -359,17 +439,17 @@ class Worker:
             epochs=a.ppo_epochs,
             shuffle=a.shuffle,
             seed=seed,
-            loss_mode=mode,
+            loss_modes=(pg_mode, mode, _TOKEN_MODES[0]),
             loss_fn_for=loss_fn_for,
             with_entropy=with_entropy,
-            extra={"actor/kl_coef": a.kl_loss_coef} if use_kl else None,
+            extra={"actor/kl_coef": kl_coef} if use_kl else None,
         )
 
     def update_critic(self, batch: Batch, *, mini_per_rank: int, seed: int) -> dict[str, float]:
         c = self.config.critic
         mode = c.loss_agg_mode
 
-        def loss_fn_for(scale: float) -> Any:
+        def loss_fn_for(scales: Mapping[str, float]) -> Any:
             def loss_fn(out: Outputs, mb: dict[str, Any]) -> tuple[torch.Tensor, Metrics]:
                 mask = mb["response_mask"]
                 vpreds = out["values"]
@@ -381,7 +461,7 @@ class Worker:
                     "critic/vf_clipfrac": vf_clipfrac,
                     "critic/vpred_mean": core_algos.masked_mean(vpreds.detach(), mask),
                 }
-                share = _share(mask, mode, scale)
+                share = _share(mask, mode, scales[mode])
                 return vf_loss * share, _weighted(m, share)
 
             return loss_fn
@@ -394,7 +474,7 @@ class Worker:
             epochs=c.ppo_epochs or 1,
             shuffle=c.shuffle,
             seed=seed,
-            loss_mode=mode,
+            loss_modes=(mode,),
             loss_fn_for=loss_fn_for,
             with_entropy=False,
         )

@@ -246,3 +246,62 @@ class RolloutStatus(_message.Message):
     weight_staged_bytes: int
     weight_spare_bytes: int
     def __init__(self, replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_version: _Optional[int] = ..., queue_depth: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., sleeping: _Optional[bool] = ..., generated_tokens_total: _Optional[int] = ..., weight_staged_bytes: _Optional[int] = ..., weight_spare_bytes: _Optional[int] = ...) -> None: ...
+
+class GetTrajectoriesRequest(_message.Message):
+    __slots__ = ("session_ids",)
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PopTrajectoriesRequest(_message.Message):
+    __slots__ = ("max_sessions",)
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    max_sessions: int
+    def __init__(self, max_sessions: _Optional[int] = ...) -> None: ...
+
+class TrajectoryCompletion(_message.Message):
+    __slots__ = ("prompt_token_ids", "token_ids", "logprobs", "weight_version", "finish_reason", "temperature", "created_unix_s")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    weight_version: int
+    finish_reason: FinishReason
+    temperature: float
+    created_unix_s: float
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., temperature: _Optional[float] = ..., created_unix_s: _Optional[float] = ...) -> None: ...
+
+class Trajectory(_message.Message):
+    __slots__ = ("session_id", "completions", "finished", "reward", "info")
+    class InfoEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    completions: _containers.RepeatedCompositeFieldContainer[TrajectoryCompletion]
+    finished: bool
+    reward: float
+    info: _containers.ScalarMap[str, str]
+    def __init__(self, session_id: _Optional[str] = ..., completions: _Optional[_Iterable[_Union[TrajectoryCompletion, _Mapping]]] = ..., finished: _Optional[bool] = ..., reward: _Optional[float] = ..., info: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class TrajectoriesResponse(_message.Message):
+    __slots__ = ("trajectories", "replica_id")
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    trajectories: _containers.RepeatedCompositeFieldContainer[Trajectory]
+    replica_id: str
+    def __init__(self, trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ..., replica_id: _Optional[str] = ...) -> None: ...

@@ -75,6 +75,16 @@ class RolloutServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_rollout__pb2.GetRolloutStatusRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
                 _registered_method=True)
+        self.GetTrajectories = channel.unary_unary(
+                '/rlfleet.v1.RolloutService/GetTrajectories',
+                request_serializer=rlfleet_dot_v1_dot_rollout__pb2.GetTrajectoriesRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_rollout__pb2.TrajectoriesResponse.FromString,
+                _registered_method=True)
+        self.PopTrajectories = channel.unary_unary(
+                '/rlfleet.v1.RolloutService/PopTrajectories',
+                request_serializer=rlfleet_dot_v1_dot_rollout__pb2.PopTrajectoriesRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_rollout__pb2.TrajectoriesResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -138,6 +148,24 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTrajectories(self, request, context):
+        """Sessions recorded by the replica's OpenAI-compatible endpoint: the exact prompt
+        and sampled token ids, log-probs and weight version of every completion.
+        GetTrajectories reads the named sessions (open or finished) and leaves them;
+        PopTrajectories takes finished sessions (the agent posted their reward or
+        finished them), oldest first: each is returned once, then gone from the replica.
+        FAILED_PRECONDITION when the replica serves no OpenAI endpoint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PopTrajectories(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +208,16 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=rlfleet_dot_v1_dot_rollout__pb2.GetRolloutStatusRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_rollout__pb2.RolloutStatus.SerializeToString,
+            ),
+            'GetTrajectories': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrajectories,
+                    request_deserializer=rlfleet_dot_v1_dot_rollout__pb2.GetTrajectoriesRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_rollout__pb2.TrajectoriesResponse.SerializeToString,
+            ),
+            'PopTrajectories': grpc.unary_unary_rpc_method_handler(
+                    servicer.PopTrajectories,
+                    request_deserializer=rlfleet_dot_v1_dot_rollout__pb2.PopTrajectoriesRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_rollout__pb2.TrajectoriesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +436,60 @@ class RolloutService:
             '/rlfleet.v1.RolloutService/GetStatus',
             rlfleet_dot_v1_dot_rollout__pb2.GetRolloutStatusRequest.SerializeToString,
             rlfleet_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrajectories(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.RolloutService/GetTrajectories',
+            rlfleet_dot_v1_dot_rollout__pb2.GetTrajectoriesRequest.SerializeToString,
+            rlfleet_dot_v1_dot_rollout__pb2.TrajectoriesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PopTrajectories(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.RolloutService/PopTrajectories',
+            rlfleet_dot_v1_dot_rollout__pb2.PopTrajectoriesRequest.SerializeToString,
+            rlfleet_dot_v1_dot_rollout__pb2.TrajectoriesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -135,6 +135,20 @@ class PushWeightsResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[PushResult]
     def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., results: _Optional[_Iterable[_Union[PushResult, _Mapping]]] = ...) -> None: ...
 
+class SetLRScaleRequest(_message.Message):
+    __slots__ = ("role", "scale")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    scale: float
+    def __init__(self, role: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class SetLRScaleResponse(_message.Message):
+    __slots__ = ("lr",)
+    LR_FIELD_NUMBER: _ClassVar[int]
+    lr: float
+    def __init__(self, lr: _Optional[float] = ...) -> None: ...
+
 class GetTrainerStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -91,6 +91,11 @@ class TrainerServiceStub:
                 request_serializer=rlfleet_dot_v1_dot_trainer__pb2.PushWeightsRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_trainer__pb2.PushWeightsResponse.FromString,
                 _registered_method=True)
+        self.SetLRScale = channel.unary_unary(
+                '/rlfleet.v1.TrainerService/SetLRScale',
+                request_serializer=rlfleet_dot_v1_dot_trainer__pb2.SetLRScaleRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_trainer__pb2.SetLRScaleResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/rlfleet.v1.TrainerService/GetStatus',
                 request_serializer=rlfleet_dot_v1_dot_trainer__pb2.GetTrainerStatusRequest.SerializeToString,
@@ -170,6 +175,14 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetLRScale(self, request, context):
+        """The lr of a trained role, changed at run time (the driver's health guard
+        halves the actor's); kept by later checkpoints.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -233,6 +246,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.PushWeights,
                     request_deserializer=rlfleet_dot_v1_dot_trainer__pb2.PushWeightsRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_trainer__pb2.PushWeightsResponse.SerializeToString,
+            ),
+            'SetLRScale': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetLRScale,
+                    request_deserializer=rlfleet_dot_v1_dot_trainer__pb2.SetLRScaleRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_trainer__pb2.SetLRScaleResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -537,6 +555,33 @@ class TrainerService:
             '/rlfleet.v1.TrainerService/PushWeights',
             rlfleet_dot_v1_dot_trainer__pb2.PushWeightsRequest.SerializeToString,
             rlfleet_dot_v1_dot_trainer__pb2.PushWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetLRScale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.TrainerService/SetLRScale',
+            rlfleet_dot_v1_dot_trainer__pb2.SetLRScaleRequest.SerializeToString,
+            rlfleet_dot_v1_dot_trainer__pb2.SetLRScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

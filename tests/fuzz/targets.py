@@ -156,7 +156,7 @@ def _weight_stream(
     tensors: dict[str, Any], version: int, *, bucket: int = 0, final: bool = True, n: int = 0
 ) -> list[rollout_pb2.WeightChunk]:
     from rlfleet.common.codec.wire import iter_chunks
-    from rlfleet.common.weight_stream import bucket_meta
+    from rlfleet.weightsync.wire import bucket_meta
 
     meta = bucket_meta(version, bucket, final=final, tensors=n or len(tensors))
     return [
@@ -313,12 +313,41 @@ def rollout_target(creds: Credentials, model_dir: Path) -> Iterator[Target]:
         max_n=4, max_prompts=8, max_samples=16, max_new_tokens=16, max_request_tokens=2048
     )
     core = RolloutCore(engine, replica_id="fuzz", limits=limits, transfer_timeout_s=5.0)
+    # The OpenAI endpoint's trajectory store (Get/PopTrajectories read it), with a few
+    # sessions in it so that the storm's calls find some.
+    from rlfleet.rollout.engine import FinishReason
+    from rlfleet.rollout.trajectories import Completion, TrajectoryStore
+
+    store = TrajectoryStore(max_sessions=64, max_tokens=1 << 14)
+
+    def add_sessions(rng: random.Random, k: int = 3) -> list[str]:
+        ids = []
+        for _ in range(k):
+            sid = f"fz-{rng.randrange(1 << 30)}"
+            n = rng.randrange(1, 5)
+            store.record(
+                sid,
+                Completion.of(
+                    [5, 6, 7],
+                    [8] * n,
+                    [-0.5] * n,
+                    weight_version=0,
+                    finish_reason=FinishReason.STOP,
+                    temperature=1.0,
+                ),
+            )
+            if rng.random() < 0.7:
+                store.finish(sid, rng.random())
+            ids.append(sid)
+        return ids
+
+    add_sessions(random.Random(0), 8)
     specs = [
         rollout_pb2.TensorSpec(name=s.name, dtype=s.dtype, shape=list(s.shape))
         for s in tensor_specs(weights)
     ]
     with serving(creds):
-        server = start_rollout_server(core)
+        server = start_rollout_server(core, trajectories=store)
     address = server.address
 
     def version() -> int:
@@ -339,6 +368,9 @@ def rollout_target(creds: Credentials, model_dir: Path) -> Iterator[Target]:
             results = list(stub.Generate(req, **kw))
             assert len(results) == 1 and len(results[0].token_ids) == 3, results
             assert results[0].weight_version == v, (results[0].weight_version, v)
+            sid = add_sessions(random.Random(v), 1)[0]
+            got = stub.GetTrajectories(rollout_pb2.GetTrajectoriesRequest(session_ids=[sid]), **kw)
+            assert [t.session_id for t in got.trajectories] == [sid], got
 
     try:
         target = Target(
@@ -362,6 +394,12 @@ def rollout_target(creds: Credentials, model_dir: Path) -> Iterator[Target]:
                 "Sleep": lambda rng: [rollout_pb2.SleepRequest(level=rng.choice((1, 2)))],
                 "WakeUp": lambda rng: [rollout_pb2.WakeUpRequest()],
                 "GetStatus": lambda rng: [rollout_pb2.GetRolloutStatusRequest()],
+                "GetTrajectories": lambda rng: [
+                    rollout_pb2.GetTrajectoriesRequest(session_ids=add_sessions(rng, 2))
+                ],
+                "PopTrajectories": lambda rng: [
+                    rollout_pb2.PopTrajectoriesRequest(max_sessions=rng.choice((0, 1, 5, 1 << 31)))
+                ],
             },
             generators=[*GENERIC, (gen_weight_attack, 3.0), (gen_offer_attack, 1.5)],
             check=check,
@@ -550,6 +588,12 @@ def trainer_target(creds: Credentials, model_dir: Path, run_dir: Path) -> Iterat
                 targets=[trainer_pb2.RolloutTarget(replica_id="r", address="127.0.0.1:1")]
             )
         ],
+        SetLRScale=lambda rng: [
+            trainer_pb2.SetLRScaleRequest(
+                role=rng.choice(("actor", "critic", "ref", "")),
+                scale=rng.choice((0.5, 1.0, 0.0, -1.0, 2.0, float("nan"), float("inf"))),
+            )
+        ],
         GetStatus=lambda rng: [trainer_pb2.GetTrainerStatusRequest()],
     )
     try:
@@ -574,7 +618,7 @@ def trainer_target(creds: Credentials, model_dir: Path, run_dir: Path) -> Iterat
         server.stop(0)
 
 
-_TRAINER_UNARY = ("SaveCheckpoint", "LoadCheckpoint", "PushWeights", "GetStatus")
+_TRAINER_UNARY = ("SaveCheckpoint", "LoadCheckpoint", "PushWeights", "SetLRScale", "GetStatus")
 
 
 # --------------------------------------------------------------------------- scheduler

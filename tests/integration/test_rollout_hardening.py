@@ -22,9 +22,7 @@ torch = pytest.importorskip("torch")
 from rlfleet.common.codec.wire import iter_chunks  # noqa: E402
 from rlfleet.common.errors import InvalidArgument, RlfleetError  # noqa: E402
 from rlfleet.common.rpc import to_rlfleet_error  # noqa: E402
-from rlfleet.common.weight_stream import bucket_meta  # noqa: E402
-from rlfleet.rollout import serde  # noqa: E402
-from rlfleet.rollout.client import RemoteRolloutClient, push_weights  # noqa: E402
+from rlfleet.rollout.client import RemoteRolloutClient  # noqa: E402
 from rlfleet.rollout.core import RolloutCore  # noqa: E402
 from rlfleet.rollout.engine import (  # noqa: E402
     CancelCheck,
@@ -36,8 +34,12 @@ from rlfleet.rollout.engine import (  # noqa: E402
 )
 from rlfleet.rollout.hf_engine import HFEngine  # noqa: E402
 from rlfleet.rollout.server import start_rollout_server  # noqa: E402
-from rlfleet.rollout.transport import make_offer, send_tcp, tensor_crcs  # noqa: E402
 from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
+from rlfleet.weightsync import wire  # noqa: E402
+from rlfleet.weightsync.checksum import tensor_crcs  # noqa: E402
+from rlfleet.weightsync.sender import make_offer, send_update  # noqa: E402
+from rlfleet.weightsync.tcp import send_tcp  # noqa: E402
+from rlfleet.weightsync.wire import bucket_meta  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -302,7 +304,7 @@ def test_poisoned_weights_are_refused_and_the_old_ones_serve(
     else:
         w = {n: torch.zeros_like(t) for n, t in w.items()}
     with pytest.raises(InvalidArgument) as e:
-        push_weights(address, w, 1, transports=(transport,))
+        send_update(address, w, 1, transports=(transport,))
     if poison == "zeros":
         assert e.value.code == "ZERO_WEIGHTS" and e.value.field.startswith("weights[")
     else:
@@ -312,7 +314,7 @@ def test_poisoned_weights_are_refused_and_the_old_ones_serve(
     assert core.status().weight_version == 0
     # A sound update still applies afterwards.
     assert (
-        push_weights(address, _perturbed(engine.inner, 6), 1, transports=(transport,)).version == 1
+        send_update(address, _perturbed(engine.inner, 6), 1, transports=(transport,)).version == 1
     )
 
 
@@ -333,11 +335,11 @@ def test_a_leaping_version_is_refused_and_later_pushes_apply(served, transport: 
     w = _perturbed(engine.inner, 8)
     for version in (2**63, 2**64 - 1, 2**20 + 1):
         with pytest.raises(InvalidArgument) as e:
-            push_weights(address, w, version, transports=(transport,))
+            send_update(address, w, version, transports=(transport,))
         assert (e.value.field, e.value.code) == ("version", "VERSION_JUMP")
     assert _greedy(address) == before and core.status().weight_version == 0
-    assert push_weights(address, w, 2**20, transports=(transport,)).version == 2**20
-    assert push_weights(address, w, 2**20 + 7, transports=(transport,)).version == 2**20 + 7
+    assert send_update(address, w, 2**20, transports=(transport,)).version == 2**20
+    assert send_update(address, w, 2**20 + 7, transports=(transport,)).version == 2**20 + 7
 
 
 def test_version_step_is_configurable(tiny_model_dir: Path) -> None:
@@ -346,8 +348,8 @@ def test_version_step_is_configurable(tiny_model_dir: Path) -> None:
     w = _perturbed(engine, 2)
     with _serve(core) as address:
         with pytest.raises(InvalidArgument, match="more than 10 above"):
-            push_weights(address, w, 11, transports=("grpc",))
-        assert push_weights(address, w, 10, transports=("grpc",)).version == 10
+            send_update(address, w, 11, transports=("grpc",))
+        assert send_update(address, w, 10, transports=("grpc",)).version == 10
 
 
 def _update_error(address: str, chunks: list[rollout_pb2.WeightChunk]) -> grpc.RpcError:
@@ -385,7 +387,7 @@ def test_chunk_stream_after_the_last_chunk_or_with_a_tensor_twice(served) -> Non
 def test_bulk_offer_naming_a_tensor_twice_is_refused(served) -> None:
     _, address, engine = served
     w = _perturbed(engine.inner, 10)
-    offer = serde.offer_to_proto(make_offer(w, 1, ("tcp",)))
+    offer = wire.offer_to_proto(make_offer(w, 1, ("tcp",)))
     offer.tensors.append(offer.tensors[0])
     channel, stub = _stub(address)
     with pytest.raises(grpc.RpcError) as e:
@@ -406,7 +408,7 @@ def test_bulk_offer_naming_a_tensor_twice_is_refused(served) -> None:
 def _open_tcp(address: str, w: dict[str, torch.Tensor], version: int) -> Any:
     offer = make_offer(w, version, ("tcp",))
     channel, stub = _stub(address)
-    plan = serde.plan_from_proto(stub.OpenWeightTransfer(serde.offer_to_proto(offer), timeout=30))
+    plan = wire.plan_from_proto(stub.OpenWeightTransfer(wire.offer_to_proto(offer), timeout=30))
     assert plan.transport == "tcp"
     return channel, stub, offer, plan
 

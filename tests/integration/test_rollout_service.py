@@ -23,7 +23,6 @@ from rlfleet.common.errors import (  # noqa: E402
 from rlfleet.rollout.client import (  # noqa: E402
     InProcessRolloutClient,
     RemoteRolloutClient,
-    push_weights,
 )
 from rlfleet.rollout.core import RolloutCore  # noqa: E402
 from rlfleet.rollout.engine import (  # noqa: E402
@@ -38,6 +37,7 @@ from rlfleet.rollout.hf_engine import HFEngine  # noqa: E402
 from rlfleet.rollout.server import load_detokenizer, start_rollout_server  # noqa: E402
 from rlfleet.trainer.ppo.core_algos import logprobs_from_logits  # noqa: E402
 from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
+from rlfleet.weightsync.sender import send_update  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -250,9 +250,9 @@ def test_corrupt_update_rejected_and_old_weights_serve(served) -> None:
         w = perturbed(engine.inner, 3)
         w["model.norm.weight"] = w["model.norm.weight"][:10]
         with pytest.raises(InvalidArgument, match=r"model\.norm\.weight"):
-            push_weights(channel, w, 1, transports=("grpc",))
+            send_update(channel, w, 1, transports=("grpc",))
         with pytest.raises(InvalidArgument, match=r"model\.norm\.weight"):
-            push_weights(channel, w, 1, transports=("tcp",))
+            send_update(channel, w, 1, transports=("tcp",))
         after = [s.token_ids for s in by_index(client.generate(PROMPTS, GREEDY))]
         assert after == before
         assert client.status().weight_version == 0
@@ -300,12 +300,12 @@ def test_sleep_and_wake_up(served) -> None:
         assert len(list(client.generate(PROMPTS[:1], GREEDY))) == 1
 
 
-def test_push_weights_rejects_stale_versions(served) -> None:
+def test_send_update_rejects_stale_versions(served) -> None:
     _, address, engine = served
     w = perturbed(engine.inner, 1)
-    assert push_weights(address, w, 3, transports=("tcp",)).version == 3
+    assert send_update(address, w, 3, transports=("tcp",)).version == 3
     with pytest.raises(FailedPrecondition, match="older"):
-        push_weights(address, w, 2, transports=("grpc",))
+        send_update(address, w, 2, transports=("grpc",))
     with pytest.raises(DataLoss):
         channel = grpc.insecure_channel(address)
         chunks = list(iter_chunks(w, max_chunk_bytes=100_000))[:-1]

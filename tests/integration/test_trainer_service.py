@@ -113,6 +113,9 @@ def test_push_weights_to_two_replicas_bucketed(
         out = remote.push_weights(targets, version=7, bucket_bytes=bucket)
         assert out.ok == {"r0": True, "r1": True, "dead": False}, out.errors
         assert "dead" in out.errors
+        # The best available by default: these replicas serve no bulk plane
+        # (OpenWeightTransfer is UNIMPLEMENTED), so each falls back to the gRPC stream.
+        assert out.transports == {"r0": "grpc", "r1": "grpc"}
         ours = dict(core.backend.iter_full_params("actor"))
         assert out.version == 7 and out.bytes == sum(t.numel() * 4 for t in ours.values())
         for fake in fakes:
@@ -127,7 +130,7 @@ def test_push_weights_to_two_replicas_bucketed(
 
 
 def test_push_bounds_memory_to_one_bucket(core: TrainerCore) -> None:
-    from rlfleet.trainer.weights import push_weights
+    from rlfleet.weightsync.sender import push_weights
 
     fake = FakeRollout()
     server = _rollout_server(fake)
@@ -160,3 +163,19 @@ def test_missing_role_is_failed_precondition(tiny_model_dir: Path) -> None:
     finally:
         client.close()
         server.stop(0)
+
+
+def test_set_lr_scale_over_grpc(core: TrainerCore, remote: RemoteTrainerClient) -> None:
+    try:
+        assert remote.set_lr_scale("actor", 0.5) == pytest.approx(0.5e-3)
+        assert core.backend.lr("actor") == pytest.approx(0.5e-3)
+        assert remote.set_lr_scale("critic", 0.25) == pytest.approx(0.25e-3)
+        with pytest.raises(InvalidArgument, match=r"in \(0, 1\]") as e:
+            remote.set_lr_scale("actor", 2.0)
+        assert e.value.field == "scale"
+        with pytest.raises(InvalidArgument, match="actor or critic"):
+            remote.set_lr_scale("ref", 0.5)
+        assert core.backend.lr("actor") == pytest.approx(0.5e-3)  # refused: unchanged
+    finally:
+        remote.set_lr_scale("actor", 1.0)
+        remote.set_lr_scale("critic", 1.0)

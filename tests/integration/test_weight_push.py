@@ -8,6 +8,7 @@ stops mid-update aborts it, so the replica's staged bytes go at once."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -21,18 +22,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rlfleet.rollout import client as rollout_client  # noqa: E402
 from rlfleet.rollout.client import RemoteRolloutClient  # noqa: E402
 from rlfleet.rollout.core import RolloutCore  # noqa: E402
 from rlfleet.rollout.engine import SamplingParams  # noqa: E402
 from rlfleet.rollout.hf_engine import HFEngine  # noqa: E402
 from rlfleet.rollout.server import start_rollout_server  # noqa: E402
-from rlfleet.rollout.transport import tensor_crcs  # noqa: E402
 from rlfleet.trainer.client import InProcessTrainerClient  # noqa: E402
 from rlfleet.trainer.core import TrainerCore  # noqa: E402
 from rlfleet.trainer.testing import make_batch, make_config  # noqa: E402
-from rlfleet.trainer.weights import iter_buckets, iter_weight_chunks  # noqa: E402
 from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
+from rlfleet.weightsync import sender  # noqa: E402
+from rlfleet.weightsync.checksum import tensor_crcs  # noqa: E402
+from rlfleet.weightsync.sender import iter_buckets, iter_weight_chunks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -108,7 +109,7 @@ def test_bucketed_push_lands_whole_in_a_real_replica(
     before = _generate(address)
 
     out = InProcessTrainerClient(trainer).push_weights(
-        [("r0", address)], version=4, bucket_bytes=BUCKET
+        [("r0", address)], version=4, bucket_bytes=BUCKET, transports=["grpc"]
     )
     assert out.ok == {"r0": True}, out.errors
     assert out.transports == {"r0": "grpc"}
@@ -225,29 +226,30 @@ def test_bucketed_model_takes_the_bulk_plane(
     assert core._bulk.staged_updates() == {}
     after = _generate(address)
     assert {v for *_, v in after} == {6} and after != before
-    # One transfer per bucket, each with its buffer. Shared memory: copied, so its
-    # segments are now the spares. TCP: the engine adopted the buffers as its weights
-    # and releases them (as the spares) when the next update replaces them.
+    # One transfer per bucket, each with its buffer. The engine (CPU) adopted the
+    # private staging arrays as its weights (shared memory: the copies made out of
+    # the segments as the bytes landed; the segments are now the spares) and
+    # releases them (as the spares) when the next update replaces them.
     buckets = len(list(iter_buckets(trainer.iter_weights(), BUCKET)))
     assert buckets >= 3
     assert core._weights.last is not None
-    assert core._weights.last.adopted is (transport == "tcp")
-    if transport == "tcp":
-        assert core._bulk._spare_arrays == []
-        again = InProcessTrainerClient(trainer).push_weights(
-            [("r0", address)], version=7, bucket_bytes=BUCKET, transports=[transport]
-        )
-        assert again.ok == {"r0": True}, again.errors
-        assert all(torch.equal(p, ours[n]) for n, p in _params(engine).items())
-    spares = core._bulk._spare_arrays if transport == "tcp" else core._bulk._spare_shms
-    assert len(spares) == buckets
+    assert core._weights.last.adopted
+    if transport == "shm":
+        assert len(core._bulk._spare_shms) == buckets
+    assert core._bulk._spare_arrays == []
+    again = InProcessTrainerClient(trainer).push_weights(
+        [("r0", address)], version=7, bucket_bytes=BUCKET, transports=[transport]
+    )
+    assert again.ok == {"r0": True}, again.errors
+    assert all(torch.equal(p, ours[n]) for n, p in _params(engine).items())
+    assert len(core._bulk._spare_arrays) == buckets
 
 
 def test_bucketed_push_falls_back_to_grpc_when_the_bulk_plane_is_refused(
     trainer: TrainerCore, replica: tuple[RolloutCore, HFEngine, str]
 ) -> None:
     core, engine, address = replica
-    core._bulk._node = "another-host"  # shared memory cannot be served to this sender
+    core._bulk._host_id = "another-host"  # shared memory cannot be served to this sender
     out = InProcessTrainerClient(trainer).push_weights(
         [("r0", address)], version=3, bucket_bytes=BUCKET, transports=["shm", "grpc"]
     )
@@ -269,7 +271,7 @@ def test_corrupt_middle_bucket_over_the_bulk_plane_changes_nothing(
     true bytes): DATA_LOSS, the staged bucket 0 is dropped, the old weights serve."""
     core, engine, address = replica
     old, before = _params(engine), _generate(address)
-    real = getattr(rollout_client, f"send_{transport}")
+    real = getattr(sender, f"send_{transport}")
     calls = []
 
     def damaged(plan, named, specs, **kw):  # type: ignore[no-untyped-def]
@@ -283,7 +285,7 @@ def test_corrupt_middle_bucket_over_the_bulk_plane_changes_nothing(
             return tensor_crcs(named, specs)
         return real(plan, named, specs, **kw)
 
-    monkeypatch.setattr(rollout_client, f"send_{transport}", damaged)
+    monkeypatch.setattr(sender, f"send_{transport}", damaged)
     out = InProcessTrainerClient(trainer).push_weights(
         [("r0", address)], version=7, bucket_bytes=BUCKET, transports=[transport]
     )
@@ -299,7 +301,7 @@ def test_corrupt_middle_bucket_over_the_bulk_plane_changes_nothing(
 _PUSHER = """
 import sys, time
 import torch
-from rlfleet.trainer.weights import push_weights
+from rlfleet.weightsync.sender import push_weights
 
 address, path, bucket_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 weights = torch.load(path)
@@ -377,7 +379,7 @@ def test_sender_failing_mid_update_aborts_and_frees_the_staging_at_once(
     whole."""
     core, engine, address = replica
     old, before = _params(engine), _generate(address)
-    real = getattr(rollout_client, f"send_{transport}")
+    real = getattr(sender, f"send_{transport}")
     held: list[int] = []
 
     def failing(plan, named, specs, **kw):  # type: ignore[no-untyped-def]
@@ -387,7 +389,7 @@ def test_sender_failing_mid_update_aborts_and_frees_the_staging_at_once(
         held.append(0)
         return real(plan, named, specs, **kw)
 
-    monkeypatch.setattr(rollout_client, f"send_{transport}", failing)
+    monkeypatch.setattr(sender, f"send_{transport}", failing)
     start = time.monotonic()
     out = InProcessTrainerClient(trainer).push_weights(
         [("r0", address)], version=5, bucket_bytes=BUCKET, transports=[transport]
@@ -403,7 +405,7 @@ def test_sender_failing_mid_update_aborts_and_frees_the_staging_at_once(
     assert all(torch.equal(p, old[n]) for n, p in _params(engine).items())
     assert _generate(address) == before
 
-    monkeypatch.setattr(rollout_client, f"send_{transport}", real)
+    monkeypatch.setattr(sender, f"send_{transport}", real)
     again = InProcessTrainerClient(trainer).push_weights(
         [("r0", address)], version=5, bucket_bytes=BUCKET, transports=[transport]
     )
@@ -427,7 +429,7 @@ def test_pusher_stopping_mid_update_aborts(
             assert list(core._bulk.staged_updates().values()) == [2]
             raise KeyboardInterrupt
 
-    from rlfleet.trainer.weights import push_weights
+    from rlfleet.weightsync.sender import push_weights
 
     with pytest.raises(KeyboardInterrupt):
         push_weights(
@@ -449,16 +451,16 @@ def test_keyboard_interrupt_in_a_bucket_move_aborts(
 ) -> None:
     core, engine, address = replica
     buckets = [dict(b) for b, _ in iter_buckets(trainer.iter_weights(), BUCKET)]
-    real = rollout_client.send_tcp
+    real = sender.send_tcp
 
     def interrupted(plan, named, specs, **kw):  # type: ignore[no-untyped-def]
         if any(core._bulk.staged_updates().values()):  # bucket 1, after bucket 0 staged
             raise KeyboardInterrupt
         return real(plan, named, specs, **kw)
 
-    monkeypatch.setattr(rollout_client, "send_tcp", interrupted)
+    monkeypatch.setattr(sender, "send_tcp", interrupted)
     with grpc.insecure_channel(address) as channel:
-        update = rollout_client.BulkUpdate(rollout_pb2_grpc.RolloutServiceStub(channel), 2, ["tcp"])
+        update = sender.BulkUpdate(rollout_pb2_grpc.RolloutServiceStub(channel), 2, ["tcp"])
         staged = update.send(buckets[0], final=False)
         assert staged is not None and staged.staged and update.pending
         with pytest.raises(KeyboardInterrupt):
@@ -483,3 +485,162 @@ def test_abort_of_an_unknown_update_is_harmless(
             stub.AbortWeightTransfer(rollout_pb2.AbortWeightTransferRequest())
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert engine.info().weight_version == 0 and _generate(address) == before
+
+
+# ------------------------------------------------------- transport choice, fallback
+
+
+def test_default_push_takes_shared_memory_on_this_host(
+    trainer: TrainerCore, replica: tuple[RolloutCore, HFEngine, str]
+) -> None:
+    """No transports named: the trainer's rollout.weight_transport (auto), and the
+    replica shares this host's /dev/shm: every bucket over shared memory."""
+    core, engine, address = replica
+    out = InProcessTrainerClient(trainer).push_weights(
+        [("r0", address)], version=2, bucket_bytes=BUCKET
+    )
+    assert out.ok == {"r0": True}, out.errors
+    assert out.transports == {"r0": "shm"}
+    ours = dict(trainer.iter_weights())
+    assert all(torch.equal(p, ours[n]) for n, p in _params(engine).items())
+    assert core._weights.updates == 1
+
+
+def test_auto_on_another_host_takes_tcp_and_forced_shm_fails(
+    trainer: TrainerCore, replica: tuple[RolloutCore, HFEngine, str]
+) -> None:
+    """A replica whose host identity differs (another machine, or a container with
+    its own /dev/shm) is planned TCP under auto; forced to shared memory it fails,
+    naming the identities, and keeps its weights."""
+    core, engine, address = replica
+    core._bulk._host_id = "another-host/boot/1:2"
+    client = InProcessTrainerClient(trainer)
+    forced = client.push_weights([("r0", address)], version=3, transports=["shm"])
+    assert forced.ok == {"r0": False}
+    assert "none of the offered transports ['shm']" in forced.errors["r0"]
+    assert engine.info().weight_version == 0
+    out = client.push_weights([("r0", address)], version=3, bucket_bytes=BUCKET)
+    assert out.ok == {"r0": True}, out.errors
+    assert out.transports == {"r0": "tcp"}
+    assert engine.info().weight_version == 3
+
+
+def test_a_segment_not_shared_is_cancelled_and_tcp_takes_over(
+    trainer: TrainerCore,
+    replica: tuple[RolloutCore, HFEngine, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The identities match but the sender's /dev/shm is not the replica's (here: the
+    sender looks elsewhere): the sender finds no segment, aborts the planned
+    transfer (the replica frees it at once) and offers again without shared memory:
+    the update lands over TCP."""
+    from rlfleet.weightsync import shm
+
+    core, engine, address = replica
+    identity = core._bulk._host_id
+    monkeypatch.setattr(shm, "_SHM_DIR", str(tmp_path))  # where the sender maps segments
+    monkeypatch.setattr(sender, "host_identity", lambda: identity)
+    caplog.set_level(logging.WARNING, logger="rlfleet.weightsync.sender")
+    out = InProcessTrainerClient(trainer).push_weights(
+        [("r0", address)], version=4, bucket_bytes=BUCKET
+    )
+    assert out.ok == {"r0": True}, out.errors
+    assert out.transports == {"r0": "tcp"}
+    assert any("shared memory not shared" in m for m in caplog.messages)
+    ours = dict(trainer.iter_weights())
+    assert all(torch.equal(p, ours[n]) for n, p in _params(engine).items())
+    assert core._bulk._transfers == {} and core._bulk.staged_updates() == {}
+    assert _staged_bytes(address) == 0
+
+
+def test_a_segment_with_another_nonce_is_never_written(
+    trainer: TrainerCore, replica: tuple[RolloutCore, HFEngine, str]
+) -> None:
+    """A plan whose nonce the segment does not hold (a segment of the same name that
+    is not the replica's): the sender writes nothing into it."""
+    from rlfleet.weightsync.shm import ShmUnavailable, send_shm
+    from rlfleet.weightsync.wire import TransferPlan
+
+    core, _engine, _address = replica
+    w = dict(trainer.iter_weights())
+    offer = sender.make_offer(w, 1, ["shm"])
+    plan = core.open_transfer(offer)
+    assert plan.transport == "shm" and plan.token
+    path = Path("/dev/shm", plan.endpoint)
+    before = path.read_bytes()
+    with pytest.raises(ShmUnavailable, match="nonce"):
+        send_shm(TransferPlan(plan.transfer_id, "shm", plan.endpoint, "0" * 32), w, offer.tensors)
+    assert path.read_bytes() == before
+    assert core.abort_transfer(plan.transfer_id, "test").aborted
+    assert core._bulk._transfers == {}
+
+
+def test_an_unreachable_tcp_endpoint_falls_back_to_grpc_under_auto(
+    trainer: TrainerCore,
+    replica: tuple[RolloutCore, HFEngine, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The replica plans TCP but its endpoint cannot be reached from the trainer (a
+    firewall, an address only it can use): under auto the planned transfer is
+    aborted and the update goes over the gRPC stream; forced to TCP it fails."""
+    from rlfleet.weightsync import tcp
+
+    core, engine, address = replica
+    core._bulk._host_id = "another-host/boot/1:2"  # no shared memory either
+    monkeypatch.setattr(tcp, "endpoint_of", lambda listener: "127.0.0.1:1")
+    client = InProcessTrainerClient(trainer)
+    forced = client.push_weights([("r0", address)], version=5, transports=["tcp"])
+    assert forced.ok == {"r0": False} and "cannot connect" in forced.errors["r0"]
+    out = client.push_weights([("r0", address)], version=5, bucket_bytes=BUCKET)
+    assert out.ok == {"r0": True}, out.errors
+    assert out.transports == {"r0": "grpc"}
+    ours = dict(trainer.iter_weights())
+    assert all(torch.equal(p, ours[n]) for n, p in _params(engine).items())
+    assert core._bulk._transfers == {} and core._bulk.staged_updates() == {}
+
+
+def test_the_trainers_own_weight_transport_applies_when_none_is_named(
+    tiny_model_dir: Path, replica: tuple[RolloutCore, HFEngine, str]
+) -> None:
+    """PushWeights without transports: the trainer's rollout.weight_transport decides."""
+    _core, engine, address = replica
+    core = TrainerCore(
+        make_config(
+            str(tiny_model_dir),
+            algorithm={"adv_estimator": "grpo"},
+            rollout={"weight_transport": "grpc"},
+        )
+    )
+    core.sft_step(make_batch(seed=5))
+    out = InProcessTrainerClient(core).push_weights([("r0", address)], version=1)
+    assert out.ok == {"r0": True}, out.errors
+    assert out.transports == {"r0": "grpc"}
+    assert engine.info().weight_version == 1
+
+
+def test_one_push_gives_each_replica_its_own_transport(
+    trainer: TrainerCore, tiny_model_dir: Path, replica: tuple[RolloutCore, HFEngine, str]
+) -> None:
+    """One bucketed push to a replica on this host and one "elsewhere": shared memory
+    for the first, TCP for the second, both bit-exact (the buckets' checksums are
+    computed once and serve both)."""
+    _near, near_engine, near_address = replica
+    far_engine = HFEngine(tiny_model_dir)
+    far = RolloutCore(far_engine, replica_id="far")
+    far._bulk._host_id = "another-host/boot/1:2"
+    server = start_rollout_server(far)
+    try:
+        out = InProcessTrainerClient(trainer).push_weights(
+            [("near", near_address), ("far", server.address)], version=3, bucket_bytes=BUCKET
+        )
+        assert out.ok == {"near": True, "far": True}, out.errors
+        assert out.transports == {"near": "shm", "far": "tcp"}
+        ours = dict(trainer.iter_weights())
+        for engine in (near_engine, far_engine):
+            assert all(torch.equal(p, ours[n]) for n, p in _params(engine).items())
+            assert engine.info().weight_version == 3
+    finally:
+        server.stop(0)
+        far.close()

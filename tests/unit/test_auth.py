@@ -171,3 +171,41 @@ def test_tls_from_env_checks_pairs_and_files(tmp_path: Path) -> None:
     assert tls is not None and tls.server_name_override == "rlfleet"
     sec = Security(credentials=None, tls=tls, insecure=True)
     assert sec.tls_env() == {auth.TLS_ENV["ca"]: str(cert), auth.TLS_ENV["server_name"]: "rlfleet"}
+
+
+def test_the_agent_role_reaches_the_openai_endpoint_and_its_trajectories_only(
+    tmp_path: Path,
+) -> None:
+    from rlfleet.common.auth import OPENAI_ENDPOINT_ROLES
+
+    tokens = generate_tokens()
+    root = write_credential_set(tmp_path / "s", tokens)
+    assert (root / "agent.token").read_text() == tokens["agent"]
+    assert stat.S_IMODE((root / "agent.token").stat().st_mode) == 0o600
+    agent_may = sorted(m for m in METHOD_ROLES if allowed("agent", m))
+    assert agent_may == [
+        "/rlfleet.v1.RewardService/GetInfo",
+        "/rlfleet.v1.RolloutService/GetStatus",
+        "/rlfleet.v1.RolloutService/GetTrajectories",
+        "/rlfleet.v1.SchedulerService/GetPlacement",
+        "/rlfleet.v1.SchedulerService/GetScale",
+        "/rlfleet.v1.SchedulerService/GetTrainingStatus",
+        "/rlfleet.v1.SchedulerService/ListServices",
+        "/rlfleet.v1.TrainerService/GetStatus",
+    ]  # reads, and its own sessions: no Generate, no weights, no PopTrajectories
+    assert allowed("driver", "/rlfleet.v1.RolloutService/PopTrajectories")
+    assert {"agent", "driver"} == OPENAI_ENDPOINT_ROLES
+
+
+def test_a_set_written_before_the_agent_role_still_reads(tmp_path: Path) -> None:
+    tokens = generate_tokens()
+    root = write_credential_set(tmp_path / "old", tokens)
+    (root / "agent.json").unlink()
+    (root / "agent.token").unlink()
+    old = read_credential_set(root)
+    assert old == {r: t for r, t in tokens.items() if r != "agent"}
+    creds = credential_set(old)
+    assert creds["rollout"].authenticator().role_of(tokens["agent"]) is None
+    (root / "driver.json").unlink()  # the roles that were always there stay required
+    with pytest.raises(CredentialError):
+        read_credential_set(root)

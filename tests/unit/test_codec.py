@@ -498,7 +498,7 @@ def test_parse_chunk_accepts_other_field_orders() -> None:
     rest = common_pb2.TensorBatchChunk()
     rest.CopyFrom(msg)
     del rest.pieces[:]
-    encoded = rest.SerializeToString() + b"\x22" + wire._varint(len(data_first)) + data_first
+    encoded = rest.SerializeToString() + b"\x22" + wire.encode_varint(len(data_first)) + data_first
     assert common_pb2.TensorBatchChunk.FromString(encoded) == msg
     view = wire.parse_chunk(encoded)
     assert view.to_proto() == msg

@@ -648,6 +648,83 @@ def test_max_num_batched_tokens_reaches_either_engine(engine: str, tmp_path: Pat
     assert (args.engine, args.max_num_batched_tokens) == (engine, 4096)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "path", "message"),
+    [
+        (
+            ["algorithm.filter_groups.enable=true"],
+            "algorithm.filter_groups.enable",
+            "rollout.n >= 2",
+        ),
+        (["data.gen_batch_size=8"], "data.gen_batch_size", "set algorithm.filter_groups.enable"),
+        (
+            [
+                "algorithm.filter_groups.enable=true",
+                "rollout.n=4",
+                "algorithm.filter_groups.metric=seq_final_reward",
+                "algorithm.use_kl_in_reward=true",
+            ],
+            "algorithm.filter_groups.metric",
+            "in-reward KL",
+        ),
+        (
+            ["algorithm.filter_groups.max_num_gen_batches=0"],
+            "algorithm.filter_groups.max_num_gen_batches",
+            "greater than or equal to 1",
+        ),
+        (
+            ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.penalty_factor=1"],
+            "reward.overlong_buffer.len",
+            "(0, max_resp_len=64]",
+        ),
+        (
+            [
+                "reward.overlong_buffer.enable=true",
+                "reward.overlong_buffer.len=65",
+                "reward.overlong_buffer.penalty_factor=1",
+            ],
+            "reward.overlong_buffer.len",
+            "(0, max_resp_len=64]",
+        ),
+        (
+            ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=8"],
+            "reward.overlong_buffer.penalty_factor",
+            "0 penalises nothing",
+        ),
+        (["actor.policy_loss.loss_mode=clip_cov"], "actor.policy_loss.loss_mode", "vanilla"),
+        (
+            ["algorithm.rollout_correction.rollout_is=geometric"],
+            "algorithm.rollout_correction.rollout_is",
+            "token",
+        ),
+    ],
+)
+def test_algorithm_settings_that_cannot_work_are_refused(
+    overrides: list[str], path: str, message: str
+) -> None:
+    err = _error(overrides)
+    (issue,) = [i for i in err.issues if i.path == path]
+    assert message in str(issue), str(issue)
+
+
+def test_algorithm_defaults_and_derived_values() -> None:
+    cfg = config_from_dict({}, ["data.max_response_length=32", "rollout.response_length=24"])
+    assert cfg.actor.policy_loss.loss_mode == "vanilla"
+    assert cfg.algorithm.rollout_correction.rollout_is is None
+    assert not cfg.algorithm.filter_groups.enable and cfg.data.gen_batch_size is None
+    assert not cfg.reward.overlong_buffer.enable
+    assert cfg.reward.overlong_buffer.max_resp_len == 24  # the response length generated
+    dapo = config_from_dict(
+        {},
+        [
+            "rollout.n=4", "algorithm.filter_groups.enable=true", "data.gen_batch_size=24",
+            "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=16",
+            "reward.overlong_buffer.penalty_factor=1.0", "reward.overlong_buffer.max_resp_len=48",
+        ],
+    )  # fmt: skip
+    assert dapo.reward.overlong_buffer.max_resp_len == 48  # given: kept
+
+
 def test_verl_node_keys_build_the_default_pool() -> None:
     cfg = config_from_dict({}, ["trainer.nnodes=2", "trainer.n_gpus_per_node=1"])
     assert cfg.resource_pools == {"global_pool": [1, 1]}

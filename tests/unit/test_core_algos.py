@@ -463,6 +463,230 @@ def test_policy_loss_rejects_bad_clip_ratio_c() -> None:
         ca.compute_policy_loss(old, new, t(PG_ADV), t(PG_MASK), 0.2, 0.2, clip_ratio_c=1.0)
 
 
+def test_policy_loss_rollout_is_weights_multiply_each_token() -> None:
+    logp = t([[-1.0, -2.0, -3.0]])
+    adv = t([[0.5, -2.0, 7.0]])
+    weights = t([[2.0, 0.5, 9.0]])
+    pg_loss, *_ = ca.compute_policy_loss(
+        logp, logp.clone(), adv, t([[1, 1, 0]]), 0.2, 0.2, rollout_is_weights=weights
+    )
+    # ratio 1: per token -A * w = [-1.0, 1.0, (masked)] -> mean 0.0
+    assert_close(pg_loss, t(0.0))
+
+
+# --------------------------------------------------------------------------------------------
+# GSPO
+# --------------------------------------------------------------------------------------------
+
+# Two sequences, clip_ratio_low 0.2, clip_ratio_high 0.05:
+#   row 0: A = +1, token ratios [1.21, 1.0] (third token masked, ratio e^30):
+#          s_0 = sqrt(1.21 * 1.0) = 1.1 > 1.05, clipped: loss per token -1.05, no gradient
+#   row 1: A = -2, token ratios [0.729, 1.0, 1.0]:
+#          s_1 = 0.729^(1/3) = 0.9 >= 0.8, unclipped: loss per token -A * 0.9 = 1.8
+# seq-mean-token-mean: (mean(-1.05, -1.05) + mean(1.8, 1.8, 1.8)) / 2 = 0.375
+# gradient of row 1's tokens: (1/2 rows) * (1/3 tokens) * (-A) * s_1 = 2 * 0.9 / 6 = 0.3
+# pg_clipfrac = 2 clipped tokens / 5 valid; ppo_kl = -(ln 1.21 + ln 0.729) / 5
+GSPO_RATIO = [[1.21, 1.0, math.exp(30.0)], [0.729, 1.0, 1.0]]
+GSPO_ADV = [[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]]
+GSPO_MASK = [[1, 1, 0], [1, 1, 1]]
+
+
+def _gspo_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    old = t([[-1.0, -2.0, -40.0], [-0.5, -3.0, -1.5]])
+    new = (old + torch.log(t(GSPO_RATIO))).requires_grad_()
+    return old, new
+
+
+def test_gspo_hand_computed() -> None:
+    old, new = _gspo_inputs()
+    pg_loss, clipfrac, ppo_kl, lower = ca.compute_policy_loss_gspo(
+        old, new, t(GSPO_ADV), t(GSPO_MASK), 0.2, 0.05
+    )
+    assert_close(pg_loss, t(0.375))
+    assert_close(clipfrac, t(0.4))
+    assert_close(lower, t(0.0))
+    assert_close(ppo_kl, t(-(math.log(1.21) + math.log(0.729)) / 5))
+    pg_loss.backward()
+    assert new.grad is not None
+    # Row 0 is clipped as a whole: its ratio-1 token has no gradient either (token-level
+    # PPO would clip only the 1.21 token); row 1 tokens each get 0.3.
+    assert_close(new.grad, t([[0.0, 0.0, 0.0], [0.3, 0.3, 0.3]]))
+
+
+def test_gspo_lower_clip_and_token_mean() -> None:
+    old, new = _gspo_inputs()
+    # clip_ratio_low 0.05: s_1 = 0.9 < 0.95, so row 1 is clipped at the lower bound:
+    # per token max(-A * 0.9, -A * 0.95) = max(1.8, 1.9) = 1.9; every valid token clipped.
+    # token-mean over the 5 valid tokens: (2 * -1.05 + 3 * 1.9) / 5 = 0.72
+    pg_loss, clipfrac, _, lower = ca.compute_policy_loss_gspo(
+        old, new, t(GSPO_ADV), t(GSPO_MASK), 0.05, 0.05, loss_agg_mode="token-mean"
+    )
+    assert_close(pg_loss, t(0.72))
+    assert_close(clipfrac, t(1.0))
+    assert_close(lower, t(0.6))
+    pg_loss.backward()
+    assert new.grad is not None
+    assert_close(new.grad, torch.zeros_like(new))
+
+
+def test_gspo_on_policy_gradient_is_sequence_mean_of_advantage() -> None:
+    # ratio 1 everywhere: s_i = 1, loss = -(1/G) sum_i A_i; the gradient of token t of
+    # row i is -A_i / (G * |y_i|): row 0 (2 tokens) -1/4, row 1 (3 tokens) 2/6.
+    logp = t([[-1.0, -2.0, -3.0], [-0.5, -0.25, -2.0]])
+    new = logp.clone().requires_grad_()
+    weights = t([[3.0, 3.0, 3.0], [1.0, 1.0, 1.0]])
+    pg_loss, clipfrac, ppo_kl, _ = ca.compute_policy_loss_gspo(
+        logp, new, t(GSPO_ADV), t(GSPO_MASK), 3e-4, 4e-4
+    )
+    assert_close(pg_loss, t((-1.0 + 2.0) / 2))
+    assert_close((clipfrac, ppo_kl), (t(0.0), t(0.0)))
+    pg_loss.backward()
+    assert new.grad is not None
+    assert_close(new.grad, t([[-0.25, -0.25, 0.0], [1 / 3, 1 / 3, 1 / 3]]))
+    # rollout IS weights multiply each token's loss: row 0 weighs 3
+    weighted, *_ = ca.compute_policy_loss_gspo(
+        logp, logp, t(GSPO_ADV), t(GSPO_MASK), 3e-4, 4e-4, rollout_is_weights=weights
+    )
+    assert_close(weighted, t((-3.0 + 2.0) / 2))
+
+
+# --------------------------------------------------------------------------------------------
+# CISPO
+# --------------------------------------------------------------------------------------------
+
+# clip_ratio_low 0.2, clip_ratio_high 0.28; one row, old log-probs [-1, -2, -0.5, (masked)]:
+#   tok  A    ratio  weight sg(clip)  log_prob       loss = -w * A * log_prob
+#   0   +1    1.5    1.28            -1 + ln 1.5    -1.28 * (-1 + ln 1.5)
+#   1   -1    0.5    0.8             -2 + ln 0.5     0.8 * (-2 + ln 0.5)
+#   2   +2    1.0    1.0             -0.5            1.0
+# token-mean = the sum / 3; gradient -w * A / 3 at every valid token, clipped ones too.
+CISPO_RATIO = [[1.5, 0.5, 1.0, math.exp(30.0)]]
+CISPO_ADV = [[1.0, -1.0, 2.0, 5.0]]
+CISPO_MASK = [[1, 1, 1, 0]]
+
+
+def test_cispo_hand_computed() -> None:
+    old = t([[-1.0, -2.0, -0.5, -40.0]])
+    new = (old + torch.log(t(CISPO_RATIO))).requires_grad_()
+    pg_loss, clipfrac, ppo_kl, lower = ca.compute_policy_loss_cispo(
+        old, new, t(CISPO_ADV), t(CISPO_MASK), 0.2, 0.28
+    )
+    expected = (
+        -1.28 * (-1 + math.log(1.5)) + 0.8 * (-2 + math.log(0.5)) + 1.0
+    ) / 3  # = -0.131171...
+    assert_close(pg_loss, t(expected))
+    assert_close(clipfrac, t(2 / 3))
+    assert_close(lower, t(1 / 3))
+    assert_close(ppo_kl, t(-math.log(0.75) / 3))
+    pg_loss.backward()
+    assert new.grad is not None
+    # Clipped tokens keep a gradient (bounded by the clipped weight); PPO's would be 0.
+    assert_close(new.grad, t([[-1.28 / 3, 0.8 / 3, -2.0 / 3, 0.0]]))
+
+
+def test_cispo_weights_and_seq_mean() -> None:
+    old = t([[-1.0, -2.0, -0.5, -40.0]])
+    new = old + torch.log(t(CISPO_RATIO))
+    weights = t([[0.5, 2.0, 1.0, 7.0]])
+    pg_loss, *_ = ca.compute_policy_loss_cispo(
+        old, new, t(CISPO_ADV), t(CISPO_MASK), 0.2, 0.28,
+        loss_agg_mode="seq-mean-token-sum", rollout_is_weights=weights,
+    )  # fmt: skip
+    expected = -1.28 * 0.5 * (-1 + math.log(1.5)) + 0.8 * 2.0 * (-2 + math.log(0.5)) + 1.0
+    assert_close(pg_loss, t(expected))
+
+
+def test_policy_losses_reject_negative_clip_ratios() -> None:
+    old, new = _gspo_inputs()
+    for fn in (ca.compute_policy_loss_gspo, ca.compute_policy_loss_cispo):
+        with pytest.raises(ValueError, match="clip ratios must be >= 0"):
+            fn(old, new, t(GSPO_ADV), t(GSPO_MASK), -0.1, 0.2)
+
+
+# --------------------------------------------------------------------------------------------
+# Truncated importance sampling (rollout correction)
+# --------------------------------------------------------------------------------------------
+
+# old - rollout log-ratios, threshold C = 2:
+#   row 0: ratios [3, 0.5, (masked: rollout log-prob NaN)]  -> token weights [2, 0.5, 0]
+#   row 1: ratios [1.2, 1.0, 4.0]                           -> token weights [1.2, 1, 2]
+# token level: mean weight (2 + 0.5 + 1.2 + 1 + 2) / 5 = 1.34; max ratio 4; truncated 2/5
+# sequence level: row 0 ratio 3 * 0.5 = 1.5 -> 1.5 on both valid tokens; row 1
+#   1.2 * 1 * 4 = 4.8 -> 2 on all three: mean (2 * 1.5 + 3 * 2) / 5 = 1.8; max 4.8; 3/5
+IS_RATIO = [[3.0, 0.5, 1.0], [1.2, 1.0, 4.0]]
+IS_MASK = [[1, 1, 0], [1, 1, 1]]
+
+
+def _is_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    rollout = t([[-1.0, -2.0, float("nan")], [-0.5, -1.0, -3.0]])
+    old = torch.nan_to_num(rollout, nan=-1.0) + torch.log(t(IS_RATIO))
+    return old, rollout
+
+
+def test_rollout_is_token_level() -> None:
+    old, rollout = _is_inputs()
+    weights, m = ca.compute_rollout_is_weights(old, rollout, t(IS_MASK), "token", 2.0)
+    assert_close(weights, t([[2.0, 0.5, 0.0], [1.2, 1.0, 2.0]]))
+    assert_close(m["rollout_is_mean"], t(1.34))
+    assert_close(m["rollout_is_max"], t(4.0))
+    assert_close(m["rollout_is_ratio_fraction_high"], t(0.4))
+    assert not weights.requires_grad
+
+
+def test_rollout_is_sequence_level() -> None:
+    old, rollout = _is_inputs()
+    weights, m = ca.compute_rollout_is_weights(old, rollout, t(IS_MASK), "sequence", 2.0)
+    assert_close(weights, t([[1.5, 1.5, 0.0], [2.0, 2.0, 2.0]]))
+    assert_close(m["rollout_is_mean"], t(1.8))
+    assert_close(m["rollout_is_max"], t(4.8))
+    assert_close(m["rollout_is_ratio_fraction_high"], t(0.6))
+
+
+def test_rollout_is_rejects_bad_arguments() -> None:
+    old, rollout = _is_inputs()
+    with pytest.raises(ValueError, match="unknown rollout IS level 'geometric'"):
+        ca.compute_rollout_is_weights(old, rollout, t(IS_MASK), "geometric", 2.0)
+    with pytest.raises(ValueError, match="threshold must be > 0"):
+        ca.compute_rollout_is_weights(old, rollout, t(IS_MASK), "token", 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# DAPO: dynamic sampling filter, overlong penalty
+# --------------------------------------------------------------------------------------------
+
+
+def test_group_filter_drops_groups_with_equal_values() -> None:
+    values = t([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 5.0])
+    index = ["a", "a", "a", "b", "b", "b", "c", "c", "d"]
+    # a: all 1 (dropped); b: mixed (kept); c: all 0 (dropped); d: a group of one (kept)
+    keep = ca.compute_group_filter_mask(values, index)
+    assert keep.tolist() == [False] * 3 + [True] * 3 + [False] * 2 + [True]
+    # the same with integer ids, interleaved
+    ids = torch.tensor([7, 3, 7, 3])
+    assert ca.compute_group_filter_mask(t([0.5, 1.0, 0.5, 1.0]), ids).tolist() == [False] * 4
+    assert ca.compute_group_filter_mask(t([0.5, 1.0, 0.25, 1.0]), ids).tolist() == [
+        True, False, True, False,
+    ]  # fmt: skip
+
+
+def test_overlong_penalty_is_linear_in_the_buffer() -> None:
+    lengths = torch.tensor([10, 16, 17, 18, 20])
+    # L_max 20, buffer 4: no penalty up to 16 tokens, then -(len - 16) / 4 * factor
+    assert_close(
+        ca.compute_overlong_penalty(lengths, 20, 4, 1.0),
+        torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0]),
+    )
+    assert_close(
+        ca.compute_overlong_penalty(lengths, 20, 4, 0.5),
+        torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5]),
+    )
+    for bad in (0, 21):
+        with pytest.raises(ValueError, match="overlong_buffer_len must be in"):
+            ca.compute_overlong_penalty(lengths, 20, bad, 1.0)
+    with pytest.raises(ValueError, match="penalty_factor must be >= 0"):
+        ca.compute_overlong_penalty(lengths, 20, 4, -1.0)
+
+
 # --------------------------------------------------------------------------------------------
 # Value loss
 # --------------------------------------------------------------------------------------------

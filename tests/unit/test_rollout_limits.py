@@ -70,7 +70,7 @@ def test_sampling_in_range() -> None:
 
 def test_weight_values() -> None:
     torch = pytest.importorskip("torch")
-    from rlfleet.rollout.weights import check_weight_values
+    from rlfleet.weightsync.receiver import check_weight_values
 
     good = {"a": torch.ones(3), "b": torch.zeros(2), "step": torch.zeros(1, dtype=torch.long)}
     check_weight_values(good)
@@ -86,7 +86,7 @@ def test_weight_values() -> None:
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, -math.nan])
 def test_non_finite_found_in_every_float_dtype(dtype: str, bad: float) -> None:
     torch = pytest.importorskip("torch")
-    from rlfleet.rollout import weights
+    from rlfleet.weightsync import receiver as weights
 
     t = torch.randn(1000, dtype=getattr(torch, dtype))
     weights.check_weight_values({"w": t})
@@ -102,9 +102,10 @@ def test_non_finite_found_in_every_float_dtype(dtype: str, bad: float) -> None:
 
 def test_value_check_spans_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
-    from rlfleet.rollout import weights
+    from rlfleet.weightsync import checksum
+    from rlfleet.weightsync import receiver as weights
 
-    monkeypatch.setattr(weights, "_VALUE_BLOCK", 7)
+    monkeypatch.setattr(checksum, "_VALUE_BLOCK", 7)
     t = torch.zeros(50, dtype=torch.bfloat16)
     with pytest.raises(InvalidArgument, match="all zeros"):
         weights.check_weight_values({"w": t})

@@ -1,4 +1,5 @@
-"""Rollout protobuf <-> dataclass conversions round-trip every field."""
+"""Rollout protobuf <-> dataclass conversions (and weight sync's, rlfleet.weightsync.wire)
+round-trip every field."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from rlfleet.common.codec.batch import TensorSpec
 from rlfleet.common.errors import InvalidArgument
 from rlfleet.rollout import serde
 from rlfleet.rollout.engine import SamplingParams
-from rlfleet.rollout.transport import TransferOffer, TransferPlan
-from rlfleet.rollout.weights import UpdateResult
 from rlfleet.v1 import common_pb2, rollout_pb2
+from rlfleet.weightsync import wire as weight_wire
+from rlfleet.weightsync.wire import AbortResult, TransferOffer, TransferPlan, UpdateResult
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])
@@ -41,12 +42,12 @@ def test_offer_and_plan_round_trip() -> None:
         sender_host="h",
     )
     wire = rollout_pb2.WeightTransferOffer.FromString(
-        serde.offer_to_proto(offer).SerializeToString()
+        weight_wire.offer_to_proto(offer).SerializeToString()
     )
-    assert serde.offer_from_proto(wire) == offer
+    assert weight_wire.offer_from_proto(wire) == offer
     assert offer.whole and not wire.more_buckets  # the default: one whole update
     plan = TransferPlan("id", "tcp", "127.0.0.1:5", "tok")
-    assert serde.plan_from_proto(serde.plan_to_proto(plan)) == plan
+    assert weight_wire.plan_from_proto(weight_wire.plan_to_proto(plan)) == plan
 
 
 @pytest.mark.parametrize(("bucket", "final"), [(0, False), (2, False), (3, True)])
@@ -63,24 +64,24 @@ def test_bucket_offer_plan_and_staged_result_round_trip(bucket: int, final: bool
         update_id="" if bucket == 0 else "u1",
     )
     wire = rollout_pb2.WeightTransferOffer.FromString(
-        serde.offer_to_proto(offer).SerializeToString()
+        weight_wire.offer_to_proto(offer).SerializeToString()
     )
     assert (wire.bucket, wire.more_buckets) == (bucket, not final)
-    assert serde.offer_from_proto(wire) == offer
+    assert weight_wire.offer_from_proto(wire) == offer
     assert not offer.whole
     plan = TransferPlan("id", "shm", "seg", "", update_id="u1")
-    assert serde.plan_from_proto(serde.plan_to_proto(plan)) == plan
+    assert weight_wire.plan_from_proto(weight_wire.plan_to_proto(plan)) == plan
     staged = UpdateResult(version=3, bytes=12, tensors=1, seconds=0.5, transport="tcp", staged=True)
     back = rollout_pb2.UpdateWeightsResponse.FromString(
-        serde.update_to_proto(staged).SerializeToString()
+        weight_wire.update_to_proto(staged).SerializeToString()
     )
-    assert serde.update_from_proto(back, "tcp") == staged
+    assert weight_wire.update_from_proto(back, "tcp") == staged
 
 
 def test_offer_with_unknown_transport_is_refused() -> None:
     msg = rollout_pb2.WeightTransferOffer(version=1, transports=[99])
     with pytest.raises(InvalidArgument, match="unknown transports"):
-        serde.offer_from_proto(msg)
+        weight_wire.offer_from_proto(msg)
 
 
 def test_commit_carries_one_crc32c_per_tensor() -> None:
@@ -91,13 +92,12 @@ def test_commit_carries_one_crc32c_per_tensor() -> None:
 
 def test_abort_result_and_status_staging_round_trip() -> None:
     from rlfleet.rollout.core import RolloutStatusInfo
-    from rlfleet.rollout.transport import AbortResult
 
     for r in (AbortResult(aborted=False), AbortResult(True, staged_buckets=2, freed_bytes=77)):
         wire = rollout_pb2.AbortWeightTransferResponse.FromString(
-            serde.abort_to_proto(r).SerializeToString()
+            weight_wire.abort_to_proto(r).SerializeToString()
         )
-        assert serde.abort_from_proto(wire) == r
+        assert weight_wire.abort_from_proto(wire) == r
     status = RolloutStatusInfo(
         "r0", "m", "hf", "bfloat16", "cpu", 3, 0, 1.5, False, 10, 1 << 33, 5 << 30
     )

@@ -21,21 +21,20 @@ from rlfleet.common.errors import (  # noqa: E402
     InvalidArgument,
     NotFound,
 )
-from rlfleet.rollout import transport as transport_mod  # noqa: E402
 from rlfleet.rollout.hf_engine import HFEngine  # noqa: E402
-from rlfleet.rollout.transport import (  # noqa: E402
-    _SHM_HEADER,
+from rlfleet.weightsync import checksum, receiver, shm, tcp  # noqa: E402
+from rlfleet.weightsync.checksum import (  # noqa: E402
     CRC_RELEASES_GIL,
-    BulkReceiver,
-    TransferPlan,
     crc32c_extend,
-    make_offer,
-    send_shm,
-    send_tcp,
     tensor_bytes,
     tensor_crcs,
 )
-from rlfleet.rollout.weights import WeightReceiver  # noqa: E402
+from rlfleet.weightsync.receiver import BulkReceiver, WeightReceiver  # noqa: E402
+from rlfleet.weightsync.sender import make_offer  # noqa: E402
+from rlfleet.weightsync.shm import HEADER as _SHM_HEADER  # noqa: E402
+from rlfleet.weightsync.shm import send_shm  # noqa: E402
+from rlfleet.weightsync.tcp import send_tcp  # noqa: E402
+from rlfleet.weightsync.wire import AbortResult, TransferPlan  # noqa: E402
 
 
 @pytest.fixture()
@@ -155,9 +154,11 @@ def test_bulk_blocks_across_tensor_boundaries(
 ) -> None:
     """Blocks smaller than the tensors and not aligned to them (sender and receiver
     alike): each tensor's CRC-32C is still its own, and the update is bit-exact."""
-    monkeypatch.setattr(transport_mod, "_SEND_BLOCK", 4096 + 3)
-    monkeypatch.setattr(transport_mod, "_SHM_BLOCK", 4096 + 3)
-    monkeypatch.setattr(transport_mod, "_BLOCK", 1000)
+    monkeypatch.setattr(tcp, "_SEND_BLOCK", 4096 + 3)
+    monkeypatch.setattr(shm, "_SHM_BLOCK", 4096 + 3)
+    monkeypatch.setattr(tcp, "_BLOCK", 1000)
+    # The receiver's verifier steps cut tensors, and elements, anywhere.
+    monkeypatch.setattr(checksum, "_FOLLOW_BLOCK", 4096 + 5)
     bulk = BulkReceiver(WeightReceiver(engine), engine)
     w = new_weights(engine, seed=7)
     offer = make_offer(w, 3, [transport])
@@ -437,7 +438,7 @@ def test_abort_drops_the_staged_buckets_at_once(engine: HFEngine, transport: str
     assert 0 < staged < held and bulk.spare_bytes() == 0
 
     result = bulk.abort(uid, "test")
-    assert result == transport_mod.AbortResult(True, staged_buckets=2, freed_bytes=held)
+    assert result == AbortResult(True, staged_buckets=2, freed_bytes=held)
     assert bulk.staged_bytes() == 0 and bulk.staged_updates() == {}
     assert bulk.spare_bytes() == staged  # kept for the next update, as after any update
     assert_weights(engine, old)
@@ -445,8 +446,8 @@ def test_abort_drops_the_staged_buckets_at_once(engine: HFEngine, transport: str
     with pytest.raises(NotFound, match="no bucketed weight update"):
         bulk.open(make_offer(buckets[3], 1, [transport], bucket=3, update_id=uid))
     # Again, or an id never seen: a no-op.
-    assert bulk.abort(uid) == transport_mod.AbortResult(False)
-    assert bulk.abort("never-seen") == transport_mod.AbortResult(False)
+    assert bulk.abort(uid) == AbortResult(False)
+    assert bulk.abort("never-seen") == AbortResult(False)
     bulk.close()
 
 
@@ -504,14 +505,27 @@ def test_tcp_update_adopts_the_staging_buffer_and_recycles_the_old_one(engine: H
     bulk.close()
 
 
-def test_shared_memory_is_never_adopted(engine: HFEngine) -> None:
-    """A segment stays writable by the sender's process: its tensors are copied."""
-    bulk = BulkReceiver(WeightReceiver(engine), engine)
+@pytest.mark.parametrize("private", [False, True])
+def test_shared_memory_never_backs_the_weights(engine: HFEngine, private: bool) -> None:
+    """A segment stays writable by the sender's process, so the weights never view
+    it: without ``private_shm`` its tensors are copied into the parameters; with it
+    (the default on CPU) the receiver checks and applies its own copy, made as the
+    bytes landed, which the engine adopts. Either way, bytes written into the
+    segment after the commit change nothing."""
+    bulk = BulkReceiver(WeightReceiver(engine), engine, private_shm=private)
     w = new_weights(engine)
-    result = push_bulk(bulk, w, 1, "shm")
-    assert not result.adopted
+    offer = make_offer(w, 1, ["shm"])
+    plan = bulk.open(offer)
+    result = bulk.commit(plan.transfer_id, send("shm", plan, w, offer.tensors))
+    assert result.adopted is private
+    if not private:
+        assert not result.adopted
     assert_weights(engine, w)
     assert len(bulk._spare_shms) == 1
+    with open(f"/dev/shm/{plan.endpoint}", "r+b") as f:  # the sender writes again
+        f.seek(_SHM_HEADER)
+        f.write(b"\xff" * offer.total_bytes)
+    assert_weights(engine, w)
     bulk.close()
 
 
@@ -521,7 +535,7 @@ def test_spare_pool_takes_the_smallest_fit_among_arrays() -> None:
     largest is dropped."""
     pool = [np.zeros(n, dtype=np.uint8) for n in (64, 16, 32)]
     small, mid, big = pool[1], pool[2], pool[0]
-    assert transport_mod._take_smallest(pool, 20, lambda a: a.nbytes) is mid
-    assert transport_mod._take_smallest(pool, 8, lambda a: a.nbytes) is small
-    assert transport_mod._take_smallest(pool, 100, lambda a: a.nbytes) is None
+    assert receiver._take_smallest(pool, 20, lambda a: a.nbytes) is mid
+    assert receiver._take_smallest(pool, 8, lambda a: a.nbytes) is small
+    assert receiver._take_smallest(pool, 100, lambda a: a.nbytes) is None
     assert pool == [] and big.nbytes == 64

@@ -257,3 +257,69 @@ def test_update_actor_refuses_bad_minibatch_split(grpo_core: TrainerCore) -> Non
     lp = torch.zeros(6, 5)
     with pytest.raises(InvalidArgument, match="mini-batch size 4"):
         grpo_core.update_actor({**batch, "old_log_probs": lp, "advantages": lp})
+
+
+# --------------------------------------------------------------------------- policy losses
+
+
+@pytest.mark.parametrize(
+    "actor",
+    [
+        {"policy_loss": {"loss_mode": "gspo"}, "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4},
+        {"policy_loss": {"loss_mode": "cispo"}, "clip_ratio_high": 0.28},
+    ],
+    ids=["gspo", "cispo"],
+)
+def test_policy_losses_favour_rewarded_token(tiny_model_dir: Path, actor: dict[str, Any]) -> None:
+    """GSPO and CISPO train steps raise the log-prob of the token that earns the reward,
+    as PPO's do (the GRPO test above)."""
+    cfg = make_config(
+        str(tiny_model_dir),
+        algorithm={"adv_estimator": "grpo"},
+        actor={"ppo_micro_batch_size": 2, "ppo_epochs": 2, **actor},
+    )
+    core = TrainerCore(cfg)
+    batch = make_batch(bs=4, seed=2, pad_rows=0)
+    batch["responses"][0::2, -1] = 7
+    batch["input_ids"][:, -5:] = batch["responses"]
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    before = _response_log_prob(core, batch)[0::2, -1]
+    for _ in range(3):
+        metrics = core.train_step({**batch, "scores": scores})
+    after = _response_log_prob(core, batch)[0::2, -1]
+    assert (after > before).all(), (before, after)
+    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl"} <= metrics.keys()
+
+
+def test_rollout_correction_weights_and_metrics(tiny_model_dir: Path) -> None:
+    """Token-level truncated IS: the update reports the weights of the whole batch (the
+    mean over tokens, the largest ratio of any micro-batch, the truncated fraction), and
+    a batch without the rollout's log-probs is refused before any update."""
+    cfg = make_config(
+        str(tiny_model_dir),
+        algorithm={
+            "adv_estimator": "grpo",
+            "rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0},
+        },
+        actor={"ppo_micro_batch_size": 2},  # 2 micro-batches of the one mini-batch
+    )
+    core = TrainerCore(cfg)
+    batch = make_batch(bs=4, seed=3)
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    with pytest.raises(InvalidArgument, match="rollout_log_probs"):
+        core.train_step({**batch, "scores": scores})
+    assert core.global_step == 0
+    old = _response_log_prob(core, batch)
+    mask = batch["attention_mask"][:, -5:].bool()
+    ratio = torch.ones(4, 5)
+    ratio[0, 0] = 2.5  # first micro-batch: truncated to 2
+    ratio[3, 1] = 3.0  # second micro-batch: the largest, truncated to 2
+    ratio[1, 2] = 0.5
+    rollout = (old - torch.log(ratio)) * mask
+    m = core.train_step(
+        {**batch, "scores": scores, "old_log_probs": old, "rollout_log_probs": rollout}
+    )
+    n = int(mask.sum())  # 19 valid tokens: 16 weigh 1, one 0.5, two 2
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx((n - 3 + 0.5 + 4.0) / n, abs=1e-5)
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(3.0, abs=1e-5)
+    assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(2 / n, abs=1e-6)

@@ -53,6 +53,46 @@ def test_skip_gives_the_same_update_as_the_explicit_pass(tiny_model_dir: Path) -
         torch.testing.assert_close(after_a[k], after_b[k], rtol=0.0, atol=1e-6, msg=k)
 
 
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "cispo"])
+def test_skip_with_rollout_correction_matches_the_explicit_pass(
+    tiny_model_dir: Path, loss_mode: str
+) -> None:
+    """The truncated IS weights take the old log-probs of the update's own forward when
+    the pass is skipped: the same weights, metrics and update as with the pass."""
+    correction = {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 1.2}}
+
+    def core() -> TrainerCore:
+        cfg = make_config(
+            str(tiny_model_dir),
+            algorithm={"adv_estimator": "grpo", **correction},
+            actor={"ppo_mini_batch_size": 2, "policy_loss": {"loss_mode": loss_mode}},
+        )
+        return TrainerCore(cfg)
+
+    skipping, explicit = core(), core()
+    batch = _batch(11)
+    old, _ = explicit.compute_log_prob(batch)
+    g = torch.Generator().manual_seed(3)
+    mask = batch["attention_mask"][:, -5:]
+    batch["rollout_log_probs"] = (
+        old["old_log_probs"] + 0.3 * torch.randn(4, 5, generator=g)
+    ) * mask
+    a = skipping.train_step(dict(batch), on_policy=True)
+    b = explicit.train_step(dict(batch), on_policy=False)
+    assert a["actor/old_log_prob_skipped"] == 1.0 and b["actor/old_log_prob_skipped"] == 0.0
+    for key in (
+        "rollout_corr/rollout_is_mean",
+        "rollout_corr/rollout_is_max",
+        "rollout_corr/rollout_is_ratio_fraction_high",
+        "actor/pg_loss",
+    ):
+        assert a[key] == pytest.approx(b[key], abs=1e-6), key
+    assert 0.0 < a["rollout_corr/rollout_is_ratio_fraction_high"] < 1.0
+    after_a, after_b = _params(skipping), _params(explicit)
+    for k in after_a:
+        torch.testing.assert_close(after_a[k], after_b[k], rtol=0.0, atol=1e-6, msg=k)
+
+
 @pytest.mark.parametrize(
     ("actor", "on_policy", "why"),
     [

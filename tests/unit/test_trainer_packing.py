@@ -283,3 +283,63 @@ def test_dynamic_batches_match_fixed_micro_batches(tiny_model_dir: Path, packed:
     # any grouping gives the same gradient and the same metrics
     assert not _close_metrics(m_want, m_got), {k: (m_want[k], m_got[k]) for k in m_want}
     assert _max_diff(_params(fixed), _params(dynamic)) < TOL
+
+
+# --------------------------------------------------------------------------- policy losses
+
+# GSPO's per-sequence mean and the importance weights see whole rows, packed or padded,
+# however the rows are cut into micro-batches.
+POLICY_LOSSES = [
+    pytest.param(
+        {"policy_loss": {"loss_mode": "gspo"}, "clip_ratio_low": 3e-3, "clip_ratio_high": 4e-3},
+        None,
+        id="gspo",
+    ),
+    pytest.param(
+        {"policy_loss": {"loss_mode": "gspo"}, "use_kl_loss": True, "entropy_coeff": 0.01},
+        "sequence",
+        id="gspo-kl-entropy-seq-is",
+    ),
+    pytest.param({"policy_loss": {"loss_mode": "cispo"}}, "token", id="cispo-token-is"),
+    pytest.param({}, "token", id="vanilla-token-is"),
+]
+
+
+@pytest.mark.parametrize(("actor", "rollout_is"), POLICY_LOSSES)
+def test_policy_losses_match_padded_and_token_budgets(
+    tiny_model_dir: Path, actor: dict[str, Any], rollout_is: str | None
+) -> None:
+    algorithm: dict[str, Any] = {"adv_estimator": "grpo"}
+    if rollout_is is not None:
+        algorithm["rollout_correction"] = {"rollout_is": rollout_is, "rollout_is_threshold": 1.5}
+    budget = {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 48}
+    cores = [
+        TrainerCore(_config(tiny_model_dir, False, actor=actor, algorithm=algorithm)),
+        TrainerCore(_config(tiny_model_dir, True, actor=actor, algorithm=algorithm)),
+        TrainerCore(_config(tiny_model_dir, True, actor={**actor, **budget}, algorithm=algorithm)),
+    ]
+    batch = _scored(seed=6)
+    mask = B.ensure_defaults(batch)["response_mask"].float()
+    g = torch.Generator().manual_seed(16)
+    current = cores[0].compute_log_prob(batch)[0]["old_log_probs"]
+    # old and rollout log-probs off the current policy, so that ratios clip and some
+    # importance weights are truncated
+    batch["old_log_probs"] = current + 0.05 * torch.randn(current.shape, generator=g) * mask
+    rollout = batch["old_log_probs"] - 0.4 * torch.randn(current.shape, generator=g)
+    batch["rollout_log_probs"] = rollout * mask
+    batch["ref_log_prob"] = current + 0.1 * batch["advantages"]
+    metrics = [core.update_actor(dict(batch)) for core in cores]
+    for m in metrics[1:]:
+        assert not _close_metrics(metrics[0], m), {k: (metrics[0][k], m[k]) for k in m}
+    params = [_params(core) for core in cores]
+    assert _max_diff(params[0], params[1]) < TOL
+    assert _max_diff(params[0], params[2]) < TOL
+    if rollout_is is not None:
+        assert 0.05 < metrics[0]["rollout_corr/rollout_is_ratio_fraction_high"] < 0.95
+        assert (
+            metrics[0]["rollout_corr/rollout_is_max"]
+            > 1.5
+            > metrics[0]["rollout_corr/rollout_is_mean"]
+        )
+    else:
+        assert not any(k.startswith("rollout_corr/") for k in metrics[0])

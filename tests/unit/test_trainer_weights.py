@@ -7,8 +7,8 @@ import torch
 
 from rlfleet.common.codec.wire import iter_chunks
 from rlfleet.common.errors import DataLoss, InvalidArgument, RlfleetError
-from rlfleet.common.weight_stream import WeightStreamReceiver
-from rlfleet.trainer.weights import iter_buckets
+from rlfleet.weightsync.sender import iter_buckets
+from rlfleet.weightsync.wire import WeightStreamReceiver
 
 
 def _named() -> list[tuple[str, torch.Tensor]]:

@@ -291,6 +291,144 @@ def test_packing_and_dynamic_batches_map() -> None:
     assert plain.actor.use_remove_padding is False and plain.actor.use_dynamic_bsz is False
 
 
+# --------------------------------------------------------------------------- algorithms
+
+_A = "actor_rollout_ref.actor"
+GRPO = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4"]
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "gspo", "cispo"])
+def test_policy_loss_modes_map(mode: str) -> None:
+    cfg = config_from_dict(None, [*QUICKSTART, *CPU, f"{_A}.policy_loss.loss_mode={mode}"])
+    assert cfg.actor.policy_loss.loss_mode == mode
+
+
+def test_dapo_recipe_keys_map() -> None:
+    """verl's DAPO recipe: clip-higher, token-mean, filter_groups, gen_batch_size, the dapo
+    reward manager and its overlong buffer (both of verl's spellings)."""
+    dapo = [
+        *QUICKSTART, *CPU, *GRPO,
+        f"{_A}.clip_ratio_low=0.2", f"{_A}.clip_ratio_high=0.28",
+        f"{_A}.loss_agg_mode=token-mean",
+        "+algorithm.filter_groups.enable=true", "+algorithm.filter_groups.metric=acc",
+        "+algorithm.filter_groups.max_num_gen_batches=5", "+data.gen_batch_size=384",
+        "reward_model.reward_manager=dapo",
+    ]  # fmt: skip
+    buffers = [
+        [
+            "+reward_model.overlong_buffer.enable=true",
+            "+reward_model.overlong_buffer.len=64",
+            "+reward_model.overlong_buffer.penalty_factor=1.0",
+            "+reward_model.overlong_buffer.log=false",
+        ],
+        [
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.len=64",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.log=false",
+            "+reward_model.reward_kwargs.max_resp_len=256",
+        ],
+    ]
+    for buffer in buffers:
+        cfg = config_from_dict(None, [*dapo, *buffer])
+        assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (0.2, 0.28)
+        fg = cfg.algorithm.filter_groups
+        assert fg.enable and fg.metric == "acc" and fg.max_num_gen_batches == 5
+        assert cfg.data.gen_batch_size == 384
+        assert cfg.reward.reward_manager == "naive"  # dapo scores as naive does
+        ob = cfg.reward.overlong_buffer
+        assert ob.enable and ob.len == 64 and ob.penalty_factor == 1.0
+        assert ob.max_resp_len == 256  # max_response_length, or given alike
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "missing"),
+    [
+        (f"{_A}.policy_loss.loss_mode=clip_cov", f"{_A}.policy_loss.loss_mode", "clip_cov"),
+        (
+            "+algorithm.filter_groups.max_num_gen_batches=0",
+            "algorithm.filter_groups.max_num_gen_batches",
+            "unbounded",
+        ),
+        (
+            "+algorithm.filter_groups.filter_type=band_pass",
+            "algorithm.filter_groups.filter_type",
+            "band_pass",
+        ),
+        (
+            "+algorithm.rollout_correction.rollout_is_threshold='0.5_5.0'",
+            "algorithm.rollout_correction.rollout_is_threshold",
+            "IcePop",
+        ),
+        (
+            "+algorithm.rollout_correction.bypass_mode=true",
+            "algorithm.rollout_correction.bypass_mode",
+            "bypass",
+        ),
+        (
+            "+algorithm.rollout_correction.rollout_rs=token_k1",
+            "algorithm.rollout_correction.rollout_rs",
+            "rejection sampling",
+        ),
+        ("reward_model.reward_manager=prime", "reward_model.reward_manager", "batch, prime"),
+    ],
+)
+def test_algorithm_values_rlfleet_lacks_are_refused(override: str, key: str, missing: str) -> None:
+    err = _error(None, [*QUICKSTART, *CPU, *GRPO, override])
+    [issue] = err.issues
+    assert issue.path == key and missing in issue.message
+
+
+def test_rollout_correction_current_and_older_spellings() -> None:
+    base = [*QUICKSTART, *CPU]
+    cfg = config_from_dict(None, base)
+    assert cfg.algorithm.rollout_correction.rollout_is is None  # verl's default: off
+    current = config_from_dict(
+        None,
+        [
+            *base,
+            "+algorithm.rollout_correction.rollout_is=sequence",
+            "+algorithm.rollout_correction.rollout_is_threshold=3.0",
+        ],
+    )
+    rc = current.algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_is_threshold) == ("sequence", 3.0)
+    # verl 0.5: actor.tis_imp_ratio_cap > 0 turns token-level weights on; -1 is off
+    cap = config_from_dict(None, [*base, f"+{_A}.tis_imp_ratio_cap=2.5"])
+    rc = cap.algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_is_threshold) == ("token", 2.5)
+    off = config_from_dict(None, [*base, f"+{_A}.tis_imp_ratio_cap=-1"])
+    assert off.algorithm.rollout_correction.rollout_is is None
+    # verl 0.6: rollout_is true and a threshold apply weights at rollout_is_level
+    legacy = config_from_dict(
+        None,
+        [
+            *base,
+            "+algorithm.rollout_is=true",
+            "+algorithm.rollout_is_threshold=1.5",
+            "+algorithm.rollout_is_level=sequence",
+            "+algorithm.rollout_is_mode=truncate",
+        ],
+    )
+    rc = legacy.algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_is_threshold) == ("sequence", 1.5)
+    metrics_only = config_from_dict(
+        None, [*base, "+algorithm.rollout_is=false", "+algorithm.rollout_is_threshold=1.5"]
+    )
+    assert metrics_only.algorithm.rollout_correction.rollout_is is None
+    err = _error(
+        None,
+        [
+            *base,
+            "+algorithm.rollout_is=true",
+            "+algorithm.rollout_is_threshold=2.0",
+            "+algorithm.rollout_is_mode=mask",
+        ],
+    )
+    [issue] = err.issues
+    assert issue.path == "algorithm.rollout_is_mode" and "mask mode" in issue.message
+
+
 def test_a_budget_below_the_longest_sequence_is_refused() -> None:
     err = _error(
         None,

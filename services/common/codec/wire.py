@@ -75,6 +75,7 @@ __all__ = [
     "assemble_chunks",
     "decode_batch",
     "encode_batch",
+    "encode_varint",
     "iter_chunk_bytes",
     "iter_chunks",
     "parse_chunk",
@@ -191,7 +192,8 @@ def _varint_len(n: int) -> int:
     return max(1, (n.bit_length() + 6) // 7)
 
 
-def _varint(n: int) -> bytes:
+def encode_varint(n: int) -> bytes:
+    """Protobuf base-128 varint of ``n`` >= 0."""
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -584,8 +586,8 @@ def iter_chunk_bytes(
         head = common_pb2.TensorBatchChunk(stream_id=sid, seq=seq, last=last).SerializeToString()
         prefixes = []
         for p in pc.pieces:
-            prefix = b"\x22" + _varint(_piece_len(len(p.header), p.length)) + p.header
-            prefixes.append(prefix + (b"\x32" + _varint(p.length) if p.length else b""))
+            prefix = b"\x22" + encode_varint(_piece_len(len(p.header), p.length)) + p.header
+            prefixes.append(prefix + (b"\x32" + encode_varint(p.length) if p.length else b""))
 
         def tail(crc: int, sha: str, seq: int = seq, pc: _PlannedChunk = pc) -> bytes:
             msg = common_pb2.TensorBatchChunk(columns=pc.columns, crc32c=crc)

@@ -474,6 +474,119 @@ def _check_multi_turn(cfg: Config) -> Iterator[ConfigIssue]:
         )
 
 
+@_check("algorithm.filter_groups", "algorithm.use_kl_in_reward", "rollout.n", "data.gen_batch_size")
+def _check_filter_groups(cfg: Config) -> Iterator[ConfigIssue]:
+    fg = cfg.algorithm.filter_groups
+    gen = cfg.data.gen_batch_size
+    if not fg.enable:
+        if gen is not None:
+            yield ConfigIssue(
+                "data.gen_batch_size",
+                "is the generation round of dynamic sampling: set "
+                "algorithm.filter_groups.enable (or leave this unset)",
+                gen,
+            )
+        return
+    if cfg.rollout.n < 2:
+        yield ConfigIssue(
+            "algorithm.filter_groups.enable",
+            "drops prompt groups whose samples all score the same: needs rollout.n >= 2 "
+            f"(rollout.n is {cfg.rollout.n}, every group of one is kept)",
+            True,
+        )
+    if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        yield ConfigIssue(
+            "algorithm.filter_groups.metric",
+            "seq_final_reward includes the in-reward KL penalty, which the trainer computes "
+            "after the batch is formed: use seq_reward, or use_kl_in_reward: false",
+            fg.metric,
+        )
+
+
+@_check("reward.overlong_buffer", "rollout.response_length", "data.max_response_length")
+def _check_overlong_buffer(cfg: Config) -> Iterator[ConfigIssue]:
+    ob = cfg.reward.overlong_buffer
+    if not ob.enable:
+        return
+    limit = ob.max_resp_len or cfg.rollout.response_length or cfg.data.max_response_length
+    if not 0 < ob.len <= limit:
+        yield ConfigIssue(
+            "reward.overlong_buffer.len",
+            f"must be in (0, max_resp_len={limit}] when overlong_buffer.enable",
+            ob.len,
+        )
+    if ob.penalty_factor <= 0:
+        yield ConfigIssue(
+            "reward.overlong_buffer.penalty_factor",
+            "must be > 0 when overlong_buffer.enable (0 penalises nothing)",
+            ob.penalty_factor,
+        )
+
+
+@_check("trainer.rollout_source", "trainer.total_training_steps", "trainer.pipeline")
+def _check_external(cfg: Config) -> Iterator[ConfigIssue]:
+    t = cfg.trainer
+    if t.rollout_source != "external":
+        return
+    if t.total_training_steps is None:
+        yield ConfigIssue(
+            "trainer.total_training_steps",
+            "trainer.rollout_source external has no dataset to count epochs over: set the "
+            "number of steps",
+            None,
+        )
+    if t.pipeline.enable:
+        yield ConfigIssue(
+            "trainer.pipeline.enable",
+            "trainer.rollout_source external takes sessions as agents finish them; the "
+            "staleness bound is trainer.external.max_staleness",
+            True,
+        )
+
+
+@_check("algorithm.kl_ctrl")
+def _check_kl_ctrl(cfg: Config) -> Iterator[ConfigIssue]:
+    kl = cfg.algorithm.kl_ctrl
+    if kl.type == "adaptive" and kl.kl_coef == 0:
+        yield ConfigIssue(
+            "algorithm.kl_ctrl.kl_coef",
+            "an adaptive coefficient multiplies its value: starting at 0 it stays 0",
+            kl.kl_coef,
+        )
+
+
+@_check("actor.kl_loss_ctrl", "actor.kl_loss_coef", "actor.use_kl_loss")
+def _check_kl_loss_ctrl(cfg: Config) -> Iterator[ConfigIssue]:
+    a = cfg.actor
+    if a.kl_loss_ctrl.type != "adaptive":
+        return
+    if not a.use_kl_loss:
+        yield ConfigIssue(
+            "actor.kl_loss_ctrl.type",
+            "adapts the KL loss's coefficient, but there is no KL loss (actor.use_kl_loss "
+            "is false)",
+            a.kl_loss_ctrl.type,
+        )
+    elif a.kl_loss_coef == 0:
+        yield ConfigIssue(
+            "actor.kl_loss_coef",
+            "an adaptive coefficient (actor.kl_loss_ctrl) multiplies its value: starting "
+            "at 0 it stays 0",
+            a.kl_loss_coef,
+        )
+
+
+@_check("trainer.health")
+def _check_health(cfg: Config) -> Iterator[ConfigIssue]:
+    h = cfg.trainer.health
+    if h.guard.enable and not h.enable:
+        yield ConfigIssue(
+            "trainer.health.guard.enable",
+            "the guard acts on the health checks' warnings: it needs trainer.health.enable",
+            True,
+        )
+
+
 def _or(value: bool | None, default: bool) -> bool:
     return default if value is None else value
 
@@ -521,4 +634,8 @@ def resolve(cfg: Config) -> None:
     if _known_pool(cfg, "rollout"):
         rollout_update["replicas"] = cfg.rollout_replicas()
     cfg.rollout = cfg.rollout.model_copy(update=rollout_update)
+    overlong = cfg.reward.overlong_buffer
+    if overlong.max_resp_len is None:
+        overlong = overlong.model_copy(update={"max_resp_len": cfg.rollout.response_length})
+        cfg.reward = cfg.reward.model_copy(update={"overlong_buffer": overlong})
     cfg.trainer = cfg.trainer.model_copy(update={"default_local_dir": str(cfg.run_dir())})

@@ -25,6 +25,7 @@ LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 # "full" (KL over the whole vocabulary) is left out: only per-token log-probs of the
 # sampled tokens travel between services, never full distributions.
 KLPenalty = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+PolicyLossMode = Literal["vanilla", "gspo", "cispo"]
 AdvEstimator = Literal[
     "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"
 ]
@@ -113,6 +114,12 @@ class DataConfig(_Section):
         description="validation parquet files; empty: no validation",
     )
     train_batch_size: int = Field(default=8, ge=1, description="prompts per PPO step")
+    gen_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="with algorithm.filter_groups.enable: prompts per generation round of "
+        "dynamic sampling (verl's DAPO key); None: train_batch_size",
+    )
     val_batch_size: int | None = Field(
         default=None, ge=1, description="prompts per validation batch; None: the whole set at once"
     )
@@ -194,6 +201,30 @@ class MegatronConfig(_Section):
     sequence_parallel: bool = False
 
 
+class PolicyLossConfig(_Section):
+    """Which policy loss the actor minimises (verl's ``actor.policy_loss``)."""
+
+    loss_mode: PolicyLossMode = Field(
+        default="vanilla",
+        description="vanilla: dual-clip PPO; gspo: sequence-level ratio and clipping "
+        "(arXiv:2507.18071; its policy term is always seq-mean-token-mean, as in verl); "
+        "cispo: clipped importance weights under a stop-gradient (arXiv:2506.13585)",
+    )
+
+
+class KLLossControlConfig(_Section):
+    """rlfleet's key (verl's KL loss has a fixed ``kl_loss_coef`` only): how the KL-loss
+    coefficient moves, starting at ``actor.kl_loss_coef``. ``adaptive`` is the
+    proportional controller of ``algorithm.kl_ctrl`` (Ziegler et al. 2019) steering the
+    measured KL (``actor/kl_loss``) towards ``target_kl``."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    target_kl: float = Field(default=0.1, gt=0, description="adaptive: KL the controller aims at")
+    horizon: int = Field(
+        default=10000, ge=1, description="adaptive: reaction time in samples (as kl_ctrl's)"
+    )
+
+
 class ActorConfig(_Section):
     """The policy being trained (served by the trainer)."""
 
@@ -252,13 +283,21 @@ class ActorConfig(_Section):
     clip_ratio_c: float = Field(
         default=3.0, gt=1, description="dual-clip bound for negative advantages (arXiv:1912.09729)"
     )
+    policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     entropy_coeff: float = 0.0
     use_kl_loss: bool = Field(
         default=False, description="KL to the reference policy in the loss (GRPO)"
     )
-    kl_loss_coef: float = Field(default=0.001, ge=0)
+    kl_loss_coef: float = Field(
+        default=0.001, ge=0, description="KL-loss coefficient (the initial one when adaptive)"
+    )
     kl_loss_type: KLPenalty = "low_var_kl"
-    loss_agg_mode: LossAggMode = "token-mean"
+    kl_loss_ctrl: KLLossControlConfig = Field(default_factory=KLLossControlConfig)
+    loss_agg_mode: LossAggMode = Field(
+        default="token-mean",
+        description="how per-token losses reduce: token-mean (every token weighs the same, "
+        "DAPO's token-level loss), seq-mean-token-sum, seq-mean-token-mean",
+    )
     grad_clip: float = Field(default=1.0, gt=0, description="max global gradient norm")
     shuffle: bool = Field(default=False, description="shuffle samples between mini-batches")
     gradient_checkpointing: bool = False
@@ -448,6 +487,37 @@ class MultiTurnConfig(_Section):
     tools: list[ToolSource] = Field(default_factory=list, description="where the tools are")
 
 
+class OpenAIEndpointConfig(_Section):
+    """Each rollout replica's OpenAI-compatible endpoint (docs/rollout.md) and the
+    trajectory store its sessions are recorded in. ``rlfleet serve rollout`` flags
+    (``--openai-port`` ...) override these."""
+
+    port: int | None = Field(
+        default=None,
+        ge=0,
+        description="serve /v1/chat/completions ... on this port of the replica's host "
+        "(0: a free one; the serving line and the registry report openai_url); None: off",
+    )
+    model_name: str | None = Field(
+        default=None, min_length=1, description="model id served; None: the model path"
+    )
+    max_body_bytes: int = Field(default=4 << 20, ge=1, description="request body at most (413)")
+    max_connections: int = Field(default=128, ge=1, description="connections at once at most")
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="a request's generation at most (then 504, cancelled)"
+    )
+    max_sessions: int = Field(default=10_000, ge=1, description="sessions recorded at most")
+    max_tokens: int = Field(
+        default=1 << 22,
+        ge=1,
+        description="tokens (prompt + generated) recorded at most over all sessions; a "
+        "request whose n x (prompt + max_tokens) exceeds it is refused",
+    )
+    session_ttl_s: float = Field(
+        default=3600.0, gt=0, description="a session idle longer is dropped, finished or not"
+    )
+
+
 class RolloutConfig(_Section):
     """Generation (served by the rollout service)."""
 
@@ -505,6 +575,14 @@ class RolloutConfig(_Section):
     )
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    weight_transport: Literal["auto", "shm", "tcp", "grpc"] = Field(
+        default="auto",
+        description="rlfleet option: how the trainer pushes weights to each replica; auto: "
+        "shared memory on the replica's host, else TCP, else the gRPC stream (chosen per "
+        "replica, falling back when a replica does not serve the bulk plane); shm, tcp or "
+        "grpc: that one only (a replica that cannot take it fails)",
+    )
+    openai: OpenAIEndpointConfig = Field(default_factory=OpenAIEndpointConfig)
 
 
 class CustomRewardFunction(_Section):
@@ -612,6 +690,21 @@ class SandboxConfig(_Section):
         return self
 
 
+class OverlongBufferConfig(_Section):
+    """DAPO's soft overlong punishment (arXiv:2503.14476, Eq. 13), added by the driver to
+    each training sample's score: 0 up to ``max_resp_len - len`` tokens, then falling
+    linearly to ``-penalty_factor`` at ``max_resp_len``."""
+
+    enable: bool = False
+    len: int = Field(default=0, ge=0, description="the buffer: tokens before max_resp_len")
+    penalty_factor: float = Field(default=0.0, ge=0, description="the penalty at max_resp_len")
+    max_resp_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="L_max; None: rollout.response_length (else data.max_response_length)",
+    )
+
+
 class RewardConfig(_Section):
     """Scoring of responses (served by the reward service)."""
 
@@ -633,6 +726,7 @@ class RewardConfig(_Section):
 
     custom_function: CustomRewardFunction = Field(default_factory=CustomRewardFunction)
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
     sample_timeout_s: float = Field(default=30.0, gt=0, description="per-sample scoring deadline")
     num_workers: int = Field(
         default=4, ge=1, description="parallel rule-scoring workers (per server process)"
@@ -729,6 +823,42 @@ class KLControlConfig(_Section):
     horizon: int = Field(default=10000, ge=1, description="adaptive: reaction time in samples")
 
 
+class FilterGroupsConfig(_Section):
+    """DAPO's dynamic sampling (arXiv:2503.14476, Sec. 3.2): prompt groups whose samples
+    all have the same ``metric`` are dropped, and generation goes on with the next prompts
+    until ``data.train_batch_size`` prompts are kept."""
+
+    enable: bool = False
+    metric: Literal["seq_reward", "seq_final_reward", "score", "acc"] = Field(
+        default="seq_reward",
+        description="seq_reward: the score the trainer gets (overlong penalty included); "
+        "seq_final_reward: the same (no in-reward KL is allowed with it); score: the "
+        "scorer's score before shaping; acc: the scorer's 'acc' detail",
+    )
+    max_num_gen_batches: int = Field(
+        default=10,
+        ge=1,
+        description="generation rounds per step at most; a batch still short then fails "
+        "the step with a message (verl's behaviour)",
+    )
+
+
+class RolloutCorrectionConfig(_Section):
+    """Truncated importance sampling for the rollout / trainer mismatch (verl's
+    ``algorithm.rollout_correction``): each token's policy loss is weighted by
+    ``min(exp(old_log_prob - rollout_log_prob), rollout_is_threshold)``, the rollout
+    engine's log-probs travelling with the batch."""
+
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        default=None,
+        description="null: off; token: a weight per token; sequence: one per sequence "
+        "(the product of its token ratios)",
+    )
+    rollout_is_threshold: float = Field(
+        default=2.0, gt=0, description="C, the truncation of the weights"
+    )
+
+
 class AlgorithmConfig(_Section):
     adv_estimator: AdvEstimator = "gae"
     gamma: float = Field(default=1.0, ge=0, le=1, description="discount")
@@ -741,6 +871,8 @@ class AlgorithmConfig(_Section):
         default="kl", description="KL estimator for the in-reward penalty"
     )
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
 
 
 class PipelineConfig(_Section):
@@ -750,6 +882,107 @@ class PipelineConfig(_Section):
     max_staleness: int = Field(
         default=1, ge=0, description="max weight versions a sample may lag; 0: on-policy"
     )
+
+
+class ExternalRolloutConfig(_Section):
+    """``trainer.rollout_source: external``: train on sessions an agent ran through the
+    replicas' OpenAI endpoints (rlfleet.driver.external)."""
+
+    batch_size: int = Field(default=8, ge=1, description="finished sessions per PPO step")
+    poll_interval_s: float = Field(
+        default=0.5, gt=0, description="wait between polls of the replicas when none is ready"
+    )
+    timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="a step waits this long for batch_size finished sessions, then fails",
+    )
+    max_staleness: int | None = Field(
+        default=None,
+        ge=0,
+        description="drop sessions with a completion more than this many weight versions "
+        "behind the policy; None: keep all",
+    )
+    use_rollout_log_probs: bool = Field(
+        default=True,
+        description="the recorded log-probs are the old log-probs (no recompute) when every "
+        "completion of the batch was sampled at rollout.temperature (or greedily with "
+        "rollout.temperature 1); otherwise, or false: the trainer recomputes them",
+    )
+
+
+class GuardConfig(_Section):
+    """What the driver does itself when a health check fires (off unless ``enable``)."""
+
+    enable: bool = Field(
+        default=False,
+        description="on a new health warning: roll back to the last good checkpoint "
+        "(rollback) and multiply the actor's lr by lr_factor, at most max_interventions times",
+    )
+    lr_factor: float = Field(
+        default=0.5, gt=0, lt=1, description="the actor's lr is multiplied by this each time"
+    )
+    rollback: bool = Field(
+        default=True,
+        description="first load the last checkpoint saved before the warnings started "
+        "(needs trainer.save_freq; without one, the lr is cut alone)",
+    )
+    max_interventions: int = Field(default=3, ge=1, description="interventions per run at most")
+    cooldown_steps: int = Field(
+        default=5, ge=0, description="steps after an intervention in which checks stay quiet"
+    )
+
+
+class HealthConfig(_Section):
+    """Early warnings on a run going wrong: a line on the console and ``health/...``
+    metrics each time a check starts firing (docs/driver.md, "When a run goes wrong")."""
+
+    enable: bool = Field(default=True, description="run the checks each step")
+    window: int = Field(
+        default=5,
+        ge=1,
+        description="steps of the moving averages (the reward's, the initial entropy's)",
+    )
+    entropy_min: float = Field(
+        default=0.0, ge=0, description="warn below this entropy (nats per token); 0: off"
+    )
+    entropy_min_ratio: float = Field(
+        default=0.1,
+        ge=0,
+        lt=1,
+        description="warn when the entropy falls below this fraction of its mean over the "
+        "first window steps; 0: off",
+    )
+    reward_drop_ratio: float = Field(
+        default=0.5,
+        ge=0,
+        description="warn when the reward's moving average falls this fraction of its "
+        "best value below that best; 0: off",
+    )
+    reward_drop_steps: int = Field(
+        default=0,
+        ge=0,
+        description="warn when the reward's moving average fell this many steps in a row; 0: off",
+    )
+    val_drop_ratio: float = Field(
+        default=0.25,
+        ge=0,
+        description="warn when the validation score (val/test_score/mean) falls this "
+        "fraction of its best value below that best; 0: off",
+    )
+    max_ppo_kl: float = Field(
+        default=0.05,
+        ge=0,
+        description="warn when |actor/ppo_kl| (KL of the update to the sampling policy) "
+        "exceeds this; 0: off",
+    )
+    max_grad_norm: float = Field(
+        default=100.0,
+        ge=0,
+        description="warn when actor/grad_norm (before clipping) exceeds this; a "
+        "non-finite norm always warns; 0: only non-finite",
+    )
+    guard: GuardConfig = Field(default_factory=GuardConfig)
 
 
 class TrainerConfig(_Section):
@@ -793,6 +1026,14 @@ class TrainerConfig(_Section):
     val_before_train: bool = True
     seed: int = 42
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    rollout_source: Literal["dataset", "external"] = Field(
+        default="dataset",
+        description="dataset: the driver generates for the training prompts; external: it "
+        "trains on finished sessions that agents ran through the rollout replicas' OpenAI "
+        "endpoints (rollout.openai.port), taken from the replicas (trainer.external)",
+    )
+    external: ExternalRolloutConfig = Field(default_factory=ExternalRolloutConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
     nnodes: int | None = Field(
         default=None,
         ge=1,

@@ -67,13 +67,17 @@ class Rule:
     """What one verl key does here.
 
     ``to`` set: mapped to that rlfleet key (only when ``when`` holds, if given;
-    otherwise ignored for ``why``). ``to`` None: ignored for ``why``. A value for which
-    ``accepts`` is false is refused: rlfleet lacks ``missing``.
+    otherwise ignored for ``why``), converted by ``convert`` (the value) or
+    ``convert_with`` (the value and the whole verl config); a mapped value also sets
+    the rlfleet keys of ``sets`` to their values. ``to`` None: ignored for ``why``. A
+    value for which ``accepts`` is false is refused: rlfleet lacks ``missing``.
     """
 
     to: str | None = None
     why: str = ""
     convert: Callable[[Any], Any] | None = None
+    convert_with: Callable[[Any, Verl], Any] | None = None
+    sets: Mapping[str, Any] = field(default_factory=dict)
     accepts: Callable[[Any, Verl], bool] | None = None
     accepted: str = ""
     missing: str = ""
@@ -118,13 +122,19 @@ def _map(
     to: str,
     *,
     convert: Callable[[Any], Any] | None = None,
+    convert_with: Callable[[Any, Verl], Any] | None = None,
+    sets: Mapping[str, Any] | None = None,
     only: Sequence[Any] | None = None,
+    accepts: Callable[[Any, Verl], bool] | None = None,
+    accepted: str = "",
     missing: str = "",
     when: Callable[[Verl], bool] | None = None,
     when_doc: str = "",
     why: str = "",
     note: str = "",
 ) -> Row:
+    if only is not None:
+        accepts, accepted = _values(only), _fmt(only)
     return Row(
         key,
         default,
@@ -132,8 +142,10 @@ def _map(
             to=to,
             why=why or note,
             convert=convert,
-            accepts=_values(only) if only is not None else None,
-            accepted=_fmt(only) if only is not None else "",
+            convert_with=convert_with,
+            sets=dict(sets or {}),
+            accepts=accepts,
+            accepted=accepted,
             missing=missing,
             when=when,
             when_doc=when_doc,
@@ -427,6 +439,75 @@ _REF = f"{_AR}.ref"
 _VLLM = _is(f"{_R}.name", "vllm")
 _RM_ON = _is("reward_model.enable", True)
 _RM_DYN = _is("reward_model.use_dynamic_bsz", True)
+
+_LOSS_MODES = ("vanilla", "gspo", "cispo")
+_RC = "algorithm.rollout_correction"
+_FG = "algorithm.filter_groups"
+_OB = "reward.overlong_buffer"
+
+
+def _number(value: Any) -> float | None:
+    """A float from a number or a float-like string (verl reads both); None otherwise."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _positive(value: Any, _cfg: Verl) -> bool:
+    number = _number(value)
+    return number is not None and number > 0
+
+
+def _positive_int(value: Any, _cfg: Verl) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _threshold(value: Any) -> Any:
+    number = _number(value)
+    return value if number is None else number
+
+
+def _tis_cap(value: Any) -> Any:
+    """verl 0.5's ``tis_imp_ratio_cap``: <= 0 (its default -1) is off."""
+    number = _number(value)
+    return number if number is not None and number > 0 else SKIP
+
+
+def _tis_cap_ok(value: Any, _cfg: Verl) -> bool:
+    return _number(value) is not None
+
+
+def _legacy_is_on(cfg: Verl) -> bool:
+    """verl 0.6's flat keys apply weights when ``rollout_is`` and a threshold are set."""
+    return (
+        _get(cfg, "algorithm.rollout_is") is True
+        and _get(cfg, "algorithm.rollout_is_threshold") is not None
+    )
+
+
+def _legacy_level(value: Any, cfg: Verl) -> Any:
+    level = _get(cfg, "algorithm.rollout_is_level", "token")
+    # geometric is refused by the rollout_is_level row, once.
+    return level if _legacy_is_on(cfg) and level in ("token", "sequence") else SKIP
+
+
+def _legacy_only(*values: Any) -> Callable[[Any, Verl], bool]:
+    """Accept anything while verl 0.6's weights are off, else only ``values``."""
+    allowed = _values(values)
+    return lambda v, cfg: not _legacy_is_on(cfg) or allowed(v, cfg)
+
+
+def _dapo_manager(value: Any) -> Any:
+    return "naive" if value == "dapo" else value
+
+
 _CRITIC_TRC = "critic.model.trust_remote_code"
 
 
@@ -451,6 +532,12 @@ ROWS: tuple[Row, ...] = (
     _map("data.max_prompt_length", 512, "data.max_prompt_length"),
     _map("data.max_response_length", 512, "data.max_response_length"),
     _map("data.train_batch_size", 1024, "data.train_batch_size"),
+    _map(
+        "data.gen_batch_size",
+        NO_DEFAULT,
+        "data.gen_batch_size",
+        note="verl's DAPO recipe: prompts per generation round of dynamic sampling",
+    ),
     _map("data.val_batch_size", None, "data.val_batch_size"),
     _ign("data.return_raw_input_ids", False, "what verl's dataset returns; no effect on training"),
     _ign("data.return_raw_chat", False, "what verl's dataset returns; no effect on training"),
@@ -555,14 +642,27 @@ ROWS: tuple[Row, ...] = (
         only=_AGG,
         missing="loss aggregations other than " + ", ".join(_AGG),
     ),
-    _ign(
+    _map(
         f"{_A}.policy_loss.loss_mode",
         "vanilla",
-        "vanilla: rlfleet's (dual-clip) PPO policy loss",
-        only=("vanilla",),
-        missing="policy losses other than vanilla PPO (clip-cov, kl-cov, gpg, ...)",
+        "actor.policy_loss.loss_mode",
+        only=_LOSS_MODES,
+        missing="policy losses other than " + ", ".join(_LOSS_MODES) + " (clip_cov, kl_cov, "
+        "gpg, geo_mean, sapo, ...)",
     ),
-    _ign(f"{_A}.policy_loss.**", NO_DEFAULT, "read only by policy losses other than vanilla"),
+    _ign(f"{_A}.policy_loss.**", NO_DEFAULT, "read only by clip_cov / kl_cov (refused)"),
+    _map(
+        f"{_A}.tis_imp_ratio_cap",
+        NO_DEFAULT,
+        f"{_RC}.rollout_is_threshold",
+        convert=_tis_cap,
+        sets={f"{_RC}.rollout_is": "token"},
+        accepts=_tis_cap_ok,
+        accepted="a number",
+        missing="a non-numeric importance-ratio cap",
+        note="verl 0.5's truncated importance sampling: > 0 turns token-level weights on, "
+        "capped there; <= 0 (its -1) is off",
+    ),
     _ign(
         f"{_A}.loss_scale_factor",
         None,
@@ -776,7 +876,12 @@ ROWS: tuple[Row, ...] = (
         "rlfleet never re-tokenizes a conversation: there is nothing to check",
     ),
     _ign(f"{_R}.multi_turn.**", NO_DEFAULT, "not used by rlfleet's multi-turn rollouts"),
-    _ign(f"{_R}.calculate_log_probs", False, "log-probs of the rollout engine, for debugging"),
+    _ign(
+        f"{_R}.calculate_log_probs",
+        False,
+        "rlfleet's rollout always returns the sampled tokens' log-probs (the batch carries "
+        "them as rollout_log_probs for algorithm.rollout_correction)",
+    ),
     _ign(
         f"{_R}.agent.**",
         NO_DEFAULT,
@@ -932,9 +1037,33 @@ ROWS: tuple[Row, ...] = (
         "reward_model.reward_manager",
         "naive",
         "reward.reward_manager",
-        only=("naive",),
-        missing="reward managers other than naive (batch, prime, dapo)",
+        convert=_dapo_manager,
+        only=("naive", "dapo"),
+        missing="reward managers other than naive and dapo (batch, prime)",
+        note="dapo scores each sample as naive does; its overlong buffer is "
+        "reward.overlong_buffer, applied by the driver",
     ),
+    _map("reward_model.overlong_buffer.enable", NO_DEFAULT, f"{_OB}.enable"),
+    _map("reward_model.overlong_buffer.len", NO_DEFAULT, f"{_OB}.len"),
+    _map("reward_model.overlong_buffer.penalty_factor", NO_DEFAULT, f"{_OB}.penalty_factor"),
+    _ign(
+        "reward_model.overlong_buffer.log",
+        NO_DEFAULT,
+        "rlfleet always reports reward/overlong_reward/mean and reward/overlong/mean",
+    ),
+    _map("reward_model.reward_kwargs.overlong_buffer_cfg.enable", NO_DEFAULT, f"{_OB}.enable"),
+    _map("reward_model.reward_kwargs.overlong_buffer_cfg.len", NO_DEFAULT, f"{_OB}.len"),
+    _map(
+        "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor",
+        NO_DEFAULT,
+        f"{_OB}.penalty_factor",
+    ),
+    _ign(
+        "reward_model.reward_kwargs.overlong_buffer_cfg.log",
+        NO_DEFAULT,
+        "rlfleet always reports reward/overlong_reward/mean and reward/overlong/mean",
+    ),
+    _map("reward_model.reward_kwargs.max_resp_len", NO_DEFAULT, f"{_OB}.max_resp_len"),
     _ign(
         "reward_model.launch_reward_fn_async",
         False,
@@ -997,14 +1126,136 @@ ROWS: tuple[Row, ...] = (
         missing="PF-PPO sample reweighting",
     ),
     _ign("algorithm.pf_ppo.**", NO_DEFAULT, "read only with algorithm.use_pf_ppo"),
-    _ign(
-        "algorithm.filter_groups.enable",
+    _map(f"{_FG}.enable", NO_DEFAULT, f"{_FG}.enable"),
+    _map(
+        f"{_FG}.metric",
         NO_DEFAULT,
-        "false: no DAPO group filtering",
-        only=(False,),
-        missing="DAPO's dynamic sampling (filter_groups)",
+        f"{_FG}.metric",
+        only=("seq_reward", "seq_final_reward", "score", "acc"),
+        missing="filter metrics other than seq_reward, seq_final_reward, score and acc",
     ),
-    _ign("algorithm.filter_groups.**", NO_DEFAULT, "read only with filter_groups.enable"),
+    _map(
+        f"{_FG}.max_num_gen_batches",
+        NO_DEFAULT,
+        f"{_FG}.max_num_gen_batches",
+        accepts=_positive_int,
+        accepted="a positive number",
+        missing="unbounded generation rounds (max_num_gen_batches <= 0): every loop is bounded",
+    ),
+    _ign(
+        f"{_FG}.filter_type",
+        NO_DEFAULT,
+        "same_value: DAPO's filter (drop groups whose samples all score the same)",
+        only=("same_value",),
+        missing="filter types other than same_value (band_pass)",
+    ),
+    _ign(
+        f"{_FG}.lower_bound",
+        NO_DEFAULT,
+        "read only by band_pass",
+        only=(None,),
+        missing="band_pass bounds",
+    ),
+    _ign(
+        f"{_FG}.upper_bound",
+        NO_DEFAULT,
+        "read only by band_pass",
+        only=(None,),
+        missing="band_pass bounds",
+    ),
+    _map(
+        f"{_RC}.rollout_is",
+        None,
+        f"{_RC}.rollout_is",
+        convert=_none_skips,
+        only=(None, "token", "sequence"),
+        missing="rollout importance-sampling levels other than token and sequence",
+        note="null: off",
+    ),
+    _map(
+        f"{_RC}.rollout_is_threshold",
+        2.0,
+        f"{_RC}.rollout_is_threshold",
+        convert=_threshold,
+        accepts=_positive,
+        accepted="a positive number",
+        missing="two-sided (IcePop, 'lower_upper') importance-weight bounds",
+    ),
+    _ign(
+        f"{_RC}.rollout_rs",
+        None,
+        "null: no rejection sampling",
+        only=(None,),
+        missing="rejection sampling of mismatched tokens or sequences (rollout_rs)",
+    ),
+    _ign(f"{_RC}.rollout_rs_threshold", None, "read only with rollout_rs"),
+    _ign(
+        f"{_RC}.bypass_mode",
+        False,
+        "false: the decoupled mode (rollout, old and current policies)",
+        only=(False,),
+        missing="bypass mode (the rollout's log-probs as the old policy)",
+    ),
+    _ign(f"{_RC}.loss_type", "ppo_clip", "read only with bypass_mode"),
+    _ign(
+        f"{_RC}.rollout_is_batch_normalize",
+        False,
+        "false: raw truncated weights",
+        only=(False,),
+        missing="normalising the importance weights to mean 1",
+    ),
+    _ign(f"{_RC}.debug_rollout_actor_probs", False, "a diagnostic of bypass mode"),
+    _map(
+        "algorithm.rollout_is",
+        NO_DEFAULT,
+        f"{_RC}.rollout_is",
+        convert_with=_legacy_level,
+        only=(True, False),
+        missing="a non-boolean rollout_is",
+        note="verl 0.6: true with rollout_is_threshold set applies weights at "
+        "rollout_is_level (default token); false: verl computes metrics only",
+    ),
+    _map(
+        "algorithm.rollout_is_threshold",
+        NO_DEFAULT,
+        f"{_RC}.rollout_is_threshold",
+        convert=_threshold,
+        when=_legacy_is_on,
+        when_doc="algorithm.rollout_is true",
+        why="verl 0.6: null is off",
+        accepts=lambda v, cfg: v is None or _positive(v, cfg),
+        accepted="null or a positive number",
+        missing="a non-numeric importance-weight threshold",
+    ),
+    _ign(
+        "algorithm.rollout_is_level",
+        NO_DEFAULT,
+        "verl 0.6: read with algorithm.rollout_is",
+        accepts=_legacy_only("token", "sequence"),
+        accepted="token, sequence",
+        missing="geometric-mean importance weights",
+    ),
+    _ign(
+        "algorithm.rollout_is_mode",
+        NO_DEFAULT,
+        "verl 0.6: truncate caps the weights from above",
+        accepts=_legacy_only("truncate"),
+        accepted="truncate",
+        missing="masking tokens outside the bounds (mask mode)",
+    ),
+    _ign(
+        "algorithm.rollout_is_threshold_lower",
+        NO_DEFAULT,
+        "verl 0.6: read only in mask mode",
+    ),
+    _ign(
+        "algorithm.rollout_is_veto_threshold",
+        NO_DEFAULT,
+        "verl 0.6: null is no veto",
+        accepts=_legacy_only(None),
+        accepted="null",
+        missing="vetoing sequences with a catastrophic token ratio",
+    ),
     # ------------------------------------------------------------------ trainer
     _ign(
         "trainer.balance_batch",
@@ -1476,13 +1727,18 @@ def translate(raw: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> T
         if rule.to is None or (rule.when is not None and not rule.when(merged)):
             entries.append(Entry(path, value, "ignored", reason=rule.why, given=is_given))
             continue
-        converted = rule.convert(value) if rule.convert is not None else value
+        if rule.convert_with is not None:
+            converted = rule.convert_with(value, merged)
+        else:
+            converted = rule.convert(value) if rule.convert is not None else value
         if converted is SKIP:
             entries.append(
                 Entry(path, value, "mapped", to=rule.to, reason=rule.why, given=is_given)
             )
             continue
         assign(rule.to, converted, path, is_given)
+        for target, also in rule.sets.items():
+            assign(target, also, path, is_given)
         entries.append(Entry(path, converted, "mapped", to=rule.to, given=is_given))
     entries.sort(key=lambda e: e.key)
     return Translation(out, rlfleet_overrides, entries, issues)
@@ -1527,6 +1783,8 @@ def doc_table() -> str:
             here = f"mapped to `{rule.to}`"
         else:
             here = "ignored"
+        if rule.sets:
+            here += " (also sets " + ", ".join(f"`{k}: {v}`" for k, v in rule.sets.items()) + ")"
         notes = [rule.why] if rule.why else []
         if rule.accepts is not None:
             here += f" when {rule.accepted}; other values refused"

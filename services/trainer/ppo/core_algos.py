@@ -25,12 +25,17 @@ References:
     REINFORCE++, Hu 2025: https://arxiv.org/abs/2501.03262
     ReMax, Li et al. 2023: https://arxiv.org/abs/2310.10505
     Dual-clip PPO, Ye et al. 2020: https://arxiv.org/abs/1912.09729
+    DAPO, Yu et al. 2025: https://arxiv.org/abs/2503.14476
+    GSPO, Zheng et al. 2025: https://arxiv.org/abs/2507.18071
+    CISPO (MiniMax-M1), MiniMax 2025: https://arxiv.org/abs/2506.13585
+    Truncated importance sampling, Yao et al. 2025: https://fengyao.notion.site/off-policy-rl
     Adaptive KL controller, Ziegler et al. 2019: https://arxiv.org/abs/1909.08593
     KL estimators k1/k2/k3, Schulman 2020: http://joschu.net/blog/kl-approx.html
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -40,17 +45,24 @@ import torch
 __all__ = [
     "AGG_LOSS_MODES",
     "KL_PENALTY_TYPES",
+    "POLICY_LOSS_MODES",
+    "ROLLOUT_IS_LEVELS",
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
     "compute_entropy_loss",
     "compute_gae_advantage_return",
+    "compute_group_filter_mask",
     "compute_grpo_outcome_advantage",
+    "compute_overlong_penalty",
     "compute_policy_loss",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_gspo",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
+    "compute_rollout_is_weights",
     "compute_value_loss",
     "entropy_from_logits",
     "get_kl_controller",
@@ -65,12 +77,16 @@ __all__ = [
 
 AGG_LOSS_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_PENALTY_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo")
+ROLLOUT_IS_LEVELS = ("token", "sequence")
 
 # exp() of a log-ratio beyond this bound overflows or dominates everything else; both the
 # PPO ratio and the k3 estimator clamp the log-ratio to [-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP].
 _LOG_RATIO_CLAMP = 20.0
 # verl clamps the k3 estimate to this bound to keep single tokens from dominating the loss.
 _K3_CLAMP = 10.0
+# GSPO's sequence-level log-ratio is clamped from above to this before exp (as verl does).
+_GSPO_LOG_RATIO_MAX = 10.0
 # Default chunk of logits processed at once by logprobs_from_logits, in elements
 # (2**25 fp32 elements = 128 MiB of temporaries per chunk).
 _CHUNK_ELEMENTS = 1 << 25
@@ -455,6 +471,76 @@ def compute_remax_outcome_advantage(
 
 
 # --------------------------------------------------------------------------------------------
+# DAPO: dynamic sampling and overlong reward shaping
+# --------------------------------------------------------------------------------------------
+
+
+def compute_group_filter_mask(values: torch.Tensor, index: IndexLike) -> torch.Tensor:
+    """DAPO's dynamic-sampling filter (https://arxiv.org/abs/2503.14476, Eq. 11): keep the
+    groups whose values are not all equal.
+
+    A group whose responses all score the same gives every response a zero group-relative
+    advantage, so it adds nothing to the gradient but dilutes it. A group of one sample is
+    kept (its values cannot differ), as verl does. "All equal" is exact equality (the
+    group's maximum equals its minimum), not a variance below a tolerance.
+
+    Args:
+        values: ``(bs,)`` the filter's metric per sample (e.g. the sequence reward).
+        index: ``(bs,)`` group id per sample (tensor, array or list of hashables).
+
+    Returns:
+        ``(bs,)`` bool, True for the samples of the groups to keep.
+    """
+    values = values.reshape(-1)
+    inverse, n_groups = _group_ids(index, values.shape[0], values.device)
+    hi = torch.full((n_groups,), -torch.inf, dtype=values.dtype, device=values.device)
+    lo = torch.full((n_groups,), torch.inf, dtype=values.dtype, device=values.device)
+    hi = hi.scatter_reduce(0, inverse, values, "amax")
+    lo = lo.scatter_reduce(0, inverse, values, "amin")
+    count = torch.zeros(n_groups, dtype=torch.int64, device=values.device)
+    count.index_add_(0, inverse, torch.ones_like(inverse))
+    keep = (hi > lo) | (count == 1)
+    return keep[inverse]
+
+
+def compute_overlong_penalty(
+    response_length: torch.Tensor,
+    max_response_length: int,
+    overlong_buffer_len: int,
+    penalty_factor: float,
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (https://arxiv.org/abs/2503.14476, Eq. 13), the
+    penalty added to a response's score.
+
+    With ``L_max = max_response_length`` and ``L_cache = overlong_buffer_len``, a response of
+    ``|y|`` tokens gets ``min(-(|y| - (L_max - L_cache)) / L_cache * penalty_factor, 0)``:
+    0 up to ``L_max - L_cache`` tokens, then falling linearly to ``-penalty_factor`` at
+    ``L_max`` (verl's DAPO reward manager; the paper's ``-1`` beyond ``L_max`` cannot occur
+    since generation stops there).
+
+    Args:
+        response_length: ``(bs,)`` response lengths in tokens (the end token included).
+        max_response_length: ``L_max``.
+        overlong_buffer_len: ``L_cache``, ``0 < L_cache <= L_max``.
+        penalty_factor: the penalty at ``L_max`` (>= 0).
+
+    Returns:
+        ``(bs,)`` float penalty, <= 0.
+    """
+    if not 0 < overlong_buffer_len <= max_response_length:
+        raise ValueError(
+            f"overlong_buffer_len must be in (0, max_response_length={max_response_length}], "
+            f"got {overlong_buffer_len}"
+        )
+    if penalty_factor < 0:
+        raise ValueError(f"penalty_factor must be >= 0, got {penalty_factor}")
+    expected = max_response_length - overlong_buffer_len
+    exceed = response_length.to(torch.float64) - expected
+    penalty = (-exceed / overlong_buffer_len * penalty_factor).clamp(max=0.0)
+    return penalty.to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
 # KL penalty and controllers
 # --------------------------------------------------------------------------------------------
 
@@ -519,7 +605,8 @@ class AdaptiveKLController:
     """Proportional KL controller (Ziegler et al. 2019, https://arxiv.org/abs/1909.08593).
 
     On each update: ``e = clip(current_kl / target_kl - 1, -0.2, 0.2)`` and
-    ``beta <- beta * (1 + e * n_steps / horizon)``.
+    ``beta <- beta * (1 + e * n_steps / horizon)``. A non-finite ``current_kl`` leaves
+    ``beta`` as it is (one bad batch must not poison the coefficient for good).
 
     Args:
         init_kl_coef: initial ``beta``.
@@ -538,6 +625,8 @@ class AdaptiveKLController:
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """Move ``value`` towards the target given the KL measured over ``n_steps`` samples."""
+        if not math.isfinite(current_kl):
+            return
         proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
 
@@ -614,8 +703,9 @@ def compute_policy_loss(
     clip_ratio_high: float,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Clipped PPO policy loss with dual clip.
+    """Clipped PPO policy loss with dual clip (verl's ``loss_mode: vanilla``).
 
     ``ratio = exp(log_prob - old_log_prob)`` (log-ratio clamped to [-20, 20]). Per token
     (PPO, https://arxiv.org/abs/1707.06347, Eq. 7; asymmetric clip range as in DAPO)::
@@ -635,6 +725,9 @@ def compute_policy_loss(
         clip_ratio_high: upper clip epsilon (ratio <= 1 + clip_ratio_high).
         clip_ratio_c: dual-clip constant, must be > 1.
         loss_agg_mode: see :func:`agg_loss`.
+        rollout_is_weights: ``(bs, response_length)`` per-token weights (no gradient) that
+            multiply the per-token loss before aggregation, e.g. the truncated importance
+            weights of :func:`compute_rollout_is_weights`; None: 1.
 
     Returns:
         ``pg_loss``: 0-dim loss to minimize.
@@ -669,8 +762,201 @@ def compute_policy_loss(
     pg_clipfrac_lower = masked_mean(dual_active.to(log_prob.dtype), valid)
 
     pg_losses = torch.where(negative, clip_pg_losses2, clip_pg_losses1)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     pg_loss = agg_loss(pg_losses, valid, loss_agg_mode)
     return pg_loss, pg_clipfrac.detach(), ppo_kl, pg_clipfrac_lower.detach()
+
+
+def _check_clip_ratios(clip_ratio_low: float, clip_ratio_high: float) -> None:
+    if clip_ratio_low < 0 or clip_ratio_high < 0:
+        raise ValueError(
+            f"clip ratios must be >= 0, got clip_ratio_low={clip_ratio_low}, "
+            f"clip_ratio_high={clip_ratio_high}"
+        )
+
+
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GSPO: a sequence-level importance ratio, clipped at the sequence level
+    (https://arxiv.org/abs/2507.18071, Eq. 5-7 and the GSPO-token form, Eq. 13-14).
+
+    Per sequence ``i`` the ratio is the geometric mean of its token ratios over its
+    ``|y_i|`` valid tokens::
+
+        s_i = exp( (1 / |y_i|) * sum_t (log_prob_t - old_log_prob_t) )
+
+    and each token carries ``s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)]``: its value is
+    ``s_i`` (so every token of a sequence is clipped together), its gradient is
+    ``s_i * grad log_prob_t``. Per token, as in PPO but without the dual clip::
+
+        L_t = max(-A_t * s_it, -A_t * clip(s_it, 1 - clip_ratio_low, 1 + clip_ratio_high))
+
+    aggregated by ``loss_agg_mode``; ``"seq-mean-token-mean"`` (the default, and what
+    verl always uses for GSPO) gives the paper's ``(1/G) sum_i (1/|y_i|) sum_t``. The
+    log of ``s_i`` is clamped to at most 10 before ``exp``, as verl does. GSPO's clip
+    ranges are far smaller than PPO's (the paper: 3e-4 and 4e-4) since they bound a
+    per-token average.
+
+    Args:
+        old_log_prob: ``(bs, response_length)`` log-probs under the behaviour policy.
+        log_prob: ``(bs, response_length)`` log-probs under the current policy (with grad).
+        advantages: ``(bs, response_length)``.
+        response_mask: ``(bs, response_length)``; each row is one sequence.
+        clip_ratio_low, clip_ratio_high: the sequence-level clip range.
+        loss_agg_mode: see :func:`agg_loss`.
+        rollout_is_weights: per-token weights multiplying the loss (see
+            :func:`compute_policy_loss`); None: 1.
+
+    Returns:
+        ``pg_loss``: 0-dim loss to minimize.
+        ``pg_clipfrac``: fraction of valid tokens where the clipped term is active.
+        ``ppo_kl``: masked mean of ``old_log_prob - log_prob`` (token-level k1).
+        ``pg_clipfrac_lower``: fraction of valid tokens where the clipped term is active
+        at the lower bound (``s_i < 1 - clip_ratio_low``, negative advantage).
+    """
+    _check_clip_ratios(clip_ratio_low, clip_ratio_high)
+    valid = _valid(response_mask)
+    log_ratio = log_prob - old_log_prob
+    ppo_kl = masked_mean(-log_ratio.detach(), valid)
+    seq_log_ratio = masked_mean(log_ratio, valid, axis=-1)  # 0 for a row with no token
+    # Value s_i at every token; gradient s_i * d log_prob_t. The detached sum is added
+    # last, so that log_prob - log_prob.detach() is exactly 0 before it (verl#2775).
+    log_seq_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    seq_ratio = torch.exp(log_seq_ratio.clamp(max=_GSPO_LOG_RATIO_MAX))
+    pg_losses1 = -advantages * seq_ratio
+    clipped_ratio = seq_ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg_losses2 = -advantages * clipped_ratio
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    active = pg_losses2 > pg_losses1
+    pg_clipfrac = masked_mean(active.to(log_prob.dtype), valid)
+    lower = active & (seq_ratio < 1.0 - clip_ratio_low)
+    pg_clipfrac_lower = masked_mean(lower.to(log_prob.dtype), valid)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(pg_losses, valid, loss_agg_mode)
+    return pg_loss, pg_clipfrac.detach(), ppo_kl, pg_clipfrac_lower.detach()
+
+
+def compute_policy_loss_cispo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO: clipped importance-sampling weights under a stop-gradient
+    (MiniMax-M1, https://arxiv.org/abs/2506.13585, Eq. 4-5).
+
+    ``ratio = exp(log_prob - old_log_prob)`` (log-ratio clamped to [-20, 20]); per token::
+
+        L_t = -sg(clip(ratio_t, 1 - clip_ratio_low, 1 + clip_ratio_high)) * A_t * log_prob_t
+
+    Unlike PPO's clipped surrogate, no token's gradient is zeroed: a clipped token still
+    contributes ``-clip(ratio) * A * grad log_prob``; only its weight is bounded. The loss
+    value is not a surrogate of the reward (it is ``-A * log_prob`` at ratio 1); its
+    gradient is what matters.
+
+    Args:
+        old_log_prob: ``(bs, response_length)`` log-probs under the behaviour policy.
+        log_prob: ``(bs, response_length)`` log-probs under the current policy (with grad).
+        advantages: ``(bs, response_length)``.
+        response_mask: ``(bs, response_length)``.
+        clip_ratio_low, clip_ratio_high: the clip range of the weights.
+        loss_agg_mode: see :func:`agg_loss`.
+        rollout_is_weights: per-token weights multiplying the loss (see
+            :func:`compute_policy_loss`); None: 1.
+
+    Returns:
+        ``pg_loss``: 0-dim loss to minimize.
+        ``pg_clipfrac``: fraction of valid tokens whose ratio lies outside the clip range.
+        ``ppo_kl``: masked mean of ``old_log_prob - log_prob``.
+        ``pg_clipfrac_lower``: fraction of valid tokens with ``ratio < 1 - clip_ratio_low``.
+    """
+    _check_clip_ratios(clip_ratio_low, clip_ratio_high)
+    valid = _valid(response_mask)
+    log_ratio = log_prob - old_log_prob
+    ppo_kl = masked_mean(-log_ratio.detach(), valid)
+    with torch.no_grad():
+        ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+        weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+        low = ratio < 1.0 - clip_ratio_low
+        pg_clipfrac = masked_mean((low | (ratio > 1.0 + clip_ratio_high)).to(ratio.dtype), valid)
+        pg_clipfrac_lower = masked_mean(low.to(ratio.dtype), valid)
+    pg_losses = -weight * advantages * log_prob
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(pg_losses, valid, loss_agg_mode)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def compute_rollout_is_weights(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str = "token",
+    threshold: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance-sampling weights for the mismatch between the rollout engine
+    and the trainer (Yao et al. 2025, https://fengyao.notion.site/off-policy-rl; verl's
+    ``algorithm.rollout_correction``).
+
+    The samples were drawn from the rollout engine's distribution ``pi_rollout`` (its
+    kernels, precision, KV cache), the loss assumes the trainer's ``pi_old``. Each token's
+    loss is weighted by::
+
+        token:     w_t = min(exp(old_log_prob_t - rollout_log_prob_t), threshold)
+        sequence:  w_t = min(exp(sum_t' (old_log_prob_t' - rollout_log_prob_t')), threshold)
+
+    (the sequence level gives all tokens of a row their sequence's weight). Log-ratios are
+    clamped to [-20, 20] before ``exp``. No gradient flows through the weights.
+
+    Args:
+        old_log_prob: ``(bs, response_length)`` the trainer's log-probs of the samples.
+        rollout_log_prob: ``(bs, response_length)`` the rollout engine's.
+        response_mask: ``(bs, response_length)``; masked positions get weight 0 and do not
+            enter the metrics.
+        level: ``"token"`` or ``"sequence"``.
+        threshold: the truncation ``C`` (> 0).
+
+    Returns:
+        ``weights``: ``(bs, response_length)``, detached, 0 at masked positions.
+        ``metrics`` (verl's names, 0-dim tensors): ``rollout_is_mean`` (mean weight after
+        truncation over valid tokens), ``rollout_is_max`` (largest ratio before
+        truncation), ``rollout_is_ratio_fraction_high`` (fraction of valid tokens whose
+        ratio exceeded ``threshold``, i.e. was truncated).
+    """
+    if level not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"unknown rollout IS level {level!r}; expected one of {ROLLOUT_IS_LEVELS}")
+    if not threshold > 0:
+        raise ValueError(f"threshold must be > 0, got {threshold}")
+    with torch.no_grad():
+        valid = _valid(response_mask)
+        log_ratio = torch.where(valid, old_log_prob - rollout_log_prob, 0.0)
+        if level == "sequence":
+            log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+        ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+        weights = torch.where(valid, ratio.clamp(max=threshold), 0.0)
+        picked = torch.where(valid, ratio, 0.0)
+        metrics = {
+            "rollout_is_mean": masked_mean(weights, valid),
+            "rollout_is_max": picked.amax() if picked.numel() else picked.new_zeros(()),
+            "rollout_is_ratio_fraction_high": masked_mean(
+                (ratio > threshold).to(ratio.dtype), valid
+            ),
+        }
+    return weights, metrics
 
 
 def compute_value_loss(

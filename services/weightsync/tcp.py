@@ -1,0 +1,325 @@
+"""The TCP transport of the bulk plane: a raw byte stream, one connection per transfer.
+
+The replica's plan names ``host:port`` of a one-shot listener and a one-time token.
+The sender connects, writes the token, then every tensor's bytes in offer order
+straight from the tensors' own storage (no copy: ``sendmsg`` gathers up to 4 MiB
+from many tensors per call, so a model of many small tensors costs one system
+call per few MiB, not one per tensor), shuts its side
+down and waits for the replica to close. The replica reads into its staging
+buffer with ``recv_into`` (no copy beyond the kernel's) and publishes the count of
+bytes received, which its verifier thread follows
+(:class:`rlfleet.weightsync.checksum.StreamVerifier`).
+
+**Who may connect.** The listener accepts up to :data:`MAX_PENDING_CONNECTIONS` at
+once, each given ``token_timeout_s`` (:data:`TOKEN_TIMEOUT_S`) to send the token as
+its first bytes: a wrong token, a close or silence drops that connection alone,
+and the first with the right token is the data connection (the listener and every
+other connection close then). A stranger that connects and stalls cannot hold the
+real sender up; one that connects after the sender is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from rlfleet.common.codec.batch import TensorSpec
+from rlfleet.weightsync.checksum import CrcThread, SourceCrcs, as_u8, tensor_bytes
+from rlfleet.weightsync.wire import TransferPlan
+
+__all__ = [
+    "MAX_PENDING_CONNECTIONS",
+    "TOKEN_TIMEOUT_S",
+    "TcpUnreachable",
+    "accept_sender",
+    "endpoint_of",
+    "open_listener",
+    "receive",
+    "send_tcp",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a connection has to present the one-time token before it is dropped.
+TOKEN_TIMEOUT_S = 5.0
+#: Connections waiting to present their token at once; more are closed at once.
+MAX_PENDING_CONNECTIONS = 16
+# Sender: bytes per ``sendmsg``, gathered from one or many tensors (1, 4 and 8 MiB
+# measured alike; the socket buffers are the kernel's, autotuned: fixing them at
+# 8 MiB with SO_SNDBUF / SO_RCVBUF measured slower on loopback).
+_SEND_BLOCK = 4 << 20
+# Sender: buffers per ``sendmsg`` at most (below every platform's IOV_MAX).
+_IOV = 512
+# Receiver: largest single read into the staging buffer.
+_BLOCK = 16 << 20
+# Sender: seconds to connect (a reachable endpoint answers in milliseconds; an
+# unreachable one should not hold the push up for the whole transfer time-out).
+_CONNECT_TIMEOUT_S = 10.0
+# Listener: longest wait between looks at the transfer's stop flag.
+_ACCEPT_POLL_S = 0.25
+
+
+# --------------------------------------------------------------------- sender side
+
+
+class TcpUnreachable(OSError):
+    """The plan's endpoint could not be connected to (nothing was sent)."""
+
+
+def send_tcp(
+    plan: TransferPlan,
+    named_tensors: Mapping[str, Any],
+    specs: Sequence[TensorSpec],
+    *,
+    timeout_s: float = 600.0,
+    crcs: SourceCrcs | None = None,
+) -> list[int]:
+    """Connect to the plan's endpoint, present the token, stream the bytes in order.
+
+    Args:
+        crcs: the bucket's checksums, shared by every replica it goes to; None: this
+            transfer's own. When this transfer claims them, a :class:`CrcThread`
+            checksums each block right after it is sent.
+
+    Returns:
+        The CRC-32C of each tensor, in ``specs`` order (for the commit).
+    """
+    arrays = [as_u8(tensor_bytes(named_tensors[s.name])) for s in specs]
+    checksums = SourceCrcs(arrays) if crcs is None else crcs
+    follower = CrcThread(len(specs)) if checksums.claim() else None
+    try:
+        host, _, port = plan.endpoint.rpartition(":")
+        try:
+            sock = socket.create_connection(
+                (host.strip("[]"), int(port)), timeout=min(timeout_s, _CONNECT_TIMEOUT_S)
+            )
+        except OSError as e:
+            raise TcpUnreachable(f"cannot connect to {plan.endpoint}: {e}") from e
+        with sock:
+            sock.settimeout(timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for batch in _batches(arrays, plan.token.encode()):
+                _send_all(sock, [b for _, b in batch])
+                if follower is not None:
+                    follower.put([(i, b) for i, b in batch if i >= 0])
+            sock.shutdown(socket.SHUT_WR)
+            # Wait for the receiver to close: it has everything once it does.
+            sock.recv(1)
+        if follower is not None:
+            checksums.publish(follower.result())
+            follower = None
+        return checksums.result(timeout_s)
+    finally:
+        if follower is not None:  # failed: others waiting for the values compute them
+            follower.close()
+            checksums.abandon()
+        if crcs is None:
+            checksums.close()
+
+
+def _batches(arrays: Sequence[np.ndarray], head: bytes) -> Iterator[list[tuple[int, Any]]]:
+    """Lists of ``(tensor index, buffer)`` of about :data:`_SEND_BLOCK` bytes in all:
+    large tensors cut into blocks, small ones gathered, in order; ``head`` (index -1)
+    goes first."""
+    batch: list[tuple[int, Any]] = [(-1, head)]
+    size = len(head)
+    for index, a in enumerate(arrays):
+        for i in range(0, a.nbytes, _SEND_BLOCK):
+            piece = a[i : i + _SEND_BLOCK]
+            batch.append((index, piece))
+            size += piece.nbytes
+            if size >= _SEND_BLOCK or len(batch) >= _IOV:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _send_all(sock: socket.socket, buffers: list[Any]) -> None:
+    """``sendmsg`` until every byte of ``buffers`` is sent (a call may send part)."""
+    views = [memoryview(b) for b in buffers]
+    first = 0
+    while first < len(views):
+        sent = sock.sendmsg(views[first:] if first else views)
+        while first < len(views) and sent >= views[first].nbytes:
+            sent -= views[first].nbytes
+            first += 1
+        if sent:
+            views[first] = views[first][sent:]
+
+
+# --------------------------------------------------------------------- receiver side
+
+
+def open_listener(host: str, timeout_s: float) -> socket.socket:
+    """A listener on an ephemeral port of ``host`` for one transfer."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(MAX_PENDING_CONNECTIONS)
+        listener.settimeout(timeout_s)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def endpoint_of(listener: socket.socket) -> str:
+    """The plan's ``endpoint`` for ``listener``: ``host:port`` (``[host]:port`` for IPv6)."""
+    host, port = listener.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def accept_sender(
+    listener: socket.socket,
+    token: str,
+    *,
+    deadline: float,
+    token_timeout_s: float,
+    stop: threading.Event,
+    label: str,
+) -> socket.socket | None:
+    """Accept connections until one presents ``token`` as its first bytes and return
+    it (blocking, with the rest of the token read); None if ``stop`` is set or
+    ``deadline`` (``time.monotonic()``) passes first. Connections wait concurrently,
+    each for ``token_timeout_s`` at most: one that sends a wrong token, closes, or
+    stays silent is dropped alone."""
+    expected = token.encode()
+    # Each waiting connection: the bytes it sent so far and when it must be done.
+    waiting: dict[socket.socket, tuple[bytearray, float]] = {}
+    listener.setblocking(False)
+    with selectors.DefaultSelector() as sel:
+        sel.register(listener, selectors.EVENT_READ)
+        try:
+            while not stop.is_set():
+                now = time.monotonic()
+                if now >= deadline:
+                    return None
+                for conn, (_, due) in list(waiting.items()):
+                    if now >= due:
+                        logger.warning(
+                            "transfer %s: connection without the token within %.1fs dropped",
+                            label,
+                            token_timeout_s,
+                        )
+                        _drop_conn(sel, waiting, conn)
+                wake = min([deadline, *(due for _, due in waiting.values())])
+                events = sel.select(min(_ACCEPT_POLL_S, max(0.0, wake - now)))
+                for key, _ in events:
+                    if key.fileobj is listener:
+                        _accept_one(listener, sel, waiting, token_timeout_s, label)
+                        continue
+                    peer = key.fileobj
+                    assert isinstance(peer, socket.socket)
+                    state = _read_token(peer, waiting[peer][0], expected, label)
+                    if state == "token":
+                        del waiting[peer]
+                        sel.unregister(peer)
+                        peer.setblocking(True)
+                        return peer
+                    if state == "drop":
+                        _drop_conn(sel, waiting, peer)
+            return None
+        finally:
+            for conn in list(waiting):
+                _drop_conn(sel, waiting, conn)
+
+
+def _accept_one(
+    listener: socket.socket,
+    sel: selectors.BaseSelector,
+    waiting: dict[socket.socket, tuple[bytearray, float]],
+    token_timeout_s: float,
+    label: str,
+) -> None:
+    try:
+        conn, _ = listener.accept()
+    except (BlockingIOError, InterruptedError):
+        return
+    if len(waiting) >= MAX_PENDING_CONNECTIONS:
+        logger.warning(
+            "transfer %s: %d connections already wait to present the token: one more dropped",
+            label,
+            len(waiting),
+        )
+        conn.close()
+        return
+    conn.setblocking(False)
+    waiting[conn] = (bytearray(), time.monotonic() + token_timeout_s)
+    sel.register(conn, selectors.EVENT_READ)
+
+
+def _read_token(
+    conn: socket.socket, got: bytearray, token: bytes, label: str
+) -> Literal["token", "wait", "drop"]:
+    """Read more of what ``conn`` sent of its first ``len(token)`` bytes (into
+    ``got``): ``"token"`` once they are the token, ``"wait"`` while they may still
+    be, ``"drop"`` for a wrong token, a close or an error."""
+    try:
+        part = conn.recv(len(token) - len(got))
+    except (BlockingIOError, InterruptedError):
+        return "wait"
+    except OSError as e:
+        logger.warning("transfer %s: connection failed before its token: %s", label, e)
+        return "drop"
+    if not part:
+        return "drop"
+    got += part
+    if len(got) < len(token):
+        return "wait"
+    if hmac.compare_digest(bytes(got), token):
+        return "token"
+    logger.warning("transfer %s: connection with a wrong token dropped", label)
+    return "drop"
+
+
+def _drop_conn(
+    sel: selectors.BaseSelector,
+    waiting: dict[socket.socket, tuple[bytearray, float]],
+    conn: socket.socket,
+) -> None:
+    waiting.pop(conn, None)
+    with contextlib.suppress(KeyError, ValueError):
+        sel.unregister(conn)
+    with contextlib.suppress(OSError):
+        conn.close()
+
+
+def receive(
+    conn: socket.socket,
+    buffer: np.ndarray,
+    *,
+    deadline: float,
+    on_bytes: Callable[[int], None],
+) -> str:
+    """Read ``len(buffer)`` bytes from the data connection into ``buffer`` (uint8),
+    calling ``on_bytes(received so far)`` after each read. Returns "" when exactly
+    that many arrived, else what went wrong (the sender closed early, or sent more)."""
+    conn.settimeout(max(1.0, deadline - time.monotonic()))
+    total = buffer.nbytes
+    received = 0
+    view = buffer.data  # a memoryview of the array, released below
+    try:
+        while received < total:
+            n = conn.recv_into(view[received : received + _BLOCK])
+            if n == 0:
+                break
+            received += n
+            on_bytes(received)
+    finally:
+        view.release()
+    if received < total:
+        return f"sender closed after {received} of {total} bytes"
+    if conn.recv(1):
+        return f"sender sent more than the {total} bytes offered"
+    return ""
