@@ -155,8 +155,9 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/rlfleet.v1.SchedulerService/SetScale": frozenset({"driver"}),
     "/rlfleet.v1.SchedulerService/GetScale": ALL_ROLES,
     # Tools: rollout replicas call them during multi-turn rollouts (the driver too,
-    # for in-process rollouts and tests); anyone may list them.
-    "/rlfleet.v1.ToolService/ListTools": ALL_ROLES,
+    # for in-process rollouts and tests); every cluster role may list them (not an
+    # external agent: it reaches the OpenAI endpoint and its sessions only).
+    "/rlfleet.v1.ToolService/ListTools": ALL_ROLES - {"agent"},
     "/rlfleet.v1.ToolService/CallTool": frozenset({"rollout", "driver"}),
 }
 

@@ -462,9 +462,16 @@ class _ToolRunner:
         except (InvalidArgument, NotFound) as e:
             return _CallOutcome(f"Error: {e.message}", call.name, "invalid")
         except (Unavailable, RlfleetError, OSError) as e:
+            # The model reads a short reason (it spends the response budget); the
+            # address and the transport's detail go to the log.
             logger.warning("tool %s failed: %s", call.name, e)
+            reason = (
+                "its service is unreachable"
+                if isinstance(e, Unavailable | OSError)
+                else type(e).__name__
+            )
             return _CallOutcome(
-                f"Error: the tool failed: {getattr(e, 'message', e)}",
+                f"Error: the tool failed: {reason}",
                 call.name, "unavailable", time.perf_counter() - t0,
             )  # fmt: skip
         except Exception as e:  # a client bug must not end the rollout either

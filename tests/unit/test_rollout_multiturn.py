@@ -236,7 +236,7 @@ def test_a_failing_tool_is_an_error_message_never_an_exception(
 @pytest.mark.parametrize(
     ("error", "expected"),
     [
-        (Unavailable("tool service 127.0.0.1:1: connection refused"), "connection refused"),
+        (Unavailable("tool service 127.0.0.1:1: connection refused"), "service is unreachable"),
         (DeadlineExceeded("no answer"), "did not answer within 0.5s"),
         (RuntimeError("client bug"), "RuntimeError: client bug"),
     ],
