@@ -57,3 +57,13 @@ def _process_security_per_test() -> Iterator[None]:
     before = current_security()
     yield
     set_security(before)
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model after a few supervised steps on one fixed conversation: it calls
+    the calculator on ``6 * 7`` and then answers ``#### 42``, whatever the prompt.
+    Enough for multi-turn rollouts to have tool turns (built once per session)."""
+    from rlfleet.launch.agentic_demo import fixed_call_model
+
+    return fixed_call_model(tiny_model_dir, tmp_path_factory.mktemp("models") / "tiny-tools")

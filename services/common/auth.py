@@ -6,6 +6,7 @@ A cluster has one *credential set*: a random bearer token per role
     <secrets dir>/            mode 0700, made by `rlfleet secrets init` or a launcher
       driver.json             {"role": "driver", "token": "...", "verifiers": {...}}
       trainer.json  rollout.json  reward.json  scheduler.json  observer.json  agent.json
+      tools.json
       observer.token          the observer's bare token (Prometheus' credentials_file)
       agent.token             the agent's bare token (an OpenAI client's api_key)
 
@@ -153,6 +154,11 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/rlfleet.v1.SchedulerService/SetTrainingStatus": frozenset({"driver"}),
     "/rlfleet.v1.SchedulerService/SetScale": frozenset({"driver"}),
     "/rlfleet.v1.SchedulerService/GetScale": ALL_ROLES,
+    # Tools: rollout replicas call them during multi-turn rollouts (the driver too,
+    # for in-process rollouts and tests); every cluster role may list them (not an
+    # external agent: it reaches the OpenAI endpoint and its sessions only).
+    "/rlfleet.v1.ToolService/ListTools": ALL_ROLES - {"agent"},
+    "/rlfleet.v1.ToolService/CallTool": frozenset({"rollout", "driver"}),
 }
 
 #: Roles that may use a rollout replica's OpenAI-compatible HTTP endpoint (generate,
@@ -317,7 +323,7 @@ def write_credential_set(directory: str | Path, tokens: Mapping[str, str] | None
 
 #: Principals added after credential sets were first written: a set without them
 #: still reads (nobody can act as them until `rlfleet secrets rotate` adds them).
-_LATER_PRINCIPALS = frozenset({"agent"})
+_LATER_PRINCIPALS = frozenset({"agent", "tools"})
 
 
 def read_credential_set(directory: str | Path) -> dict[str, str]:

@@ -9,8 +9,8 @@ Three kinds of names, and how they meet:
 * **verl's role names** (:class:`VerlRole`): ``Actor``, ``ActorRolloutRef``, ...: the
   keys of verl's ``role_worker_mapping``; the combined ones name colocation.
 
-Credentials add the callers that are not services (``driver``, ``observer``, ``agent``):
-:data:`PRINCIPALS`. Placement is *colocated* when the actor and the rollout share a
+Credentials add the callers that are not services (``driver``, ``observer``, ``agent``)
+and the tools service (``tools``, which serves no model role): :data:`PRINCIPALS`. Placement is *colocated* when the actor and the rollout share a
 pool (:func:`is_colocated`), and only then.
 
 Nothing here imports anything heavy.
@@ -52,7 +52,7 @@ SERVICE_OF: dict[Role, Service] = {
 
 #: Who holds a credential: every service, plus the driver, read-only observers, and
 #: external agents (the rollout replicas' OpenAI-compatible endpoint and their own
-#: trajectories, nothing else).
+#: trajectories, nothing else); the tools service of multi-turn rollouts is one.
 PRINCIPALS: tuple[str, ...] = (
     "driver",
     "trainer",
@@ -60,6 +60,7 @@ PRINCIPALS: tuple[str, ...] = (
     "reward",
     "scheduler",
     "observer",
+    "tools",
     "agent",
 )
 

@@ -8,7 +8,7 @@ the rounds' prompts, so the trainer's batch is built as from one loader batch.""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ __all__ = [
     "Batch",
     "GeneratedBatch",
     "concat_prompts",
+    "multi_turn_metrics",
     "prompt_ids",
     "rollout_metrics",
     "select_prompts",
@@ -90,10 +91,15 @@ def trainer_batch(gb: GeneratedBatch, n: int, pad_token_id: int) -> Batch:
     """verl's batch: prompts left-padded, responses right-padded, ``n`` rows per prompt.
 
     Returns ``input_ids`` / ``attention_mask`` ``[B, P + R]``, ``responses`` /
-    ``response_mask`` ``[B, R]``, ``scores`` ``[B]``, ``uid`` (one group id per
-    prompt, ``"<step>-<prompt>"``), ``B = prompts x n``, and ``rollout_log_probs``
-    ``[B, R]`` (the engine's log-prob of each response token, 0 on padding) when every
-    sample carries one per token.
+    ``response_mask`` ``[B, R]``, ``scores`` ``[B]`` and ``uid`` (one group id per
+    prompt, ``"<step>-<prompt>"``), ``B = prompts x n``.
+
+    ``attention_mask`` covers every real token; ``response_mask`` only the tokens the
+    model generated: a multi-turn sample's tool turns (``loss_mask`` 0) are attended
+    to but left out of every loss, advantage and metric (verl's ``response_mask``).
+
+    ``rollout_log_probs`` ``[B, R]`` (the engine's log-prob of each response token, 0
+    on padding) is there when every sample carries one per token.
     """
     p = gb.prompts
     mask = p["attention_mask"]
@@ -103,15 +109,22 @@ def trainer_batch(gb: GeneratedBatch, n: int, pad_token_id: int) -> Batch:
     lengths = torch.tensor([len(s.token_ids) for s in gb.samples], dtype=torch.long)
     r_len = max(1, int(lengths.max()))
     flat = torch.tensor(
-        [t for s in gb.samples for t in s.token_ids], dtype=torch.long
-    )  # one pass over all tokens, in C
+        list(itertools.chain.from_iterable(s.token_ids for s in gb.samples)), dtype=torch.long
+    )  # chained in C, one conversion
     responses = torch.full((len(gb.samples), r_len), pad_token_id, dtype=torch.long)
-    response_mask = (torch.arange(r_len).unsqueeze(0) < lengths.unsqueeze(1)).long()
-    responses[response_mask.bool()] = flat
+    real = (torch.arange(r_len).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    responses[real.bool()] = flat
+    response_mask = real
+    if any(s.loss_mask for s in gb.samples):
+        response_mask = torch.zeros_like(real)
+        response_mask[real.bool()] = torch.tensor(
+            list(itertools.chain.from_iterable(_loss_mask(s) for s in gb.samples)),
+            dtype=torch.long,
+        )
     uid = [f"{gb.step}-{i}" for i in range(prompt_tokens.shape[0] // n) for _ in range(n)]
     out = {
         "input_ids": torch.cat([prompt_tokens, responses], dim=1),
-        "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
+        "attention_mask": torch.cat([prompt_mask, real], dim=1),
         "responses": responses,
         "response_mask": response_mask,
         "scores": torch.tensor(gb.scores, dtype=torch.float32),
@@ -119,12 +132,24 @@ def trainer_batch(gb: GeneratedBatch, n: int, pad_token_id: int) -> Batch:
     }
     if all(len(s.logprobs) == len(s.token_ids) for s in gb.samples):
         rollout_log_probs = torch.zeros((len(gb.samples), r_len), dtype=torch.float32)
-        rollout_log_probs[response_mask.bool()] = torch.tensor(
+        rollout_log_probs[real.bool()] = torch.tensor(
             list(itertools.chain.from_iterable(s.logprobs for s in gb.samples)),
             dtype=torch.float32,
         )
         out["rollout_log_probs"] = rollout_log_probs
     return out
+
+
+def _loss_mask(s: SampleOutput) -> Iterable[int]:
+    """A sample's loss mask; a single-turn sample's (empty) is all ones."""
+    if s.loss_mask:
+        if len(s.loss_mask) != len(s.token_ids):
+            raise ValueError(
+                f"sample {s.prompt_index}/{s.sample_index}: loss_mask has {len(s.loss_mask)} "
+                f"entries for {len(s.token_ids)} tokens"
+            )
+        return s.loss_mask
+    return itertools.repeat(1, len(s.token_ids))
 
 
 def rollout_metrics(gb: GeneratedBatch, policy_version: int) -> dict[str, float]:
@@ -134,8 +159,29 @@ def rollout_metrics(gb: GeneratedBatch, policy_version: int) -> dict[str, float]
     (:func:`rlfleet.trainer.ppo.metric_utils.compute_data_metrics`)."""
     versions = np.array([s.weight_version for s in gb.samples], dtype=np.float64)
     stale = policy_version - versions
-    return {
+    out = {
         "staleness/mean": float(stale.mean()),
         "staleness/max": float(stale.max()),
         "rollout/weight_version": float(versions.min()),
+    }
+    if any(s.loss_mask for s in gb.samples):
+        out.update(multi_turn_metrics(gb.samples))
+    return out
+
+
+def multi_turn_metrics(samples: Sequence[SampleOutput]) -> dict[str, float]:
+    """Of multi-turn samples: model turns per sample (``multi_turn/turns/*``, runs of
+    loss-mask 1s) and tokens the replica inserted (``multi_turn/tool_tokens/mean``:
+    tool turns and turn markers, masked out of the loss)."""
+    turns, inserted = [], []
+    for s in samples:
+        m = np.asarray(s.loss_mask if s.loss_mask else [1] * min(1, len(s.token_ids)), np.int8)
+        turns.append(int(m[0]) + int(np.count_nonzero(np.diff(m) == 1)) if m.size else 0)
+        inserted.append(int(m.size - np.count_nonzero(m)))
+    t = np.asarray(turns, dtype=np.float64)
+    return {
+        "multi_turn/turns/mean": float(t.mean()),
+        "multi_turn/turns/max": float(t.max()),
+        "multi_turn/turns/min": float(t.min()),
+        "multi_turn/tool_tokens/mean": float(np.mean(inserted)),
     }

@@ -268,9 +268,32 @@ def _in_process_rollouts(config: Config) -> list[RolloutReplica]:
             device=device,
             max_num_batched_tokens=config.rollout.max_num_batched_tokens,
         )
-        core = RolloutCore(engine, replica_id=f"rollout-{i}")
+        core = RolloutCore(
+            engine, replica_id=f"rollout-{i}", multi_turn=_in_process_multi_turn(config, path)
+        )
         out.append(RolloutReplica(core.replica_id, _ClosingRollout(core)))
     return out
+
+
+def _in_process_multi_turn(config: Config, model_path: str | None) -> Any:
+    """Multi-turn rollouts in this process: the run's tools service too (a tool source
+    of kind ``service`` without ``services.tools`` gets a tool core of its own here)."""
+    if not config.rollout.multi_turn.enable:
+        return None
+    from transformers import AutoTokenizer
+
+    from rlfleet.rollout.multiturn import multi_turn_from_config
+    from rlfleet.tools.builtin import tool_core_from_config
+    from rlfleet.tools.client import InProcessToolClient
+
+    service = None
+    wants = any(t.kind == "service" for t in config.rollout.multi_turn.tools)
+    if wants and config.services.tools is None:
+        service = InProcessToolClient(tool_core_from_config(config.tools), own=True)
+    tok = AutoTokenizer.from_pretrained(
+        config.actor.tokenizer_path or model_path, local_files_only=True
+    )
+    return multi_turn_from_config(config, tok, service=service)
 
 
 class _ClosingRollout:

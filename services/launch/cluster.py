@@ -13,7 +13,9 @@ What :meth:`LocalCluster.start` does:
 1. Writes the resolved config to ``run_dir/config.yaml`` (the trainer and reward
    read it) and plans the pools on this machine (:func:`plan_placement`, every
    pool entry on this one node, disjoint devices per pool).
-2. Starts the scheduler (``scheduler=True``), then reward, trainer and one rollout
+2. Starts the scheduler (``scheduler=True``) and the tools service (when a
+   multi-turn tool source of kind ``service`` asks for it and ``services.tools`` is
+   unset; the rollout replicas get its address), then reward, trainer and one rollout
    replica per ``config.rollout_replicas()``, each as ``python -m rlfleet.<service>.server``
    with ``--port 0``, in its own session, output in ``run_dir/logs/<name>.log``.
    A service's address comes from its one-line JSON ``serving`` message (or the
@@ -158,6 +160,7 @@ class ClusterHandle:
         mode: ``colocated`` or ``disaggregated``.
         credentials_dir: the cluster's credential set ("" when auth is off): clients
             use ``driver.json`` (``observer.json`` to only read).
+        tools: the tools service of multi-turn rollouts (None: none).
     """
 
     scheduler: str | None
@@ -172,6 +175,7 @@ class ClusterHandle:
     config_path: str = ""
     mode: str = "disaggregated"
     credentials_dir: str = ""
+    tools: str | None = None
 
     def log_path(self, name: str) -> Path:
         return Path(self.run_dir) / "logs" / f"{name}.log"
@@ -187,7 +191,7 @@ class ClusterHandle:
 @dataclass
 class _Proc:
     name: str
-    kind: str  # scheduler | reward | trainer | rollout
+    kind: str  # scheduler | tools | reward | trainer | rollout
     argv: list[str]
     env: dict[str, str]
     cores: tuple[int, ...]
@@ -277,6 +281,18 @@ def trainer_argv(host: str, config_path: Path, address_file: Path) -> list[str]:
             "--port", "0", "--address-file", str(address_file)]  # fmt: skip
 
 
+def tools_argv(host: str, config_path: Path) -> list[str]:
+    """``python`` arguments of the tools service launched for a cluster."""
+    return ["-m", "rlfleet.tools.server", "--config", str(config_path), "--host", host,
+            "--port", "0", "--grace-s", "2"]  # fmt: skip
+
+
+def needs_tools_service(config: Config) -> bool:
+    """A multi-turn tool source names the run's tools service and none is given."""
+    m = config.rollout.multi_turn
+    return m.enable and config.services.tools is None and any(t.kind == "service" for t in m.tools)
+
+
 def rollout_argv(host: str, config_path: Path, replica_id: str) -> list[str]:
     """A rollout replica: the run config gives it model, engine, dtype and device."""
     return ["rlfleet.rollout.server", "--config", str(config_path), "--host", host,
@@ -325,6 +341,7 @@ class LocalCluster:
         given = scheduler_address or config.services.scheduler
         self.launch_scheduler = scheduler and given is None
         self.scheduler_address: str | None = given
+        self.tools_address: str | None = config.services.tools
         self.host = host
         self.extra_args = {k: list(v) for k, v in (extra_args or {}).items()}
         self.env = dict(env or {})
@@ -442,16 +459,22 @@ class LocalCluster:
             address_file=address_file,
         )
 
-    def _build(self, plan: PlacementPlan, config_path: Path) -> tuple[_Proc | None, list[_Proc]]:
+    def _build(self, plan: PlacementPlan, config_path: Path) -> tuple[list[_Proc], list[_Proc]]:
+        """The processes to start first (scheduler, tools service), then the others."""
         cfg, host = self.config, self.host
-        scheduler = None
+        first: list[_Proc] = []
         if self.launch_scheduler:
-            scheduler = self._proc(
-                "scheduler",
-                "scheduler",
-                scheduler_argv(host, config_path, self.heartbeat_interval_s, plan_local=True),
-                (),
+            first.append(
+                self._proc(
+                    "scheduler",
+                    "scheduler",
+                    scheduler_argv(host, config_path, self.heartbeat_interval_s, plan_local=True),
+                    (),
+                )
             )
+        if needs_tools_service(cfg):
+            # Unpinned: its sandboxed programs are short and bounded by their own limits.
+            first.append(self._proc("tools", "tools", tools_argv(host, config_path), ()))
         others: list[_Proc] = []
         if cfg.services.reward is None:
             devices = plan.devices_of("reward_model") if "reward_model" in plan.role_pool else ()
@@ -490,7 +513,7 @@ class LocalCluster:
             for i, share in enumerate(shares):
                 argv = ["-m", *rollout_argv(host, config_path, f"rollout-{i}")]
                 others.append(self._proc(f"rollout-{i}", "rollout", argv, share))
-        return scheduler, others
+        return first, others
 
     # ------------------------------------------------------------------ start
 
@@ -512,16 +535,22 @@ class LocalCluster:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         config_path = save_resolved(self.config, self.run_dir)
         self._prepare_security()
-        scheduler, others = self._build(plan, config_path)
+        first, others = self._build(plan, config_path)
         self._install_stop_hooks()
         try:
-            if scheduler is not None:
-                self._launch(scheduler)
-                self._await([scheduler], deadline)
-                self.scheduler_address = scheduler.address
+            for proc in first:
+                self._launch(proc)
+            self._await(first, deadline)
+            for proc in first:
+                if proc.kind == "scheduler":
+                    self.scheduler_address = proc.address
+                elif proc.kind == "tools":
+                    self.tools_address = proc.address
             for proc in others:
                 if proc.kind in ("rollout", "trainer") and self.scheduler_address:
                     proc.argv += ["--scheduler", self.scheduler_address]
+                if proc.kind == "rollout" and self.tools_address:
+                    proc.argv += ["--override", f"services.tools={self.tools_address}"]
                 self._launch(proc)
             self._await(others, deadline)
             self._check_external(deadline)
@@ -546,7 +575,8 @@ class LocalCluster:
     # ------------------------------------------------------------------ self-healing
 
     def _supervise(self) -> None:
-        """Restart rollout replicas and the reward service that die during the run.
+        """Restart rollout replicas, the reward and the tools service that die during
+        the run.
 
         Each is restarted at most ``services.max_restarts`` times, on its old port
         (so every client's address stays valid), after ``restart_backoff_s`` doubling
@@ -567,7 +597,7 @@ class LocalCluster:
                 ]
             for proc in dead:
                 code = proc.popen.returncode if proc.popen is not None else None
-                if proc.kind not in ("rollout", "reward"):
+                if proc.kind not in ("rollout", "reward", "tools"):
                     logger.error(
                         "%s (%s, pid %d) died with code %s: it is not restarted (its state is "
                         "in memory); resume the run from its last checkpoint "
@@ -733,6 +763,8 @@ class LocalCluster:
     def _check_external(self, deadline: float) -> None:
         s = self.config.services
         external = [a for a in (s.reward, s.trainer, *s.rollout) if a]
+        if s.tools and self.config.rollout.multi_turn.enable:
+            external.append(s.tools)
         if not self.launch_scheduler and self.scheduler_address:
             external.append(self.scheduler_address)
         for address in external:
@@ -799,6 +831,7 @@ class LocalCluster:
             run_dir=str(self.run_dir),
             config_path=str(config_path),
             mode=plan.mode,
+            tools=self.tools_address,
             credentials_dir=str(self.credentials_dir or ""),
         )
 

@@ -21,6 +21,7 @@ SERVICES: dict[str, tuple[str, str]] = {
     ),
     "reward": ("rlfleet.reward.server", "rule and model rewards (torch-free for rules)"),
     "rollout": ("rlfleet.rollout.server", "generation replica (HF or vLLM engine)"),
+    "tools": ("rlfleet.tools.server", "tools for multi-turn rollouts (calculator, python)"),
     "trainer": (
         "rlfleet.trainer.server",
         "actor / critic / reference (FSDP2; torchrun for N ranks)",

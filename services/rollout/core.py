@@ -16,6 +16,10 @@
 * **Status**: weight version, queue depth (samples waiting or running), recent
   tokens/s, totals, bytes of bulk staging held; the same values feed the
   Prometheus metrics.
+* **Multi-turn** (a :class:`~rlfleet.rollout.multiturn.MultiTurn` given): every
+  request is run as conversations with tool calls, one engine batch per round of
+  turns (:meth:`RolloutCore.submit_requests` queues a round at once, so the batching
+  thread takes it whole); ``submit(..., multi_turn=False)`` still generates one turn.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from rlfleet.rollout.engine import (
     SamplingParams,
 )
 from rlfleet.rollout.metrics import RolloutMetrics
+from rlfleet.rollout.multiturn import ConversationHandle, MultiTurn
 from rlfleet.weightsync.receiver import BulkReceiver, WeightReceiver
 from rlfleet.weightsync.tcp import TOKEN_TIMEOUT_S
 from rlfleet.weightsync.wire import AbortResult, TransferOffer, TransferPlan, UpdateResult
@@ -140,6 +145,7 @@ class RolloutCore:
             most (``WeightReceiver``).
         bulk_token_timeout_s: a bulk TCP connection must present its transfer's
             token within this (``BulkReceiver``).
+        multi_turn: run requests as conversations with tools (None: one turn each).
     """
 
     def __init__(
@@ -154,6 +160,7 @@ class RolloutCore:
         limits: GenerateLimits | None = None,
         max_version_step: int | None = None,
         bulk_token_timeout_s: float = TOKEN_TIMEOUT_S,
+        multi_turn: MultiTurn | None = None,
     ) -> None:
         if max_batch_samples < 1:
             raise ValueError(f"max_batch_samples must be >= 1, got {max_batch_samples}")
@@ -162,6 +169,7 @@ class RolloutCore:
         self.metrics = metrics or RolloutMetrics(replica_id)
         self._max_rows = max_batch_samples
         self.limits = limits or GenerateLimits()
+        self.multi_turn = multi_turn
         self._weights = (
             WeightReceiver(engine)
             if max_version_step is None
@@ -197,23 +205,49 @@ class RolloutCore:
         params: SamplingParams,
         *,
         min_weight_version: int = 0,
-    ) -> GenerationHandle:
+        multi_turn: bool | None = None,
+    ) -> GenerationHandle | ConversationHandle:
         """Queue a request; validated now (limits, then the engine's checks), so a bad
-        one fails alone."""
+        one fails alone. With a multi-turn replica (and ``multi_turn`` not False) the
+        request runs as conversations: ``max_tokens`` is each sample's whole response
+        budget, tool turns included."""
         request = GenerationRequest([list(p) for p in prompts], params)
         if not request.prompts:
             raise InvalidArgument("no prompts", field="prompts")
         self.limits.check(request)
         self.engine.validate([request])
-        handle = GenerationHandle(request, min_weight_version)
+        if self.multi_turn is not None and multi_turn is not False:
+            with self._cond:
+                if self._closed:
+                    raise Unavailable("the rollout core is shut down")
+            return self.multi_turn.submit(self, request, min_weight_version=min_weight_version)
+        return self._queue([request], min_weight_version)[0]
+
+    def submit_requests(
+        self, requests: Sequence[GenerationRequest], *, min_weight_version: int = 0
+    ) -> list[GenerationHandle]:
+        """Queue several single-turn requests at once: the batching thread sees them
+        together, so they share one engine batch (up to ``max_batch_samples`` rows).
+        Each is checked like :meth:`submit`'s; none is queued if one fails."""
+        for r in requests:
+            if not r.prompts:
+                raise InvalidArgument("no prompts", field="prompts")
+            self.limits.check(r)
+        self.engine.validate(requests)
+        return self._queue(requests, min_weight_version)
+
+    def _queue(
+        self, requests: Sequence[GenerationRequest], min_weight_version: int
+    ) -> list[GenerationHandle]:
+        handles = [GenerationHandle(r, min_weight_version) for r in requests]
         with self._cond:
             if self._closed:
                 raise Unavailable("the rollout core is shut down")
-            self._pending.append(handle)
-            self._queued += handle.samples
+            self._pending.extend(handles)
+            self._queued += sum(h.samples for h in handles)
             self.metrics.queue_depth.set(self._queued)
             self._cond.notify()
-        return handle
+        return handles
 
     def generate(
         self,
@@ -223,7 +257,8 @@ class RolloutCore:
         min_weight_version: int = 0,
     ) -> Iterator[SampleOutput]:
         """Samples as they finish (any order; each carries its indices)."""
-        return iter(self.submit(prompts, params, min_weight_version=min_weight_version))
+        handle = self.submit(prompts, params, min_weight_version=min_weight_version)
+        return iter(handle)
 
     def _take_batch(self) -> list[GenerationHandle] | None:
         with self._cond:
@@ -409,3 +444,5 @@ class RolloutCore:
             self._fail(h, Unavailable("the rollout core shut down before the request ran"))
         self._thread.join(timeout=60)
         self._bulk.close()
+        if self.multi_turn is not None:
+            self.multi_turn.close()

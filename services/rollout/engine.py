@@ -116,8 +116,13 @@ class SampleOutput:
         token_ids: the response tokens (a final stop/eos token included).
         logprobs: one per token (empty when not requested).
         finish_reason: why it ended.
-        weight_version: the weights it was generated with.
+        weight_version: the weights it was generated with (a multi-turn sample
+            whose turns saw several versions: the oldest).
         text: the decoded response, when asked for (filled at the service edge).
+        loss_mask: multi-turn samples: one 0/1 per token, 1 where the model
+            generated it, 0 where the replica inserted it (tool results, the chat
+            template's turn markers); ``logprobs`` are 0.0 where it is 0. Empty:
+            every token is the model's (single-turn).
     """
 
     prompt_index: int
@@ -127,6 +132,7 @@ class SampleOutput:
     finish_reason: FinishReason
     weight_version: int = 0
     text: str = ""
+    loss_mask: list[int] = field(default_factory=list)
 
 
 #: ``(request index in the batch, sample)``, called as soon as a sample finishes.

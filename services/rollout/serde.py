@@ -86,6 +86,7 @@ def result_to_proto(
         finish_reason=int(s.finish_reason),
         weight_version=s.weight_version,
         replica_id=replica_id,
+        loss_mask=s.loss_mask,
     )
 
 
@@ -98,6 +99,7 @@ def result_from_proto(msg: rollout_pb2.GenerateResult) -> SampleOutput:
         finish_reason=FinishReason(msg.finish_reason or FinishReason.ABORT),
         weight_version=msg.weight_version,
         text=msg.text,
+        loss_mask=list(msg.loss_mask),  # bools: 0/1 as ints
     )
 
 

@@ -31,7 +31,7 @@ import grpc
 
 from rlfleet.common.auth import CredentialError
 from rlfleet.common.config import ConfigError
-from rlfleet.common.errors import Unavailable
+from rlfleet.common.errors import RlfleetError, Unavailable
 from rlfleet.common.rpc import (
     Server,
     add_security_arguments,
@@ -40,9 +40,11 @@ from rlfleet.common.rpc import (
     init_service_security,
     taken_ports,
 )
+from rlfleet.common.sandbox import SandboxUnavailable
 from rlfleet.rollout.core import RolloutCore, RolloutStatusInfo
 from rlfleet.rollout.engine import Engine, GenerateLimits
-from rlfleet.rollout.metrics import start_metrics_server
+from rlfleet.rollout.metrics import RolloutMetrics, start_metrics_server
+from rlfleet.rollout.multiturn import MultiTurn
 from rlfleet.rollout.openai_server import (
     OPENAI_FLAG_DEFAULTS,
     add_openai_arguments,
@@ -63,6 +65,7 @@ __all__ = [
     "add_serve_arguments",
     "build_engine",
     "load_detokenizer",
+    "load_multi_turn",
     "serve_main",
     "start_rollout_server",
 ]
@@ -106,6 +109,20 @@ def load_detokenizer(model: str) -> Detokenizer | None:
         return str(tok.decode(list(ids), skip_special_tokens=True))
 
     return decode
+
+
+def load_multi_turn(config: Any, model: str, registry: Any = None) -> MultiTurn | None:
+    """The replica's multi-turn runner from ``rollout.multi_turn`` of the run config
+    (None: no config, or multi-turn off): the model's tokenizer and the tool sources
+    (each listed now, so a tools service that is not up fails the start-up)."""
+    if config is None or not config.rollout.multi_turn.enable:
+        return None
+    from transformers import AutoTokenizer
+
+    from rlfleet.rollout.multiturn import multi_turn_from_config
+
+    tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    return multi_turn_from_config(config, tok, metrics_registry=registry)
 
 
 def start_rollout_server(
@@ -367,8 +384,10 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
     from rlfleet.common.config import load_config  # pydantic: only when asked
 
     defaults = dict(_FLAG_DEFAULTS)
+    args.run_config = None
     if args.config is not None or args.override:
         cfg = load_config(args.config, args.override)
+        args.run_config = cfg  # multi-turn rollouts read rollout.multi_turn and tools
         r = cfg.rollout
         defaults.update(
             model=r.model_path or cfg.actor.model_path,
@@ -453,6 +472,12 @@ def serve_main(args: argparse.Namespace) -> int:
         extra["gpu_memory_utilization"] = args.gpu_memory_utilization
         if args.kv_cache_memory_bytes:
             extra["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    metrics = RolloutMetrics(args.replica_id or "")
+    try:  # before the model loads: tools unreachable or a template that cannot do it
+        multi_turn = load_multi_turn(args.run_config, args.model, metrics.registry)
+    except (ValueError, RlfleetError, SandboxUnavailable) as e:
+        print(f"rlfleet serve rollout: multi-turn: {e}", file=sys.stderr)
+        return 2
     engine = build_engine(args.engine, args.model, dtype=args.dtype, device=args.device, **extra)
     advertise = args.advertise_host or (
         socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
@@ -462,8 +487,10 @@ def serve_main(args: argparse.Namespace) -> int:
         replica_id=args.replica_id or "",
         max_batch_samples=args.max_batch_samples,
         bulk_host=args.host if args.host not in ("0.0.0.0", "::") else advertise,
+        metrics=metrics,
         limits=limits,
         max_version_step=args.max_version_step,
+        multi_turn=multi_turn,
     )
     tokenizer = None
     if trajectories is not None:
@@ -554,6 +581,7 @@ def serve_main(args: argparse.Namespace) -> int:
                 "openai_url": openai_address,
                 "replica_id": core.replica_id,
                 "service_id": registration.service_id if registration else None,
+                "tools": multi_turn.tools.names if multi_turn is not None else None,
                 "pid": os.getpid(),
             }
         ),

@@ -56,6 +56,7 @@ from rlfleet.v1 import (
     reward_pb2,
     rollout_pb2,
     scheduler_pb2,
+    tools_pb2,
     trainer_pb2,
 )
 
@@ -161,7 +162,7 @@ def methods_of(
 REQUEST_TYPES: tuple[type[Message], ...] = (
     *tuple(
         message_factory.GetMessageClass(m.input_type)
-        for pb2 in (reward_pb2, rollout_pb2, scheduler_pb2, trainer_pb2)
+        for pb2 in (reward_pb2, rollout_pb2, scheduler_pb2, trainer_pb2, tools_pb2)
         for sd in pb2.DESCRIPTOR.services_by_name.values()
         for m in sd.methods
     ),

@@ -1,10 +1,11 @@
-"""The four services as fuzz targets: each a real server started in-process on
+"""The services as fuzz targets: each a real server started in-process on
 127.0.0.1 port 0 with authentication on, its valid examples, its own attacks, and
 the normal request that must still work after a storm (see :mod:`fuzzlib`)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -36,11 +37,13 @@ from rlfleet.v1 import (
     rollout_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
+    tools_pb2,
+    tools_pb2_grpc,
     trainer_pb2,
     trainer_pb2_grpc,
 )
 
-SERVICES = ("reward", "rollout", "trainer", "scheduler")
+SERVICES = ("reward", "rollout", "trainer", "scheduler", "tools")
 
 
 def _body(m: Any, msgs: list[Message]) -> bytes | list[bytes]:
@@ -723,6 +726,125 @@ def scheduler_target(creds: Credentials) -> Iterator[Target]:
         server.stop(0.0)
 
 
+# ------------------------------------------------------------------------------- tools
+
+
+def _call(rng: random.Random) -> tools_pb2.CallToolRequest:
+    a, b = rng.randrange(1, 10**6), rng.randrange(1, 100)
+    op = rng.choice("+-*/%")
+    return tools_pb2.CallToolRequest(
+        name="calculator",
+        arguments_json=json.dumps({"expression": f"{a} {op} {b}"}),
+        timeout_s=rng.choice((0.0, 5.0)),
+        call_id=f"c{rng.randrange(1000)}",
+    )
+
+
+_HOSTILE_EXPRESSIONS = (
+    "__import__('os').system('id')",
+    "(lambda: 1)()",
+    "9 ** 9 ** 9",
+    "2 ** 100000",
+    "10 ** 308 * 10.0",
+    "1 / 0",
+    "((((((((((((((((((((1))))))))))))))))))))",
+    "(" * 300 + "1" + ")" * 300,
+    "1" + " + 1" * 5000,
+    "True + 1",
+    "[1] * 10**9",
+    "'a' * 10**9",
+    "-" * 100000 + "1",
+    "1e999",
+)
+
+
+def gen_tool_calls(rng: random.Random, target: Target) -> Request:
+    """Hostile calls: expressions that try code, huge powers and nesting; arguments
+    that are not objects, huge, deeply nested; unknown names; python programs that
+    loop, fork and print without end; NaN and negative time-outs."""
+    m = target.method("CallTool")
+    req = _call(rng)
+    kind = rng.choice(
+        ["expression", "not_object", "huge_args", "nested", "name", "python", "timeout", "types"]
+    )
+    if kind == "expression":
+        req.arguments_json = json.dumps({"expression": rng.choice(_HOSTILE_EXPRESSIONS)})
+    elif kind == "not_object":
+        req.arguments_json = rng.choice(("[]", "1", '"x"', "null", "{", "{'a': 1}", "\x00"))
+    elif kind == "huge_args":
+        req.arguments_json = json.dumps({"expression": "1" * rng.choice((1 << 16, 1 << 20))})
+    elif kind == "nested":
+        depth = rng.choice((100, 1000, 100000))
+        req.arguments_json = "[" * depth + "]" * depth
+    elif kind == "name":
+        req.name = rng.choice(("", "python3", "calculator ", "../x", "x" * 65, random_string(rng)))
+    elif kind == "python":
+        code = rng.choice(
+            (
+                "while True: pass",
+                "print('x' * 10**8)",
+                "import os\nwhile True: os.fork()",
+                "raise SystemExit(3)",
+                "import socket; socket.create_connection(('127.0.0.1', 1))",
+            )
+        )
+        req.name = "python"
+        req.arguments_json = json.dumps({"code": code})
+        req.timeout_s = 2.0
+    elif kind == "timeout":
+        req.timeout_s = rng.choice((math.nan, math.inf, -1.0, 1e300, 1e-9))
+    elif kind == "types":
+        req.arguments_json = json.dumps(
+            {"expression": rng.choice((1, None, [1], {"a": 1}, True)), "extra": 1}
+        )
+    return Request(m, f"tools:{kind}", _body(m, [req]))
+
+
+@contextlib.contextmanager
+def tools_target(creds: Credentials) -> Iterator[Target]:
+    from rlfleet.common.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+    from rlfleet.tools.builtin import Calculator, PythonTool
+    from rlfleet.tools.core import Tool, ToolCore, ToolLimits
+    from rlfleet.tools.server import start_tool_server
+
+    tools: list[Tool] = [Calculator()]
+    with contextlib.suppress(SandboxUnavailable):  # no isolation here: the calculator alone
+        limits = SandboxLimits(timeout_s=2.0, cpu_time_s=2.0, memory_mb=256, max_processes=8)
+        tools.append(PythonTool(Sandbox(limits)))
+    core = ToolCore(tools, ToolLimits(default_timeout_s=5.0, max_timeout_s=10.0))
+    with serving(creds):
+        server = start_tool_server(core, port=0)
+    address = server.address
+    try:
+
+        def check() -> None:
+            with contextlib.closing(raw_channel(address)) as ch:
+                stub = tools_pb2_grpc.ToolServiceStub(ch)
+                req = tools_pb2.CallToolRequest(
+                    name="calculator", arguments_json='{"expression": "6 * 7"}'
+                )
+                resp = stub.CallTool(req, **creds.stub_kwargs())
+                assert resp.content == "42" and not resp.error, resp
+                listed = stub.ListTools(tools_pb2.ListToolsRequest(), **creds.stub_kwargs())
+                assert "calculator" in [t.name for t in listed.tools], listed
+
+        yield Target(
+            name="tools",
+            address=address,
+            tokens=creds.tokens,
+            methods=methods_of(tools_pb2, "ToolService", deadline_s=20.0),
+            examples={
+                "ListTools": lambda rng: [tools_pb2.ListToolsRequest()],
+                "CallTool": lambda rng: [_call(rng)],
+            },
+            generators=[*GENERIC, (gen_tool_calls, 3.0)],
+            check=check,
+        )
+    finally:
+        server.stop(0.0)
+        core.close()
+
+
 @contextlib.contextmanager
 def serve(
     service: str, creds: Credentials, workdir: Path, model_dir: Path | None = None
@@ -744,6 +866,9 @@ def serve(
     elif service == "trainer":
         assert model_dir is not None
         with trainer_target(creds, model_dir, workdir / "run") as t:
+            yield t
+    elif service == "tools":
+        with tools_target(creds) as t:
             yield t
     else:
         raise ValueError(f"unknown service {service!r}; known: {SERVICES}")

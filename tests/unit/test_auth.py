@@ -27,7 +27,7 @@ from rlfleet.common.auth import (
 )
 from rlfleet.common.roles import PRINCIPALS
 from rlfleet.common.rpc import Security, init_service_security, is_loopback, tls_from_env
-from rlfleet.v1 import reward_pb2, rollout_pb2, scheduler_pb2, trainer_pb2
+from rlfleet.v1 import reward_pb2, rollout_pb2, scheduler_pb2, tools_pb2, trainer_pb2
 
 
 def test_a_set_has_one_distinct_token_per_role_and_files_are_private(tmp_path: Path) -> None:
@@ -60,7 +60,7 @@ def test_the_authenticator_tells_roles_apart_and_refuses_the_rest() -> None:
 def test_every_method_of_every_service_has_a_policy() -> None:
     methods = {
         f"/rlfleet.v1.{svc.name}/{m.name}"
-        for module in (rollout_pb2, reward_pb2, trainer_pb2, scheduler_pb2)
+        for module in (rollout_pb2, reward_pb2, trainer_pb2, scheduler_pb2, tools_pb2)
         for svc in module.DESCRIPTOR.services_by_name.values()
         for m in svc.methods
     }

@@ -11,9 +11,9 @@ from google.protobuf import json_format, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from rlfleet.v1 import common_pb2, reward_pb2, rollout_pb2, scheduler_pb2, trainer_pb2
+from rlfleet.v1 import common_pb2, reward_pb2, rollout_pb2, scheduler_pb2, tools_pb2, trainer_pb2
 
-MODULES = [common_pb2, rollout_pb2, reward_pb2, trainer_pb2, scheduler_pb2]
+MODULES = [common_pb2, rollout_pb2, reward_pb2, trainer_pb2, scheduler_pb2, tools_pb2]
 F = FieldDescriptor
 WELL_KNOWN = {"google.protobuf.Struct", "google.protobuf.Value", "google.protobuf.ListValue"}
 

@@ -105,3 +105,24 @@ def test_abort_result_and_status_staging_round_trip() -> None:
         serde.status_to_proto(status).SerializeToString()
     )
     assert serde.status_from_proto(wire_status) == status
+
+
+def test_multi_turn_sample_round_trips_with_its_loss_mask() -> None:
+    from rlfleet.rollout.engine import FinishReason, SampleOutput
+
+    s = SampleOutput(
+        prompt_index=2,
+        sample_index=1,
+        token_ids=[5, 6, 7, 8, 9],
+        logprobs=[-0.5, 0.0, 0.0, -1.25, -0.75],
+        finish_reason=FinishReason.STOP,
+        weight_version=3,
+        loss_mask=[1, 0, 0, 1, 1],
+    )
+    back = serde.result_from_proto(serde.result_to_proto(s))
+    assert back.loss_mask == [1, 0, 0, 1, 1] and back.token_ids == s.token_ids
+    assert back.logprobs == s.logprobs
+    single = serde.result_from_proto(
+        serde.result_to_proto(SampleOutput(0, 0, [1, 2], [-1.0, -2.0], FinishReason.LENGTH))
+    )
+    assert single.loss_mask == []  # single-turn: empty, every token the model's

@@ -450,6 +450,30 @@ def _check_pipeline(cfg: Config) -> Iterator[ConfigIssue]:
         )
 
 
+@_check("rollout.multi_turn", "tools")
+def _check_multi_turn(cfg: Config) -> Iterator[ConfigIssue]:
+    from rlfleet.common.config.schema import _address
+
+    m = cfg.rollout.multi_turn
+    if m.enable and not m.tools:
+        yield ConfigIssue(
+            "rollout.multi_turn.tools", "multi-turn rollouts need at least one tool source", []
+        )
+    for i, t in enumerate(m.tools):
+        if t.kind == "grpc":
+            try:
+                _address(str(t.address))
+            except ValueError as e:
+                yield ConfigIssue(f"rollout.multi_turn.tools[{i}].address", str(e), t.address)
+    if m.tool_timeout_s > cfg.tools.max_timeout_s:
+        yield ConfigIssue(
+            "rollout.multi_turn.tool_timeout_s",
+            f"exceeds tools.max_timeout_s={cfg.tools.max_timeout_s:g}: the built-in tools "
+            "and the tools service would cut every call shorter",
+            m.tool_timeout_s,
+        )
+
+
 @_check("algorithm.filter_groups", "algorithm.use_kl_in_reward", "rollout.n", "data.gen_batch_size")
 def _check_filter_groups(cfg: Config) -> Iterator[ConfigIssue]:
     fg = cfg.algorithm.filter_groups

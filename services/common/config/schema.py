@@ -406,6 +406,87 @@ class ValKwargs(_Section):
     do_sample: bool = False
 
 
+class ToolSource(_Section):
+    """One place a multi-turn rollout finds tools (``rollout.multi_turn.tools``)."""
+
+    kind: Literal["builtin", "service", "grpc", "http"] = Field(
+        description="builtin: a built-in tool run inside the rollout replica (name: "
+        "calculator | python, limits from the tools section); service: the run's tools "
+        "service (services.tools, or the one the launcher starts; in-process runs: in the "
+        "driver's process); grpc: any ToolService at address; http: one tool POSTed JSON "
+        "at address (a URL)"
+    )
+    name: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="builtin and http: the tool's name (required); service and grpc: only "
+        "this one of the service's tools (None: all of them)",
+    )
+    address: str | None = Field(
+        default=None, description="grpc: host:port; http: the URL; unused otherwise"
+    )
+    description: str = Field(default="", description="http: what the model is told the tool does")
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}},
+        description="http: JSON schema of the tool's arguments",
+    )
+
+    @model_validator(mode="after")
+    def _needs(self) -> Self:
+        if self.kind in ("builtin", "http") and self.name is None:
+            raise ValueError(f"a {self.kind} tool needs a name")
+        if self.kind == "builtin" and self.name not in ("calculator", "python"):
+            raise ValueError(
+                f"no built-in tool {self.name!r}; the built-ins are calculator, python"
+            )
+        if self.kind in ("grpc", "http") and not self.address:
+            raise ValueError(f"a {self.kind} tool needs an address")
+        if self.kind == "http" and not str(self.address).startswith(("http://", "https://")):
+            raise ValueError("an http tool's address is an http:// or https:// URL")
+        return self
+
+
+class MultiTurnConfig(_Section):
+    """Multi-turn rollouts with tool calls (verl's ``rollout.multi_turn``; docs/rollout.md).
+
+    A sample is a conversation: generate, parse tool calls, run the tools, append
+    their results as a tool turn, generate again, until the model answers without a
+    call, ``max_turns`` model turns, or the response budget (``response_length``,
+    tool turns included) is used up. Tool turns are masked out of the loss.
+    """
+
+    enable: bool = Field(default=False, description="every Generate request is a conversation")
+    format: Literal["hermes"] = Field(
+        default="hermes",
+        description='tool-call format: hermes (Qwen, Hermes): <tool_call>{"name": ..., '
+        '"arguments": {...}}</tool_call> in the model\'s turn, results as <tool_response> '
+        "turns in the chat template's format",
+    )
+    max_turns: int = Field(
+        default=4, ge=1, description="model turns per sample at most (verl: max_assistant_turns)"
+    )
+    max_tokens_per_turn: int | None = Field(
+        default=None, ge=1, description="new tokens per model turn; None: the budget left"
+    )
+    max_parallel_calls: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="tool calls run per model turn; more are answered with an error (verl)",
+    )
+    max_tool_response_length: int = Field(
+        default=256, ge=1, description="characters of a tool's answer the model sees (verl)"
+    )
+    tool_response_truncate_side: Literal["left", "middle", "right"] = Field(
+        default="middle", description="which part of a longer answer is cut (verl)"
+    )
+    tool_timeout_s: float = Field(default=10.0, gt=0, le=600, description="per tool call")
+    tool_workers: int = Field(
+        default=16, ge=1, le=1024, description="tool calls run at once, across samples"
+    )
+    tools: list[ToolSource] = Field(default_factory=list, description="where the tools are")
+
+
 class OpenAIEndpointConfig(_Section):
     """Each rollout replica's OpenAI-compatible endpoint (docs/rollout.md) and the
     trajectory store its sessions are recorded in. ``rlfleet serve rollout`` flags
@@ -493,6 +574,7 @@ class RolloutConfig(_Section):
         "(devices / tensor_parallel_size, on cpu one per node)",
     )
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     weight_transport: Literal["auto", "shm", "tcp", "grpc"] = Field(
         default="auto",
         description="rlfleet option: how the trainer pushes weights to each replica; auto: "
@@ -665,6 +747,71 @@ class RewardConfig(_Section):
         "match 18) in the last 1000 characters; false: verl's exact string rule, last 300",
     )
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+
+
+class PythonToolConfig(_Section):
+    """The ``python`` tool's sandbox (``rlfleet.common.sandbox``): one process per call."""
+
+    isolation: Literal["auto", "bwrap", "namespaces", "none"] = Field(
+        default="auto",
+        description="as reward.sandbox.isolation: auto tries bubblewrap, then namespaces, "
+        "then none (only with allow_unisolated)",
+    )
+    allow_unisolated: bool = Field(
+        default=False, description="run code with rlimits only where no isolation works"
+    )
+    python: str | None = Field(default=None, description="interpreter; None: as reward.sandbox")
+    cpu_time_s: float = Field(default=10.0, gt=0, le=600, description="CPU seconds per process")
+    memory_mb: int = Field(default=1024, ge=16, description="address space per process, MiB")
+    max_output_bytes: int = Field(
+        default=64 << 10, ge=1024, description="stdout / stderr bytes; more ends the call"
+    )
+    max_processes: int = Field(default=32, ge=4, le=4096, description="processes and threads")
+    tmp_mb: int = Field(default=64, ge=1, description="size of the writable /tmp, MiB")
+
+    @model_validator(mode="after")
+    def _unisolated_needs_consent(self) -> Self:
+        if self.isolation == "none" and not self.allow_unisolated:
+            raise ValueError(
+                "isolation 'none' runs untrusted code unconfined: it needs allow_unisolated: true"
+            )
+        return self
+
+
+class CalculatorToolConfig(_Section):
+    """The ``calculator`` tool's bounds."""
+
+    max_chars: int = Field(default=256, ge=1, le=1 << 16, description="expression length")
+    max_ops: int = Field(default=64, ge=1, le=4096, description="operators per expression")
+    max_bits: int = Field(
+        default=1024, ge=64, le=1 << 16, description="bits of any integer in the calculation"
+    )
+
+
+class ToolsConfig(_Section):
+    """The tools service (``rlfleet serve tools``, docs/tools.md) and the limits of the
+    built-in tools wherever they run."""
+
+    builtin: list[Literal["calculator", "python"]] = Field(
+        default_factory=lambda: ["calculator", "python"],
+        description="built-in tools the tools service offers",
+    )
+    default_timeout_s: float = Field(default=10.0, gt=0, le=600, description="a call's time-out")
+    max_timeout_s: float = Field(default=60.0, gt=0, le=3600, description="what a caller may ask")
+    max_concurrent_calls: int = Field(default=16, ge=1, le=1024, description="calls run at once")
+    max_arguments_bytes: int = Field(default=64 << 10, ge=16, description="a call's arguments JSON")
+    max_content_bytes: int = Field(default=16 << 10, ge=64, description="an answer is cut to this")
+    python: PythonToolConfig = Field(default_factory=PythonToolConfig)
+    calculator: CalculatorToolConfig = Field(default_factory=CalculatorToolConfig)
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> Self:
+        if self.default_timeout_s > self.max_timeout_s:
+            raise ValueError(
+                f"default_timeout_s {self.default_timeout_s} exceeds max_timeout_s "
+                f"{self.max_timeout_s}"
+            )
+        return self
 
 
 class KLControlConfig(_Section):
@@ -942,6 +1089,11 @@ class ServicesConfig(_Section):
     rollout: list[Address] = Field(default_factory=list, description="one address per replica")
     reward: Address | None = None
     trainer: Address | None = None
+    tools: Address | None = Field(
+        default=None,
+        description="the tools service (rollout.multi_turn.tools of kind service); None: "
+        "launched when a tool source asks for it",
+    )
     max_restarts: int = Field(
         default=3,
         ge=0,
@@ -1042,6 +1194,7 @@ class Config(BaseModel):
     ref: RefConfig = Field(default_factory=RefConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     resource_pools: dict[str, PoolSpec] = Field(

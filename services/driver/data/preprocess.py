@@ -5,6 +5,7 @@
     rlfleet preprocess hellaswag --input hellaswag/data --out outputs/data/hellaswag
     rlfleet preprocess full_hh_rlhf --input hh-rlhf/harmless-base --out DIR --mode rm
     rlfleet preprocess arithmetic --out outputs/data/arithmetic --n 2000 --seed 0
+    rlfleet preprocess calculator --out outputs/data/calculator --n 2000 --seed 0
     rlfleet preprocess apps --input apps/ --out outputs/data/apps
     rlfleet preprocess taco --input taco/ --out outputs/data/taco
 
@@ -51,7 +52,16 @@ from rlfleet.driver.data.sources import (
     plan_splits,
 )
 
-DATASETS = ("gsm8k", "math", "hellaswag", "full_hh_rlhf", "arithmetic", "apps", "taco")
+DATASETS = (
+    "gsm8k",
+    "math",
+    "hellaswag",
+    "full_hh_rlhf",
+    "arithmetic",
+    "calculator",
+    "apps",
+    "taco",
+)
 #: Default hub configs (the dataset's own config name) for hub inputs.
 _HUB_CONFIG = {"gsm8k": "main"}
 
@@ -74,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--input",
         help="file or folder (jsonl, jsonl.gz, json, parquet), or a hub dataset name "
-        "(owner/name) when no such path exists; not used by arithmetic",
+        "(owner/name) when no such path exists; not used by arithmetic and calculator",
     )
     parser.add_argument("--out", type=Path, required=True, help="folder for train/test.parquet")
     parser.add_argument(
@@ -94,10 +104,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="for an input with one split only: hold out this seeded fraction as test",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of --test-fraction/arithmetic")
-    parser.add_argument("--n", type=int, default=2000, help="arithmetic: train problems")
-    parser.add_argument("--n-test", type=int, default=200, help="arithmetic: test problems")
-    parser.add_argument("--digits", type=int, default=2, help="arithmetic: digits per operand")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of --test-fraction, arithmetic, calculator"
+    )
+    parser.add_argument(
+        "--n", type=int, default=2000, help="arithmetic, calculator: train problems"
+    )
+    parser.add_argument(
+        "--n-test", type=int, default=200, help="arithmetic, calculator: test problems"
+    )
+    parser.add_argument(
+        "--digits", type=int, default=2, help="arithmetic, calculator: digits per operand"
+    )
     parser.add_argument("--ops", default="+-", help="arithmetic: operations, a subset of '+-*'")
     parser.add_argument("--hub-config", default=None, help="hub inputs: the dataset config")
     parser.add_argument(
@@ -181,6 +199,15 @@ def preprocess(
         rows = recipes.arithmetic(n, n_test, seed=seed, digits=digits, ops=ops)
         for split in SPLITS:
             report.paths[split] = _write(rows[split], recipes.ARITHMETIC_SCHEMA, out_dir, split)
+            report.rows[split] = len(rows[split])
+        return report
+
+    if dataset == "calculator":
+        if input_path is not None:
+            raise ValueError("calculator is generated: it takes no --input")
+        rows = recipes.calculator(n, n_test, seed=seed, digits=digits)
+        for split in SPLITS:
+            report.paths[split] = _write(rows[split], recipes.CALCULATOR_SCHEMA, out_dir, split)
             report.rows[split] = len(rows[split])
         return report
 

@@ -27,6 +27,8 @@ Data sources (what the reward service routes on):
   truth the label (the ending's 0-based index) as a string, ``"0"``..``"3"``.
 * ``Anthropic/hh-rlhf`` (transcripts) and ``Dahoas/full-hh-rlhf`` (Dahoas layout).
 * ``rlfleet/arithmetic`` -- the synthetic set, in GSM8K's answer format.
+* ``rlfleet/calculator`` -- synthetic remainders (``4821 % 7``) for multi-turn
+  rollouts with the calculator tool, in GSM8K's answer format.
 * ``apps`` / ``taco`` -- APPS and TACO (``question``, ``solutions``, ``starter_code``,
   ``input_output``): ground truth the test cases as JSON (``inputs``, ``outputs``,
   ``fn_name`` for call-based problems), verl's names for its code scorers.
@@ -484,6 +486,90 @@ def arithmetic(
                 )
             )
     return out
+
+
+# ------------------------------------------------------------------------ calculator
+
+CALCULATOR_SCHEMA = verl_schema(
+    [("answer", _STR), ("question", _STR), ("expression", _STR), ("tool_call", _STR)]
+)
+CALCULATOR_SOURCE = "rlfleet/calculator"
+CALCULATOR_INSTRUCTION = 'A calculator tool is available. Output the final answer after "####".'
+"""Short on purpose: the call's format is the model's to know (a chat template with
+``tools=`` tells a large model; the warm start teaches the tiny one)."""
+
+
+def calculator_call(expression: str) -> str:
+    """The Hermes tool call of the calculator on ``expression`` (what the model writes).
+
+    ``arguments`` comes before ``name`` (a JSON object's keys are unordered; every
+    Hermes parser reads either order): the expression then follows the question by
+    a few tokens, and a small model learns to copy it in far fewer steps."""
+    args = {"arguments": {"expression": expression}, "name": "calculator"}
+    return f"<tool_call>{json.dumps(args)}</tool_call>"
+
+
+def calculator_problem(a: int, b: int) -> tuple[str, str, int]:
+    """``(question, expression, value)`` of ``a % b``."""
+    return f"What is {a} % {b}?", f"{a} % {b}", a % b
+
+
+def calculator(n_train: int, n_test: int, *, seed: int, digits: int = 3) -> dict[str, list[Row]]:
+    """Remainders of ``digits``-digit numbers by a one-digit divisor (3 to 9), for
+    multi-turn rollouts with the ``calculator`` tool (``examples/agentic_calculator.yaml``).
+
+    A small model cannot compute ``482 % 7`` in its head (guessing a digit is right
+    about one time in six), but it can copy one digit from the tool's answer: the
+    prompt says a calculator is available, and the answer (GSM8K's ``#### N``, scored
+    by the gsm8k rule under data source ``rlfleet/calculator``) is the tool's result.
+    ``extra_info`` holds the call a model should make (``tool_call``) and the
+    reference answer, from which :func:`calculator_transcript` builds a warm-start
+    conversation. Problems are distinct, no test problem is in train; the same
+    arguments give the same rows.
+    """
+    if not 2 <= digits <= 5:
+        raise ValueError(f"digits must be 2..5, got {digits}")
+    if n_train < 0 or n_test < 0:
+        raise ValueError(f"--n and --n-test must be >= 0, got {n_train} and {n_test}")
+    lo, hi = 10 ** (digits - 1), 10**digits - 1
+    space = [(a, b) for a in range(lo, hi + 1) for b in range(3, 10)]
+    if n_train + n_test > len(space):
+        raise ValueError(
+            f"{n_train + n_test} distinct problems asked for, but {digits}-digit numbers give "
+            f"only {len(space)}: raise --digits or lower --n / --n-test"
+        )
+    random.Random(seed).shuffle(space)
+    picked = {"train": space[:n_train], "test": space[n_train : n_train + n_test]}
+    out: dict[str, list[Row]] = {"train": [], "test": []}
+    for split, problems in picked.items():
+        for a, b in problems:
+            question, expression, value = calculator_problem(a, b)
+            info = {
+                "split": split,
+                "index": len(out[split]),
+                "answer": f"#### {value}",
+                "question": question,
+                "expression": expression,
+                "tool_call": calculator_call(expression),
+            }
+            # The question last: the model's call repeats it a few tokens later.
+            content = f"{CALCULATOR_INSTRUCTION} {question}"
+            out[split].append(_row(CALCULATOR_SOURCE, content, "math", "rule", str(value), info))
+    return out
+
+
+def calculator_transcript(row: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The conversation a calculator row asks for, after its prompt: the model's call,
+    the tool's answer (computed by the tool itself), the model's final answer."""
+    from rlfleet.tools.builtin import evaluate
+
+    info = row["extra_info"]
+    result = evaluate(info["expression"])
+    return [
+        {"role": "assistant", "content": info["tool_call"]},
+        {"role": "tool", "content": result},
+        {"role": "assistant", "content": f"#### {result}"},
+    ]
 
 
 # ------------------------------------------------------------------------ apps / taco

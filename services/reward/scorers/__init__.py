@@ -133,6 +133,8 @@ DATA_SOURCE_SCORERS: dict[str, str] = {
     "multiple_choice": "multiple_choice",
     # The demo's synthetic arithmetic set is written in GSM8K's `#### N` format.
     "rlfleet/arithmetic": "gsm8k",
+    # The multi-turn calculator task (`rlfleet preprocess calculator`): the same format.
+    "rlfleet/calculator": "gsm8k",
     # verl's code data sources (default_compute_score: prime_code / sandbox_fusion),
     # the hub names of APPS, TACO and CodeContests, LiveCodeBench, and "code".
     "codecontests": CODE,
