@@ -105,9 +105,9 @@ def _eval(node: ast.expr, max_bits: int) -> int | float:
         v = node.value
         if isinstance(v, bool) or not isinstance(v, int | float):
             raise ToolError(f"only numbers are allowed, got {v!r}"[:120])
-        return _check(v, max_bits)  # type: ignore[no-any-return]
+        return _check(v, max_bits)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _check(_UNARY[type(node.op)](_eval(node.operand, max_bits)), max_bits)  # type: ignore[no-any-return]
+        return _check(_UNARY[type(node.op)](_eval(node.operand, max_bits)), max_bits)
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left = _eval(node.left, max_bits)
         right = _eval(node.right, max_bits)
@@ -121,7 +121,7 @@ def _eval(node: ast.expr, max_bits: int) -> int | float:
             raise ToolError(f"{_SYMBOL[type(node.op)]}: the result is too large") from e
         if isinstance(value, complex):  # (-8) ** 0.5
             raise ToolError("the result is not a real number")
-        return _check(value, max_bits)  # type: ignore[no-any-return]
+        return _check(value, max_bits)
     what = type(node).__name__
     if isinstance(node, ast.BinOp | ast.UnaryOp):
         what = type(node.op).__name__

@@ -788,12 +788,16 @@ class CalculatorToolConfig(_Section):
     )
 
 
+BuiltinTool = Literal["calculator", "python"]
+BUILTIN_TOOLS: tuple[BuiltinTool, ...] = ("calculator", "python")
+
+
 class ToolsConfig(_Section):
     """The tools service (``rlfleet serve tools``, docs/tools.md) and the limits of the
     built-in tools wherever they run."""
 
-    builtin: list[Literal["calculator", "python"]] = Field(
-        default_factory=lambda: ["calculator", "python"],
+    builtin: list[BuiltinTool] = Field(
+        default_factory=lambda: list(BUILTIN_TOOLS),
         description="built-in tools the tools service offers",
     )
     default_timeout_s: float = Field(default=10.0, gt=0, le=600, description="a call's time-out")
