@@ -1122,6 +1122,7 @@ STATUS_METRICS = frozenset(
         "actor/pg_loss",
         "actor/entropy",
         "timing_s/step",
+        "timing_s/gen",
         "staleness/mean",
         "rollout/replicas",
         "val/test_score/mean",

@@ -71,7 +71,7 @@ from rlfleet.common.auth import (
     write_credential_set,
 )
 from rlfleet.common.config import Config, save_resolved
-from rlfleet.common.errors import Unavailable
+from rlfleet.common.errors import RlfleetError, Unavailable
 from rlfleet.common.roles import PRINCIPALS
 from rlfleet.common.rpc import (
     Security,
@@ -365,6 +365,11 @@ class LocalCluster:
         self.restarts: dict[str, int] = {}
         self._supervisor: threading.Thread | None = None
         self.given_up: set[str] = set()
+        self._rollout_shares: list[Sequence[Device]] = []
+        self._next_rollout = 0
+        self._scale_generation = 0
+        self._config_path: Path | None = None
+        self.events: dict[str, int] = {"restarted": 0, "scaled_up": 0, "scaled_down": 0}
 
     # ------------------------------------------------------------------ planning
 
@@ -510,10 +515,23 @@ class LocalCluster:
                 )
             else:
                 shares = split_devices(pool.devices, replicas)
+            self._rollout_shares = list(shares)
+            self._next_rollout = len(shares)
             for i, share in enumerate(shares):
-                argv = ["-m", *rollout_argv(host, config_path, f"rollout-{i}")]
-                others.append(self._proc(f"rollout-{i}", "rollout", argv, share))
+                others.append(self._rollout_proc(i, config_path, share))
         return first, others
+
+    def _rollout_proc(self, index: int, config_path: Path, devices: Sequence[Device]) -> _Proc:
+        name = f"rollout-{index}"
+        argv = ["-m", *rollout_argv(self.host, config_path, name)]
+        return self._proc(name, "rollout", argv, devices)
+
+    def _join_args(self, proc: _Proc) -> None:
+        """What a rollout or trainer started after the scheduler needs to find it."""
+        if proc.kind in ("rollout", "trainer") and self.scheduler_address:
+            proc.argv += ["--scheduler", self.scheduler_address]
+        if proc.kind == "rollout" and self.tools_address:
+            proc.argv += ["--override", f"services.tools={self.tools_address}"]
 
     # ------------------------------------------------------------------ start
 
@@ -534,6 +552,7 @@ class LocalCluster:
         self.placement = plan
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         config_path = save_resolved(self.config, self.run_dir)
+        self._config_path = config_path
         self._prepare_security()
         first, others = self._build(plan, config_path)
         self._install_stop_hooks()
@@ -547,10 +566,7 @@ class LocalCluster:
                 elif proc.kind == "tools":
                     self.tools_address = proc.address
             for proc in others:
-                if proc.kind in ("rollout", "trainer") and self.scheduler_address:
-                    proc.argv += ["--scheduler", self.scheduler_address]
-                if proc.kind == "rollout" and self.tools_address:
-                    proc.argv += ["--override", f"services.tools={self.tools_address}"]
+                self._join_args(proc)
                 self._launch(proc)
             self._await(others, deadline)
             self._check_external(deadline)
@@ -560,7 +576,8 @@ class LocalCluster:
             self.stop()
             raise
         self.handle = self._make_handle(plan, config_path)
-        if self.config.services.max_restarts > 0 and not self.detach:
+        follow = self.config.scheduler.autoscale.enable or self.config.services.max_restarts > 0
+        if follow and not self.detach:
             self._supervisor = threading.Thread(
                 target=self._supervise, name="rlfleet-supervisor", daemon=True
             )
@@ -576,7 +593,7 @@ class LocalCluster:
 
     def _supervise(self) -> None:
         """Restart rollout replicas, the reward and the tools service that die during
-        the run.
+        the run, and follow the scheduler's desired rollout count.
 
         Each is restarted at most ``services.max_restarts`` times, on its old port
         (so every client's address stays valid), after ``restart_backoff_s`` doubling
@@ -585,6 +602,11 @@ class LocalCluster:
         """
         while not self._stopped:
             time.sleep(0.5)
+            try:
+                self._follow_scale()
+            except Exception:  # keep supervising: one bad round must not end it
+                if not self._stopped:
+                    logger.exception("following the desired rollout scale failed")
             with self._lock:
                 if self._stopped:
                     return
@@ -628,6 +650,7 @@ class LocalCluster:
         if self._stopped:
             return
         self.restarts[proc.name] = done + 1
+        self.events["restarted"] += 1
         port = proc.address.rpartition(":")[2] if proc.address else "0"
         argv = list(proc.argv)
         if "--port" in argv:
@@ -648,6 +671,99 @@ class LocalCluster:
             logger.error("restarting %s failed: %s", proc.name, e)
             return
         logger.warning("%s restarted at %s (pid %d)", fresh.name, fresh.address, fresh.pid)
+
+    # ------------------------------------------------------------------ scale
+
+    def rollout_replicas(self) -> list[str]:
+        """Names of the rollout replicas this cluster runs now (given-up ones excluded)."""
+        with self._lock:
+            return [
+                p.name for p in self._procs if p.kind == "rollout" and p.name not in self.given_up
+            ]
+
+    def _follow_scale(self) -> None:
+        """Reconcile with the scheduler's desired rollout count (``rlfleet scale
+        rollout N`` or the autoscaler set it) when it changed."""
+        from rlfleet.scheduler.client import RemoteSchedulerClient
+
+        if not self.scheduler_address or not self._rollout_shares:
+            return
+        try:
+            with RemoteSchedulerClient(self.scheduler_address, timeout_s=5.0) as client:
+                desired, generation = client.scale("rollout")
+        except RlfleetError as e:  # one line per round: the scheduler may come back
+            logger.warning("desired scale unknown: scheduler %s: %s", self.scheduler_address, e)
+            return
+        if not desired or generation == self._scale_generation:
+            return
+        self.scale_rollout(desired)
+        self._scale_generation = generation
+
+    def scale_rollout(self, replicas: int, timeout_s: float = 120.0) -> None:
+        """Start or stop rollout replicas until ``replicas`` run.
+
+        A new replica takes the next free name (``rollout-K``) and the CPU cores (or
+        GPUs) of the pool's shares round robin, registers with the scheduler, and gets
+        the current weights from the driver before it takes work. A removed one (the
+        newest first) is deregistered first, so the driver sends it nothing new, then
+        drained: SIGTERM lets it finish the calls in flight within ``grace_s``; what
+        it could not finish the driver re-queues on the others.
+        """
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        if not self._rollout_shares or self._config_path is None:
+            raise RuntimeError("this cluster launched no rollout replicas: nothing to scale")
+        with self._lock:
+            current = [
+                p for p in self._procs if p.kind == "rollout" and p.name not in self.given_up
+            ]
+        if len(current) == replicas:
+            return
+        logger.warning("scaling rollout replicas %d -> %d", len(current), replicas)
+        if len(current) < replicas:
+            added = []
+            for _ in range(replicas - len(current)):
+                k = self._next_rollout
+                self._next_rollout += 1
+                share = self._rollout_shares[k % len(self._rollout_shares)]
+                proc = self._rollout_proc(k, self._config_path, share)
+                self._join_args(proc)
+                self._launch(proc)
+                added.append(proc)
+            try:
+                self._await(added, time.monotonic() + timeout_s)
+            except ServiceStartError as e:
+                logger.error("scaling up failed: %s", e)
+                self._retire(added)
+                raise
+            self.events["scaled_up"] += len(added)
+            logger.warning("rollout replicas added: %s",
+                           ", ".join(f"{p.name}={p.address}" for p in added))  # fmt: skip
+            return
+        leaving = current[replicas:][::-1]
+        self._retire(leaving)
+        self.events["scaled_down"] += len(leaving)
+
+    def _retire(self, procs: Sequence[_Proc]) -> None:
+        """Take replicas out: off the supervisor's list, deregistered, then drained."""
+        with self._lock:
+            for proc in procs:
+                if proc in self._procs:
+                    self._procs.remove(proc)
+        for proc in procs:
+            if self.scheduler_address and proc.address:
+                deregister_address(self.scheduler_address, proc.address)
+        infos = [ProcessInfo(p.name, p.pid, p.start_time, str(p.log_path)) for p in procs]
+        popens = {p.pid: p.popen for p in procs if p.popen is not None}
+        stop_processes(infos, grace_s=self.grace_s, popens=popens)
+        for proc in procs:
+            logger.warning("%s (%s) drained and stopped", proc.name, proc.address)
+
+    def fleet_metrics(self) -> dict[str, float]:
+        """What the launcher did, for the run's step metrics (``fleet/...``)."""
+        out = {f"fleet/{k}": float(v) for k, v in sorted(self.events.items())}
+        out["fleet/rollout_replicas"] = float(len(self.rollout_replicas()))
+        return out
 
     def _launch(self, proc: _Proc) -> None:
         if proc.address_file is not None:

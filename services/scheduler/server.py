@@ -53,6 +53,7 @@ from rlfleet.common.rpc import (
     init_service_security,
     taken_ports,
 )
+from rlfleet.scheduler.autoscale import Autoscaler, autoscale_collector
 from rlfleet.scheduler.registry import Registry, SchedulerCore, ServiceEntry
 from rlfleet.scheduler.servicer import SchedulerServicer
 from rlfleet.v1 import scheduler_pb2_grpc
@@ -194,6 +195,7 @@ class SchedulerServer:
         self.address = f"{advertise_host}:{grpc_server.port}"
         self.metrics_address: str | None = None
         self._http: HttpEndpoint | None = None
+        self.autoscaler: Autoscaler | None = None
 
     def _sd_page(self) -> tuple[int, str, bytes]:
         body = json.dumps(
@@ -212,7 +214,9 @@ class SchedulerServer:
         self.metrics_address = f"{advertise_host}:{self._http.port}"
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Stop probing, the HTTP server and gRPC (draining within ``grace_s``)."""
+        """Stop autoscaling, probing, the HTTP server and gRPC (draining within ``grace_s``)."""
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
         self.prober.stop()
         if self._http is not None:
             self._http.stop()
@@ -241,6 +245,7 @@ def start_scheduler_server(
     auth_token: str | None = None,
     probe_interval_s: float | None = None,
     allowed_hosts: Sequence[str] = (),
+    autoscale: Any = None,
 ) -> SchedulerServer:
     """Serve ``core`` over gRPC (health, reflection), start the prober and, with a
     ``metrics_port`` (0: a free one), ``/metrics`` and ``/sd`` over HTTP.
@@ -249,6 +254,8 @@ def start_scheduler_server(
         metrics_registry: a ``prometheus_client.CollectorRegistry`` to serve (the
             driver's metrics live there); None: a fresh one. The scheduler's own
             collector is added to it.
+        autoscale: ``scheduler.autoscale`` of the run config; with ``enable``, an
+            :class:`~rlfleet.scheduler.autoscale.Autoscaler` runs against ``core``.
     """
     advertise = advertise_host or (socket.gethostname() if host in ("0.0.0.0", "::") else host)
     grpc_server = create_server(
@@ -272,13 +279,19 @@ def start_scheduler_server(
     server = SchedulerServer(
         core, grpc_server, prober, advertise_host=advertise, metrics_registry=registry
     )
+    if autoscale is not None and autoscale.enable:
+        server.autoscaler = Autoscaler(core, autoscale)
     try:
         if metrics_port is not None:
             if registry is not None:
                 registry.register(_services_collector(core))
+                if server.autoscaler is not None:
+                    registry.register(autoscale_collector(server.autoscaler))
             mhost = metrics_host or host
             server._start_http(mhost, metrics_port, advertise if mhost == host else mhost)
         prober.start()
+        if server.autoscaler is not None:
+            server.autoscaler.start()
     except BaseException:
         server.stop(0.0)
         raise
@@ -385,6 +398,7 @@ def serve_main(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         allowed_hosts=args.allow_register_host,
+        autoscale=config.scheduler.autoscale if config is not None else None,
     )
     server.grpc_server.install_signal_handlers(grace_s=args.grace_s)
     print(

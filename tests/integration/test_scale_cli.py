@@ -35,3 +35,35 @@ def test_scale_records_the_desired_count_for_the_driver_only(
         assert main(["scale", "rollout", "5", "--scheduler", address]) == 1
         assert "may not call" in capsys.readouterr().err
         assert core.scale("rollout") == (3, 1)
+
+
+def test_watch_exec_runs_the_hook_with_each_new_desired_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The compose hook: `--watch-exec CMD` runs CMD with {replicas} each time the
+    desired count changes (set here before the watch starts, then again)."""
+    import sys
+    import threading
+
+    tokens = generate_tokens()
+    secrets = write_credential_set(tmp_path / "s", tokens)
+    core = SchedulerCore()
+    out_file = tmp_path / "hook.txt"
+    hook = f"{sys.executable} -c \"open({str(out_file)!r}, 'a').write('{{replicas}}\\n')\""
+    server_security = Security(credentials=credential_set(tokens)["scheduler"])
+    with using_security(server_security), start_scheduler_server(core) as server:
+        monkeypatch.setenv("RLFLEET_CREDENTIALS", str(secrets / "observer.json"))
+        core.set_scale("rollout", 2)
+        timer = threading.Timer(1.0, core.set_scale, ("rollout", 3))
+        timer.start()
+        try:
+            argv = ["scale", "rollout", "--scheduler", server.address, "--watch-exec", hook]
+            assert main([*argv, "--interval-s", "0.1", "--max-runs", "2"]) == 0
+        finally:
+            timer.cancel()
+    assert out_file.read_text().split() == ["2", "3"]
+    runs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["replicas"], r["exit_code"]) for r in runs] == [(2, 0), (3, 0)]
+    # A count and a hook, or neither: refused.
+    assert main(["scale", "rollout", "2", "--watch-exec", hook, "--scheduler", "x:1"]) == 2
+    assert main(["scale", "rollout", "--watch-exec", "true", "--scheduler", "x:1"]) == 2

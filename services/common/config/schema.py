@@ -1131,6 +1131,62 @@ class TLSSection(_Section):
         return self
 
 
+class AutoscaleConfig(_Section):
+    """The scheduler's rollout autoscaler (``scheduler.autoscale``; docs/fault-tolerance.md).
+
+    Every ``interval_s`` it reads the fleet's signals: the rollout replicas' queue
+    depth (from their heartbeats), the driver's generation share of the step time
+    (``timing_s/gen / timing_s/step``, published with the training status) and the
+    samples' staleness, and moves the desired rollout count one replica at a time
+    (``rlfleet scale rollout N`` sets the same value by hand). The launcher (local
+    processes, Ray actors) follows it; a removed replica is drained first.
+    """
+
+    enable: bool = Field(default=False, description="run the autoscaler in the scheduler")
+    min_replicas: int = Field(default=1, ge=1, le=1024, description="never fewer replicas")
+    max_replicas: int = Field(default=4, ge=1, le=1024, description="never more replicas")
+    target_queue_depth: float = Field(
+        default=8.0,
+        gt=0,
+        description="samples waiting per replica above which one is added (below half of "
+        "it, with a low generation share, one is removed)",
+    )
+    target_gen_share: float = Field(
+        default=0.6,
+        gt=0,
+        lt=1,
+        description="generation's share of the step time above which a replica is added; "
+        "below half of it (and a short queue) one is removed",
+    )
+    max_staleness: float = Field(
+        default=2.0,
+        ge=0,
+        description="pipelined runs: no replica is added while the samples' mean staleness "
+        "(staleness/mean, in weight versions) is above this (generation is already ahead)",
+    )
+    cooldown_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="seconds after a change before the next one; a change also waits for "
+        "a training step measured with the current fleet",
+    )
+    interval_s: float = Field(default=2.0, gt=0, le=600, description="seconds between checks")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Self:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})"
+            )
+        return self
+
+
+class SchedulerConfig(_Section):
+    """The scheduler service's own settings."""
+
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+
+
 class RayConfig(_Section):
     """Where ``launcher: ray`` runs the services (see docs/ray.md)."""
 
@@ -1213,6 +1269,7 @@ class Config(BaseModel):
         description="how `rlfleet train` starts the services: local processes, or Ray actors",
     )
     ray: RayConfig = Field(default_factory=RayConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,149 @@
+"""The rollout autoscaler: the policy on hand-made signals, and the loop against a real
+scheduler core (registry, heartbeats with queue depth, training status)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlfleet.common.config import AutoscaleConfig, ConfigError, config_from_dict
+from rlfleet.scheduler.autoscale import Autoscaler, Signals, autoscale_collector, decide
+from rlfleet.scheduler.registry import (
+    Registry,
+    SchedulerCore,
+    ServiceLoad,
+    ServiceSpec,
+)
+
+S = AutoscaleConfig(
+    enable=True,
+    min_replicas=1,
+    max_replicas=3,
+    target_queue_depth=8,
+    target_gen_share=0.6,
+    max_staleness=2,
+    cooldown_s=10,
+)
+
+
+@pytest.mark.parametrize(
+    ("signals", "current", "expected"),
+    [
+        # a long queue: one more replica (16 waiting over 1 replica > 8)
+        (Signals(replicas=1, queue_depth=16, gen_share=0.1, step=3), 1, ("up", 2)),
+        # generation dominates the step
+        (Signals(replicas=2, queue_depth=0, gen_share=0.7, step=3), 2, ("up", 3)),
+        # at max: stay, however busy
+        (Signals(replicas=3, queue_depth=100, gen_share=0.9, step=3), 3, None),
+        # generation busy but its samples stale (pipelined: ahead of training), nothing
+        # queued: one fewer, not one more
+        (Signals(replicas=2, queue_depth=0, gen_share=0.7, staleness=3.0, step=3), 2, ("down", 1)),
+        # stale with a long queue: neither
+        (Signals(replicas=2, queue_depth=40, gen_share=0.7, staleness=3.0, step=3), 2, None),
+        # idle: short queue and generation a small share
+        (Signals(replicas=2, queue_depth=4, gen_share=0.2, step=3), 2, ("down", 1)),
+        # a short queue but generation at 0.4 (not < 0.3): stay
+        (Signals(replicas=2, queue_depth=0, gen_share=0.4, step=3), 2, None),
+        # stale and idle: one fewer
+        (Signals(replicas=2, queue_depth=0, gen_share=0.5, staleness=3.0, step=3), 2, ("down", 1)),
+        # at min: stay, however idle
+        (Signals(replicas=1, queue_depth=0, gen_share=0.05, step=3), 1, None),
+        # no step yet: no generation share, a short queue: stay
+        (Signals(replicas=2, queue_depth=0), 2, None),
+        # outside the bounds (set by hand): back inside
+        (Signals(replicas=5, gen_share=0.9, step=3), 5, ("down", 3)),
+    ],
+)
+def test_policy(signals: Signals, current: int, expected: tuple[str, int] | None) -> None:
+    d = decide(signals, S, current=current)
+    assert (None if d is None else (d.direction, d.replicas)) == expected
+    if d is not None:
+        assert d.reason  # every decision says why
+
+
+def test_bounds_are_checked_in_the_config() -> None:
+    with pytest.raises(ConfigError, match="min_replicas"):
+        config_from_dict({"scheduler": {"autoscale": {"min_replicas": 3, "max_replicas": 2}}})
+    with pytest.raises(ConfigError, match="target_gen_share"):
+        config_from_dict({"scheduler": {"autoscale": {"target_gen_share": 1.5}}})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _replica(core: SchedulerCore, i: int, queue: int = 0) -> str:
+    entry = core.register(
+        ServiceSpec(role="rollout", address=f"127.0.0.1:{6000 + i}", node="n", capabilities={})
+    )
+    core.heartbeat(entry.service_id, ServiceLoad(queue_depth=queue), lease=entry.lease)
+    return entry.service_id
+
+
+def _step(core: SchedulerCore, step: int, gen: float, total: float = 1.0) -> None:
+    core.set_training_status(
+        global_step=step,
+        state="running",
+        metrics={"timing_s/gen": gen, "timing_s/step": total},
+    )
+
+
+def test_loop_acts_once_per_measured_step_and_respects_the_cooldown() -> None:
+    clock = Clock()
+    core = SchedulerCore(Registry(heartbeat_interval_s=1000.0))
+    auto = Autoscaler(core, S, clock=clock)
+    assert auto.check() is None  # no replica yet: the launcher is starting them
+    _replica(core, 0)
+    assert auto.check() is None  # no step yet, empty queue
+    _step(core, 1, gen=0.9)
+    event = auto.check()
+    assert event is not None and (event.replicas_from, event.replicas_to) == (1, 2)
+    assert "generation share 0.90" in event.reason and event.step == 1
+    assert core.scale("rollout")[0] == 2
+    # The launcher has not added the replica yet: nothing more.
+    _step(core, 2, gen=0.9)
+    clock.t = 100.0
+    assert auto.check() is None
+    _replica(core, 1)
+    # Reached 2, a new step measured with 2, past the cooldown: one more.
+    event = auto.check()
+    assert event is not None and event.replicas_to == 3
+    _replica(core, 2)
+    # Idle now, but within the cooldown and on the same step: stay.
+    clock.t = 105.0
+    _step(core, 2, gen=0.1)
+    assert auto.check() is None
+    clock.t = 111.0
+    assert auto.check() is None  # past the cooldown, but no new step
+    _step(core, 3, gen=0.1)
+    event = auto.check()
+    assert event is not None and event.direction == "down" and event.replicas_to == 2
+    assert auto.decisions == {"up": 2, "down": 1}
+    assert [e.replicas_to for e in auto.events] == [2, 3, 2]
+
+
+def test_queue_depth_from_heartbeats_scales_up_before_any_step() -> None:
+    core = SchedulerCore(Registry(heartbeat_interval_s=1000.0))
+    auto = Autoscaler(core, S, clock=Clock())
+    _replica(core, 0, queue=20)
+    event = auto.check()
+    assert event is not None and event.replicas_to == 2 and "queue depth 20.0" in event.reason
+
+
+def test_metrics_count_decisions_and_show_the_desired_count() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    core = SchedulerCore(Registry(heartbeat_interval_s=1000.0))
+    auto = Autoscaler(core, S, clock=Clock())
+    registry = CollectorRegistry()
+    registry.register(autoscale_collector(auto))
+    _replica(core, 0)
+    _step(core, 1, gen=0.9)
+    auto.check()
+    text = generate_latest(registry).decode()
+    assert 'rlfleet_autoscale_decisions_total{direction="up"} 1.0' in text
+    assert 'rlfleet_autoscale_decisions_total{direction="down"} 0.0' in text
+    assert "rlfleet_autoscale_desired_replicas 2.0" in text
