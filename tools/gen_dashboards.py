@@ -79,7 +79,36 @@ def _panel(pid: int, p: Panel, x: int, y: int) -> dict[str, Any]:
     }
 
 
-def dashboard(uid: str, title: str, description: str, panels: list[Panel]) -> dict[str, Any]:
+@dataclass
+class Annotation:
+    """Events drawn on every panel's time axis: where ``expr`` has a value."""
+
+    name: str
+    expr: str
+    title: str
+    color: str = "orange"
+
+
+def _annotation(a: Annotation) -> dict[str, Any]:
+    return {
+        "name": a.name,
+        "datasource": DATASOURCE,
+        "enable": True,
+        "iconColor": a.color,
+        "expr": a.expr,
+        "step": "10s",
+        "titleFormat": a.title,
+        "useValueForTime": False,
+    }
+
+
+def dashboard(
+    uid: str,
+    title: str,
+    description: str,
+    panels: list[Panel],
+    annotations: list[Annotation] | None = None,
+) -> dict[str, Any]:
     out, x, y, row_h = [], 0, 0, 0
     for i, p in enumerate(panels, start=1):
         if x + p.width > 24:
@@ -100,13 +129,20 @@ def dashboard(uid: str, title: str, description: str, panels: list[Panel]) -> di
         "graphTooltip": 1,
         "refresh": "5s",
         "time": {"from": "now-30m", "to": "now"},
-        "annotations": {"list": []},
+        "annotations": {"list": [_annotation(a) for a in annotations or []]},
         "templating": {"list": []},
         "links": [
             {"type": "dashboards", "tags": ["rlfleet"], "asDropdown": True, "title": "rlfleet"}
         ],
         "panels": out,
     }
+
+
+AUTOSCALE = Annotation(
+    "autoscale",
+    "sum by (direction) (changes(rlfleet_autoscale_decisions_total[1m])) > 0",
+    "autoscale: rollout {{direction}}",
+)
 
 
 def training() -> dict[str, Any]:
@@ -198,6 +234,7 @@ def training() -> dict[str, Any]:
                 ],
             ),
         ],
+        [AUTOSCALE],
     )
 
 
@@ -296,7 +333,29 @@ def rollout() -> dict[str, Any]:
                 "Requests / s by outcome",
                 [(f"sum by (outcome) (rate({r}requests_total[{RI}]))", "{{outcome}}")],
             ),
+            Panel(
+                "Replicas: desired and alive",
+                [
+                    ("max(rlfleet_autoscale_desired_replicas)", "desired"),
+                    (
+                        'sum(rlfleet_scheduler_registered_services{role="rollout", state="alive"})',
+                        "alive",
+                    ),
+                ],
+                description="desired: the scheduler's count (rlfleet scale, or the "
+                "autoscaler when scheduler.autoscale.enable)",
+            ),
+            Panel(
+                "Autoscale decisions",
+                [
+                    (
+                        f"sum by (direction) (increase(rlfleet_autoscale_decisions_total[{RI}]))",
+                        "{{direction}}",
+                    )
+                ],
+            ),
         ],
+        [AUTOSCALE],
     )
 
 
