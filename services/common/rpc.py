@@ -736,6 +736,9 @@ def port_taken(host: str, port: int) -> str | None:
 
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
     with socket.socket(family) as s:
+        # As the gRPC and HTTP servers bind: connections of a process that just died
+        # (TIME_WAIT) do not hold the port, a listener does.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host.strip("[]"), port))
         except OSError as e:

@@ -77,7 +77,7 @@ import numpy as np
 import torch
 
 from rlfleet.common.config import Config, save_resolved
-from rlfleet.common.errors import NotFound, RlfleetError
+from rlfleet.common.errors import NotFound, RlfleetError, Unavailable
 from rlfleet.driver.batch import (
     Batch,
     GeneratedBatch,
@@ -213,6 +213,10 @@ class PPOTrainer:
         self._scheduler: SchedulerClient | None = None
         self.fleet: RolloutFleet | None = None
         self._headline: dict[str, float] = {}  # published with the training status
+        # Trainer recovery (trainer.recovery): where the run started, and what happened.
+        self._start_state: dict[str, Any] | None = None
+        self.recoveries = 0
+        self._recovery_metrics: dict[str, float] = {}
         self.health = HealthMonitor(config.trainer.health)
         self.guard = Guard(config.trainer.health)
 
@@ -831,23 +835,111 @@ class PPOTrainer:
                 raise ValueError("trainer.resume_mode is resume_path but resume_from_path is unset")
             path = t.resume_from_path
         try:
-            info = self._w.trainer.load_checkpoint(path)
+            path = self._restore(path)
         except NotFound:
             if t.resume_mode == "resume_path":
                 raise
             logger.info("no checkpoint under %s: starting from scratch", path)
             return False
+        logger.info("resumed from %s at step %d", path, self.global_steps)
+        return True
+
+    def _restore(self, path: str) -> str:
+        """Load the checkpoint at ``path`` (a run's checkpoints folder: its latest) into
+        the trainer and this driver (step, data order, health state), push its weights.
+        Returns the folder loaded; raises NotFound when there is none."""
+        info = self._w.trainer.load_checkpoint(path)
         extra = json.loads(info.extra_state_json or "{}")
         if "dataloader" in extra and not self.external_rollouts:
             self.loader.load_state_dict(extra["dataloader"])
+            self._loader_iter = None  # the next batch comes from the restored position
         self.global_steps = int(extra.get("global_steps", info.step))
         if "health" in extra:
             self.health.load_state_dict(extra["health"].get("monitor", {}))
             self.guard.load_state_dict(extra["health"].get("guard", {}))
         version = int(self._w.trainer.status()["weight_version"])
         self._sync_weights(version)
-        logger.info("resumed from %s at step %d", info.path, self.global_steps)
-        return True
+        return info.path
+
+    # ------------------------------------------------------------------ trainer recovery
+
+    def _trainer_lost(self) -> bool:
+        """After a failed step: is the trainer gone (dead, or restarted with a fresh
+        state) rather than refusing the request? Only with ``trainer.recovery``."""
+        address = getattr(self._w.trainer, "address", None)
+        if not self.config.trainer.recovery.enable or not address:
+            return False
+        from rlfleet.common.rpc import wait_for_ready
+
+        try:
+            wait_for_ready(address, timeout_s=2.0)
+            status = self._w.trainer.status()
+        except RlfleetError:
+            return True
+        # Serving again already: a restarted trainer has lost every step.
+        return self.global_steps > 0 and int(status["global_step"]) == 0
+
+    def _recover_trainer(self, error: RlfleetError, tracking: Tracking) -> None:
+        """Wait for the restarted trainer, restore the last checkpoint (none: the run's
+        start) into it and into this driver, push its weights; the steps since are
+        redone in the same data order."""
+        from rlfleet.common.rpc import wait_for_ready
+
+        r = self.config.trainer.recovery
+        address = self._w.trainer.address  # type: ignore[union-attr]
+        failed_at = self.global_steps + 1
+        if self.recoveries >= r.max_recoveries:
+            tracking.warn(f"trainer {address} lost at step {failed_at} after "
+                          f"{self.recoveries} recoveries (trainer.recovery.max_recoveries)")  # fmt: skip
+            raise error
+        self.recoveries += 1
+        tracking.warn(
+            f"trainer {address} lost at step {failed_at} ({error}); waiting up to "
+            f"{r.wait_s:g}s for it to serve again (recovery {self.recoveries} of "
+            f"{r.max_recoveries})"
+        )
+        t0 = time.perf_counter()
+        try:
+            wait_for_ready(address, timeout_s=r.wait_s)
+        except Unavailable as e:
+            raise Unavailable(
+                f"trainer {address} did not serve again within trainer.recovery.wait_s="
+                f"{r.wait_s:g}s after it failed at step {failed_at}: {error}",
+                field="trainer.recovery.wait_s",
+                value=r.wait_s,
+            ) from e
+        waited = time.perf_counter() - t0
+        try:
+            source = self._restore(_CHECKPOINTS)
+        except NotFound:
+            source = self._rewind()
+        self.history = [h for h in self.history if h.step <= self.global_steps]
+        seconds = time.perf_counter() - t0
+        self._recovery_metrics = {
+            "fault/trainer_recoveries": float(self.recoveries),
+            "fault/trainer_recovery_s": seconds,
+            "fault/redone_steps": float(failed_at - 1 - self.global_steps),
+        }
+        tracking.warn(
+            f"trainer back after {waited:.1f}s; restored {source} in {seconds - waited:.1f}s: "
+            f"continuing from step {self.global_steps} (steps {self.global_steps + 1}.."
+            f"{failed_at} are redone with the same prompts)"
+        )
+        self._publish_status("running")
+
+    def _rewind(self) -> str:
+        """No checkpoint yet: back to where this run started (the restarted trainer
+        holds the initial model); push its weights."""
+        start = self._start_state
+        assert start is not None
+        if not self.external_rollouts:
+            self.loader.load_state_dict(start["loader"])
+            self._loader_iter = None
+        self.global_steps = start["global_steps"]
+        self.health.load_state_dict(start["health"])
+        self.guard.load_state_dict(start["guard"])
+        self._sync_weights(int(self._w.trainer.status()["weight_version"]))
+        return "the initial model (no checkpoint yet)"
 
     # ------------------------------------------------------------------ the loop
 
@@ -859,6 +951,12 @@ class PPOTrainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_resolved(cfg, self.run_dir)
         resumed = self._load_checkpoint()
+        self._start_state = {
+            "loader": None if self.external_rollouts else self.loader.state_dict(),
+            "global_steps": self.global_steps,
+            "health": self.health.state_dict(),
+            "guard": self.guard.state_dict(),
+        }
         tracking = Tracking(
             t.logger, self.run_dir, project=t.project_name, experiment=t.experiment_name,
             config=cfg.model_dump(mode="json"), total_steps=self.total_training_steps,
@@ -915,8 +1013,14 @@ class PPOTrainer:
             t0 = time.perf_counter()
             self._fleet.refresh()
             step = self.global_steps + 1
-            gb = self._produce(step, self._policy_version)
-            records.append(self._finish_step(gb, tracking, t0, wait_s=0.0))
+            try:
+                gb = self._produce(step, self._policy_version)
+                records.append(self._finish_step(gb, tracking, t0, wait_s=0.0))
+            except RlfleetError as e:
+                if not self._trainer_lost():
+                    raise
+                self._recover_trainer(e, tracking)
+                records = [r for r in records if r.step <= self.global_steps]
         return records
 
     def _fit_pipelined(self, tracking: Tracking) -> list[StepRecord]:
@@ -1014,6 +1118,7 @@ class PPOTrainer:
         save = t.save_freq > 0 and (is_last or self.global_steps % t.save_freq == 0)
         if self.fleet_metrics is not None:
             metrics.update(self.fleet_metrics())
+        metrics.update(self._recovery_metrics)
         self._check_health(gb, metrics, tracking)
         step_s = time.perf_counter() - t0
         metrics["timing_s/step"] = step_s

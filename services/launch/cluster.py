@@ -597,8 +597,9 @@ class LocalCluster:
 
         Each is restarted at most ``services.max_restarts`` times, on its old port
         (so every client's address stays valid), after ``restart_backoff_s`` doubling
-        with each restart. The trainer is not restarted: its state lives in memory
-        (resume the run from its last checkpoint). Everything is logged.
+        with each restart. The trainer is restarted only with ``trainer.recovery``
+        (the driver then restores the last checkpoint into it); otherwise its state
+        is lost with it (resume the run from its last checkpoint). Everything is logged.
         """
         while not self._stopped:
             time.sleep(0.5)
@@ -619,7 +620,10 @@ class LocalCluster:
                 ]
             for proc in dead:
                 code = proc.popen.returncode if proc.popen is not None else None
-                if proc.kind not in ("rollout", "reward", "tools"):
+                restartable = ("rollout", "reward", "tools")
+                if self.config.trainer.recovery.enable:
+                    restartable += ("trainer",)  # the driver restores its checkpoint
+                if proc.kind not in restartable:
                     logger.error(
                         "%s (%s, pid %d) died with code %s: it is not restarted (its state is "
                         "in memory); resume the run from its last checkpoint "
@@ -651,10 +655,9 @@ class LocalCluster:
             return
         self.restarts[proc.name] = done + 1
         self.events["restarted"] += 1
-        port = proc.address.rpartition(":")[2] if proc.address else "0"
         argv = list(proc.argv)
-        if "--port" in argv:
-            argv[argv.index("--port") + 1] = port
+        if "--port" in argv and proc.address:  # else: a failed restart kept it in argv
+            argv[argv.index("--port") + 1] = proc.address.rpartition(":")[2]
         if proc.kind == "rollout" and self.scheduler_address and proc.address:
             deregister_address(self.scheduler_address, proc.address)
         fresh = dataclasses.replace(

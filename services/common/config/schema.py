@@ -937,6 +937,27 @@ class GuardConfig(_Section):
     )
 
 
+class RecoveryConfig(_Section):
+    """The run survives its trainer dying (``trainer.recovery``; docs/fault-tolerance.md).
+
+    The launcher (``rlfleet train``'s local processes) restarts the trainer on its
+    address; the driver, whose trainer call failed, waits for it, has it load the last
+    checkpoint (none yet: the initial model), rewinds its own step counter and data
+    order to that point, pushes the restored weights to the rollout replicas (which
+    kept running) and redoes the steps since. Synchronous runs only.
+    """
+
+    enable: bool = Field(default=False, description="restart the trainer and recover the run")
+    wait_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="how long the driver waits for the trainer to serve again before the run fails",
+    )
+    max_recoveries: int = Field(
+        default=3, ge=1, description="trainer deaths survived in one run; one more fails it"
+    )
+
+
 class HealthConfig(_Section):
     """Early warnings on a run going wrong: a line on the console and ``health/...``
     metrics each time a check starts firing (docs/driver.md, "When a run goes wrong")."""
@@ -1038,6 +1059,7 @@ class TrainerConfig(_Section):
     )
     external: ExternalRolloutConfig = Field(default_factory=ExternalRolloutConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     nnodes: int | None = Field(
         default=None,
         ge=1,
