@@ -136,9 +136,16 @@ def test_the_reference_is_the_base_model(trained: TrainerCore, tiny_model_dir: P
     assert not torch.allclose(actor["old_log_probs"][mask], want[mask], atol=1e-3)
 
 
-@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+@pytest.mark.parametrize(
+    ("transport", "bucket_bytes"),
+    [("grpc", 0), ("tcp", 0), ("grpc", 40_000), ("tcp", 40_000)],  # 40 kB: 8+ buckets
+)
 def test_push_carries_only_the_adapters_and_generation_is_the_merged_models(
-    trained: TrainerCore, rollout: tuple[HFEngine, str], tmp_path: Path, transport: str
+    trained: TrainerCore,
+    rollout: tuple[HFEngine, str],
+    tmp_path: Path,
+    transport: str,
+    bucket_bytes: int,
 ) -> None:
     engine, address = rollout
     adapter = dict(trained.iter_weights())
@@ -150,7 +157,7 @@ def test_push_carries_only_the_adapters_and_generation_is_the_merged_models(
     base_greedy = _greedy(engine)
 
     out = InProcessTrainerClient(trained).push_weights(
-        [("r0", address)], version=3, transports=[transport]
+        [("r0", address)], version=3, transports=[transport], bucket_bytes=bucket_bytes
     )
     assert out.ok == {"r0": True}, out.errors
     assert out.bytes == adapter_bytes
@@ -173,7 +180,7 @@ def test_push_carries_only_the_adapters_and_generation_is_the_merged_models(
     trained.train_step(_batch(2))
     merged2 = dict(trained.iter_weights(full=True))
     out = InProcessTrainerClient(trained).push_weights(
-        [("r0", address)], version=4, transports=[transport]
+        [("r0", address)], version=4, transports=[transport], bucket_bytes=bucket_bytes
     )
     assert out.ok == {"r0": True}, out.errors
     for name, p in engine.model.named_parameters():
