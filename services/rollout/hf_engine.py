@@ -52,6 +52,8 @@ from rlfleet.rollout.engine import (
     SampleOutput,
     validate_requests,
 )
+from rlfleet.weightsync.lora import LORA_A, LORA_B, is_lora_name, lora_modules, split_lora_name
+from rlfleet.weightsync.lora import merge as lora_merge
 
 if TYPE_CHECKING:
     import torch
@@ -165,6 +167,9 @@ class HFEngine:
         self._canonical = [n for n, _ in model.named_parameters()]
         # Shapes outlive sleep(level=2), which empties the parameters.
         self._shapes = {n: tuple(int(d) for d in p.shape) for n, p in self._params.items()}
+        # LoRA: the base weight W0 of every module a LoRA update adapted (see
+        # rlfleet.weightsync.lora); emptied by a full update, which is the new base.
+        self._lora_base: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ info
 
@@ -348,6 +353,9 @@ class HFEngine:
     def check_weights(
         self, specs: Mapping[str, tuple[str, tuple[int, ...]]], *, complete: bool = True
     ) -> None:
+        if any(is_lora_name(n) for n in specs):
+            self._check_lora(specs, complete=complete)
+            return
         covered: set[int] = set()
         for name, (dtype, shape) in specs.items():
             p = self._params.get(name)
@@ -386,6 +394,91 @@ class HFEngine:
                 code="MISSING_TENSORS",
             )
 
+    def _check_lora(
+        self, specs: Mapping[str, tuple[str, tuple[int, ...]]], *, complete: bool
+    ) -> None:
+        """A LoRA update (:mod:`rlfleet.weightsync.lora`): adapter names only, each pair
+        ``(r, in)`` / ``(out, r)`` of a 2-D weight ``(out, in)`` of the model, in its
+        dtype; ``complete``: every module has both halves, of one rank."""
+        plain = [n for n in specs if not is_lora_name(n)]
+        if plain:
+            raise InvalidArgument(
+                f"a LoRA update (adapter tensors) also names model parameters {plain[:3]}: "
+                "send adapters or full weights, not both",
+                field=f"weights[{plain[0]!r}]",
+                value=plain[0],
+                code="MIXED_UPDATE",
+            )
+        if self._weights_dropped:
+            raise InvalidArgument(
+                "a LoRA update merges into the base weights, which sleep(level=2) dropped: "
+                "send a full update first",
+                field="weights",
+                code="WEIGHTS_DROPPED",
+            )
+        want_dtype = str(self._dtype).removeprefix("torch.")
+        ranks: dict[str, int] = {}
+        for name, (dtype, shape) in specs.items():
+            module, kind = split_lora_name(name)
+            weight = f"{module}.weight"
+            target = self._shapes.get(weight)
+            if target is None or len(target) != 2:
+                raise InvalidArgument(
+                    f"LoRA tensor {name!r}: the model has no 2-D weight {weight!r}",
+                    field=f"weights[{name!r}]",
+                    value=name,
+                    code="UNKNOWN_TENSOR",
+                )
+            if dtype != want_dtype:
+                raise InvalidArgument(
+                    f"tensor {name!r} has dtype {dtype}, the model holds {want_dtype}",
+                    field=f"weights[{name!r}].dtype",
+                    value=dtype,
+                    code="DTYPE_MISMATCH",
+                )
+            out_f, in_f = target
+            rank = shape[0] if kind == "A" else shape[-1]
+            ok = (
+                len(shape) == 2
+                and (shape[1] == in_f if kind == "A" else shape[0] == out_f)
+                and 0 < rank <= min(out_f, in_f)
+            )
+            if not ok or ranks.setdefault(module, rank) != rank:
+                raise InvalidArgument(
+                    f"LoRA tensor {name!r} has shape {list(shape)}; {weight!r} is "
+                    f"{list(target)}, so lora_A is (r, {in_f}) and lora_B ({out_f}, r) "
+                    "with one r per module",
+                    field=f"weights[{name!r}].shape",
+                    value=list(shape),
+                    code="SHAPE_MISMATCH",
+                )
+        if complete:
+            halves = [m for m, k in lora_modules(specs).items() if k != {"A", "B"}]
+            if halves:
+                raise InvalidArgument(
+                    f"LoRA update has only one of lora_A / lora_B for {halves[:3]}",
+                    field="weights",
+                    value=halves[:3],
+                    code="MISSING_TENSORS",
+                )
+
+    def _apply_lora(self, named_tensors: Mapping[str, Any]) -> None:
+        """Set every adapted weight to ``W0 + lora_B @ lora_A`` and every module adapted
+        before but not now back to ``W0`` (caller holds the lock, under no_grad)."""
+        adapted = set(lora_modules(named_tensors))
+        for module in adapted:
+            name = f"{module}.weight"
+            p = self._params[name]
+            base = self._lora_base.get(name)
+            if base is None:
+                base = self._lora_base[name] = p.detach().clone()
+            p.copy_(
+                lora_merge(base, named_tensors[module + LORA_A], named_tensors[module + LORA_B])
+            )
+        for name, base in self._lora_base.items():
+            if name.removesuffix(".weight") not in adapted:
+                self._params[name].copy_(base)
+
     def update_weights(
         self,
         named_tensors: Mapping[str, Any],
@@ -407,6 +500,16 @@ class HFEngine:
             for name, t in named_tensors.items()
         }
         self.check_weights(specs)
+        if any(is_lora_name(n) for n in specs):
+            with self._lock, torch.no_grad():
+                self._apply_lora(named_tensors)
+                self._version = version
+            logger.info(
+                "weights updated to version %d (LoRA: %d adapted modules)",
+                version,
+                len(named_tensors) // 2,
+            )
+            return False
         adopt = (
             on_release is not None
             and self._device.type == "cpu"
@@ -425,6 +528,7 @@ class HFEngine:
                     p.copy_(t)  # into the adopted tensors too, if the parameters are those
             if adopt:
                 released, self._release = self._release, on_release
+            self._lora_base.clear()  # new base weights: a LoRA update merges into these
             self._weights_dropped = False
             self._version = version
         if released is not None:  # no parameter views them any more
@@ -460,8 +564,12 @@ class HFEngine:
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                     elif self._device.type != "cpu":
                         p.data = p.data.to("cpu")
+                if level == 1 and self._device.type != "cpu":
+                    for name, base in self._lora_base.items():
+                        self._lora_base[name] = base.to("cpu")
             if level == 2:
                 self._weights_dropped = True
+                self._lora_base.clear()
                 freed = nbytes
                 released, self._release = self._release, None
                 if released is not None:  # the adopted tensors are no parameters now
@@ -482,6 +590,8 @@ class HFEngine:
                 with torch.no_grad():
                     for p in {id(p): p for p in self._params.values()}.values():
                         p.data = p.data.to(self._device)
+                    for name, base in self._lora_base.items():
+                        self._lora_base[name] = base.to(self._device)
             self._sleep_level = 0
 
 

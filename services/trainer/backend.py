@@ -109,6 +109,15 @@ class Backend(Protocol):
         meaningful; other ranks take part in the gathers."""
         ...
 
+    def iter_adapter_params(
+        self, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A LoRA actor's weight push: its adapters only, named and scaled as
+        :mod:`rlfleet.weightsync.lora` says, one tensor at a time (collective like
+        :meth:`iter_full_params`, which with LoRA yields the merged model). A backend
+        or an actor without LoRA raises ``ValueError``."""
+        ...
+
     def state_dict(self, role: ModelRole) -> dict[str, Any]:
         """Full (unsharded, CPU) model, optimizer and scheduler state of ``role``,
         complete on rank 0."""

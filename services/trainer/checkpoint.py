@@ -3,13 +3,15 @@
 Layout under the checkpoint root (``<run dir>/checkpoints`` by default)::
 
     global_step_12/
-        actor.pt             model, optimizer and lr scheduler state (full, unsharded)
+        actor.pt             model, optimizer and lr scheduler state (full, unsharded;
+                             a LoRA actor's model state is its adapters only)
         critic.pt            the same for the critic, when there is one
         rng_rank0.pt ...     each rank's torch / python / numpy (/ cuda) RNG states, as tensors
         trainer_state.json   global_step, weight_version, kl_coef, kl_loss_coef, world_size,
                              roles, extra_state_json (e.g. the dataloader position)
         huggingface/         the actor as a Hugging Face folder: config.json, the tokenizer,
-                             safetensors weights (``trainer.save_hf``, on by default)
+                             safetensors weights (``trainer.save_hf``, on by default);
+                             a LoRA actor's adapters merged into actor.model_path's weights
     latest_checkpointed_iteration.txt   "12" (verl's name)
 
 Atomicity: everything is written into a hidden ``.tmp-global_step_12-<id>`` folder,
@@ -60,6 +62,7 @@ import numpy as np
 import torch
 
 from rlfleet.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from rlfleet.trainer.lora import is_adapter_name, merge_state
 
 if TYPE_CHECKING:
     from rlfleet.common.config import Config
@@ -290,6 +293,8 @@ def write_hf_folder(model_state: Mapping[str, torch.Tensor], config: Config, out
             hf_config, trust_remote_code=actor.trust_remote_code
         )
     state = {name: t.detach().to("cpu") for name, t in model_state.items()}
+    if any(is_adapter_name(name) for name in state):
+        state = _merged_lora_state(state, config)
     result = model.load_state_dict(state, strict=False, assign=True)
     if getattr(hf_config, "tie_word_embeddings", False):
         model.tie_weights()  # a tied head is absent from some states (megatron's)
@@ -310,6 +315,41 @@ def write_hf_folder(model_state: Mapping[str, torch.Tensor], config: Config, out
     model.save_pretrained(out)
     tokenizer = actor.tokenizer_path or actor.model_path
     AutoTokenizer.from_pretrained(tokenizer, **kw).save_pretrained(out)
+
+
+def _merged_lora_state(adapter: dict[str, torch.Tensor], config: Config) -> dict[str, Any]:
+    """A LoRA actor's saved adapters merged into the base weights of
+    ``actor.model_path`` (:func:`rlfleet.trainer.lora.merge_state`)."""
+    from safetensors.torch import load_file
+
+    actor = config.actor
+    if actor.lora_rank <= 0:
+        raise FailedPrecondition(
+            "the actor's saved state holds LoRA adapters but the run's actor.lora_rank is "
+            f"{actor.lora_rank}",
+            field="actor.lora_rank",
+            value=actor.lora_rank,
+        )
+    folder = Path(actor.model_path)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FailedPrecondition(
+            f"merging the LoRA adapters needs the base model's safetensors in "
+            f"actor.model_path {actor.model_path!r}, which holds none",
+            field="actor.model_path",
+            value=actor.model_path,
+        )
+    base: dict[str, torch.Tensor] = {}
+    for f in files:
+        base.update(load_file(str(f)))
+    try:
+        return merge_state(base, adapter, actor.lora_alpha / actor.lora_rank)
+    except KeyError as e:
+        raise FailedPrecondition(
+            f"the LoRA adapters do not fit the model at {actor.model_path!r}: {e.args[0]}",
+            field="actor.model_path",
+            value=actor.model_path,
+        ) from e
 
 
 def _keep(core: TrainerCore) -> int | None:

@@ -660,13 +660,26 @@ class TrainerCore:
         with self.lock:
             return self._check(self.dispatcher.run("state_dicts", None, roles=list(roles)))
 
-    def iter_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    @property
+    def lora(self) -> bool:
+        """Whether the actor trains LoRA adapters (``actor.lora_rank > 0``)."""
+        return self.config.actor.lora_rank > 0
+
+    def iter_weights(
+        self, dtype: torch.dtype | None = None, *, full: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """The actor's parameters, gathered whole one at a time, in HF names (for a
-        weight push). Holds the trainer's lock until exhausted; every rank takes part."""
+        weight push); a LoRA actor's adapters only (:mod:`rlfleet.weightsync.lora`),
+        or with ``full`` its merged model. Holds the trainer's lock until exhausted;
+        every rank takes part."""
+        adapter = self.lora and not full
         with self.lock:
-            self.dispatcher.send("drain_full_params", None, {"role": "actor"})
+            self.dispatcher.send("drain_full_params", None, {"role": "actor", "adapter": adapter})
             try:
-                yield from self.backend.iter_full_params("actor", dtype)
+                if adapter:
+                    yield from self.backend.iter_adapter_params(dtype)
+                else:
+                    yield from self.backend.iter_full_params("actor", dtype)
             finally:
                 self._check(self.dispatcher.gather(None))
 

@@ -96,9 +96,13 @@ class RankOps:
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
 
-    def drain_full_params(self, role: str = "actor") -> None:
-        """A follower's part of a weight push: take part in every gather."""
-        for _ in self.backend.iter_full_params(role):
+    def drain_full_params(self, role: str = "actor", adapter: bool = False) -> None:
+        """A follower's part of a weight push: take part in every gather (``adapter``:
+        a LoRA actor's adapters only)."""
+        params = (
+            self.backend.iter_adapter_params() if adapter else self.backend.iter_full_params(role)
+        )
+        for _ in params:
             pass
 
     def export_hf(self, role: str, path: str) -> None:

@@ -19,6 +19,7 @@ result is the same update as one rank computing the whole mini-batch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -31,6 +32,7 @@ from torch import nn
 
 from rlfleet.common.config import ActorConfig, Config, CriticConfig
 from rlfleet.trainer.backend import LossFn, Metrics, ModelRole, Outputs
+from rlfleet.trainer.lora import adapter_names, iter_adapter, iter_merged, merge_state, wrap_lora
 from rlfleet.trainer.models import (
     batch_to_device,
     forward_log_prob,
@@ -155,15 +157,31 @@ class FSDPBackend:
         }
 
         actor = config.actor
-        self._add_trained("actor", actor, self._load("actor", load_actor, actor.model_path), total)
+        self.lora = actor.lora_rank > 0
+        policy = self._load("actor", load_actor, actor.model_path)
+        if self.lora:  # adapters only train (rlfleet.trainer.lora)
+            policy = wrap_lora(
+                policy,
+                rank=actor.lora_rank,
+                alpha=actor.lora_alpha,
+                target_modules=actor.target_modules,
+            )
+        self._add_trained("actor", actor, policy, total)
+        self._adapter_names = adapter_names(self.models["actor"]) if self.lora else set()
         if config.critic_enabled():
             critic = config.critic
             path = critic.model_path or actor.model_path
             self._add_trained("critic", critic, self._load("critic", load_critic, path), total)
+        # With LoRA the reference is the actor with its adapters disabled (verl's way):
+        # the same base weights, no second copy; a ref.model_path of its own loads one.
+        self.ref_from_actor = False
         if config.ref_enabled():
             ref_path = config.ref.model_path or actor.model_path
-            ref = self._load("ref", load_ref, ref_path)
-            self.models["ref"] = self._wrap(ref, actor, offload=config.ref.param_offload)
+            if self.lora and ref_path == actor.model_path:
+                self.ref_from_actor = True
+            else:
+                ref = self._load("ref", load_ref, ref_path)
+                self.models["ref"] = self._wrap(ref, actor, offload=config.ref.param_offload)
 
     # ---------------------------------------------------------------- building
 
@@ -237,12 +255,14 @@ class FSDPBackend:
     # ---------------------------------------------------------------- Backend
 
     def has(self, role: ModelRole) -> bool:
-        return role in self.models
+        return role in self.models or (role == "ref" and self.ref_from_actor)
 
     def data_layout(self) -> list[tuple[int, bool]]:
         return [(r, True) for r in range(self.world_size)]
 
     def _model(self, role: ModelRole) -> nn.Module:
+        if role == "ref" and self.ref_from_actor:
+            return self.models["actor"]
         model = self.models.get(role)
         if model is None:
             raise KeyError(f"this trainer has no {role} model (roles: {sorted(self.models)})")
@@ -288,8 +308,13 @@ class FSDPBackend:
         was_training = model.training
         model.eval()
         results: list[Outputs] = []
+        base_only = (
+            model.disable_adapter()  # type: ignore[operator]
+            if role == "ref" and self.ref_from_actor
+            else contextlib.nullcontext()
+        )
         try:
-            with torch.no_grad():
+            with torch.no_grad(), base_only:
                 for mb in micro_batches:
                     inputs, _ = self._prepare(role, mb)
                     results.append(self._outputs(role, model, inputs, temperature, with_entropy))
@@ -357,12 +382,22 @@ class FSDPBackend:
         self, role: ModelRole = "actor", dtype: torch.dtype | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         model = self._model(role)
+        if role == "actor" and self.lora:
+            yield from iter_merged(model, dtype)
+            return
         for name, param in model.named_parameters():
             full = getattr(param, "full_tensor", None)
             t = (full() if callable(full) else param).detach()
             if dtype is not None:
                 t = t.to(dtype)
             yield name, t.cpu()
+
+    def iter_adapter_params(
+        self, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        if not self.lora:
+            raise ValueError("iter_adapter_params: the actor has no LoRA adapters (lora_rank 0)")
+        yield from iter_adapter(self.models["actor"], dtype)
 
     def _options(self, *, full: bool = True) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -377,6 +412,8 @@ class FSDPBackend:
 
         model = self._model(role)
         state: dict[str, Any] = {"model": get_model_state_dict(model, options=self._options())}
+        if role == "actor" and self.lora:  # the adapters; the base is actor.model_path
+            state["model"] = {k: v for k, v in state["model"].items() if k in self._adapter_names}
         if role in self.optimizers:
             state["optimizer"] = get_optimizer_state_dict(
                 model, self.optimizers[role], options=self._options()
@@ -393,17 +430,41 @@ class FSDPBackend:
 
         model = self._model(role)
         options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, state["model"], options=options)
+        if role == "actor" and self.lora:
+            self._check_adapter_state(state["model"])
+            set_model_state_dict(
+                model, state["model"], options=StateDictOptions(full_state_dict=True, strict=False)
+            )
+        else:
+            set_model_state_dict(model, state["model"], options=options)
         if role in self.optimizers and "optimizer" in state:
             set_optimizer_state_dict(
                 model, self.optimizers[role], state["optimizer"], options=options
             )
             self.schedulers[role].load_state_dict(state["scheduler"])
 
+    def _check_adapter_state(self, state: dict[str, Any]) -> None:
+        """A LoRA actor loads exactly its adapters (a full-model state, or another
+        rank / target_modules, is refused before anything is set)."""
+        got = set(state)
+        if got != self._adapter_names:
+            missing = sorted(self._adapter_names - got)
+            unknown = sorted(got - self._adapter_names)
+            raise ValueError(
+                f"the actor's saved state is not this LoRA actor's adapters: missing "
+                f"{missing[:3]} ({len(missing)} in all), unknown {unknown[:3]} "
+                f"({len(unknown)} in all); check actor.lora_rank and actor.target_modules"
+            )
+
     def export_hf(self, role: ModelRole, path: str) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         model = self._model(role)
         state = get_model_state_dict(model, options=self._options())
+        if role == "actor" and self.lora:
+            section = self.config.actor
+            tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+            state = dict(merge_state(tensors, tensors, section.lora_alpha / section.lora_rank))
+            model = model.get_base_model()  # type: ignore[operator]
         if self.rank == 0:
             model.save_pretrained(path, state_dict=state)  # type: ignore[operator]

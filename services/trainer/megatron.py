@@ -493,6 +493,12 @@ class MegatronBackend:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self._gather_specs(role, lambda p: p, dtype)
 
+    def iter_adapter_params(
+        self, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        raise ValueError("LoRA is not available on the megatron backend (actor.lora_rank)")
+        yield  # a generator, like iter_full_params
+
     # ---------------------------------------------------------------- Backend
 
     def has(self, role: ModelRole) -> bool:

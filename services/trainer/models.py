@@ -166,7 +166,8 @@ _KEEPS_LOGITS: dict[type, bool] = {}
 def _keep_logits(model: nn.Module, keep: int | torch.Tensor) -> dict[str, Any]:
     """``logits_to_keep=keep`` where the model's forward takes it (transformers' causal
     LMs do; remote code may not): the LM head then skips the other positions."""
-    cls = type(model)
+    base = getattr(model, "get_base_model", None)  # a peft (LoRA) model passes it through
+    cls = type(base() if callable(base) else model)
     if cls not in _KEEPS_LOGITS:
         import inspect
 

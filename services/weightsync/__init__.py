@@ -13,7 +13,9 @@ One package for both ends, so that a reader finds every part of weight sync here
 * :mod:`~rlfleet.weightsync.tcp`, :mod:`~rlfleet.weightsync.shm`: the two bulk
   transports, sender and receiver halves;
 * :mod:`~rlfleet.weightsync.checksum`: per-tensor CRC-32C and the value scan, done
-  as the bytes move.
+  as the bytes move;
+* :mod:`~rlfleet.weightsync.lora`: a LoRA actor's updates: adapter names on the wire
+  and the merge into the replica's base weights.
 
 Imports are per module (``from rlfleet.weightsync.sender import push_weights``): the
 wire format imports without torch, the ends with it.

@@ -14,7 +14,9 @@ steps must exceed that of its first 4:
 * CISPO: the GRPO example with ``actor.policy_loss.loss_mode: cispo``;
 * truncated importance sampling: the GRPO example, pipelined (samples one weight
   version old, so the trainer's and the rollout's log-probs differ), with
-  ``algorithm.rollout_correction.rollout_is: token``.
+  ``algorithm.rollout_correction.rollout_is: token``;
+* a LoRA actor: ``examples/arithmetic_grpo_lora.yaml`` (rank-8 adapters; every push
+  carries only the adapters, far fewer bytes than the model).
 """
 
 from __future__ import annotations
@@ -122,3 +124,21 @@ def test_truncated_is_pipelined_raises_reward(warm_start: dict[str, Path]) -> No
         m = r.metrics
         assert 0.5 < m["rollout_corr/rollout_is_mean"] <= 2.0
         assert m["rollout_corr/rollout_is_max"] > 1.0  # the lag moves some tokens' ratios
+
+
+def test_lora_raises_reward_pushing_only_adapters(warm_start: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    records = _run(warm_start, "lora", "arithmetic_grpo_lora.yaml")
+    _rises(records, "critic/score/mean")
+    model = AutoModelForCausalLM.from_pretrained(warm_start["model"], local_files_only=True)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    pushed = {r.metrics["weight_sync/bytes"] for r in records}
+    # fp32 A (8, in) and B (out, 8) of the 7 linear layers of each decoder layer
+    c = model.config
+    kv = c.num_key_value_heads * c.hidden_size // c.num_attention_heads
+    h, m = c.hidden_size, c.intermediate_size
+    shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, m), (h, m), (m, h)]  # q k v o gate up down
+    adapter = c.num_hidden_layers * 8 * 4 * sum(i + o for i, o in shapes)
+    assert pushed == {adapter}, (pushed, adapter)
+    assert adapter < 0.1 * full

@@ -1,7 +1,9 @@
 """THE 2-rank check: `rlfleet.trainer.server` under torchrun with 2 gloo ranks on CPU (FSDP2,
 rank 0 serving gRPC, rank 1 following) gives the same log-probs, the same PPO actor and
 critic updates and the same pushed weights as one in-process rank (packed sequences;
-the actor's micro-batches by a token budget, the critic's by size)."""
+the actor's micro-batches by a token budget, the critic's by size); and so does a LoRA
+actor (sharded adapters, the reference as the base with adapters disabled, a push of the
+adapters only)."""
 
 from __future__ import annotations
 
@@ -63,8 +65,11 @@ def _wait_for(path: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> st
 
 
 @pytest.mark.slow
-def test_one_rank_and_two_ranks_agree(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_one_rank_and_two_ranks_agree(tiny_model_dir: Path, tmp_path: Path, lora_rank: int) -> None:
     raw = _raw_config(tiny_model_dir, tmp_path / "run")
+    if lora_rank:
+        raw["actor"].update(lora_rank=lora_rank, use_kl_loss=True)  # type: ignore[attr-defined]
     cfg_file = tmp_path / "config.yaml"
     cfg_file.write_text(yaml.safe_dump(raw))
     address_file = tmp_path / "address"
@@ -93,6 +98,11 @@ def test_one_rank_and_two_ranks_agree(tiny_model_dir: Path, tmp_path: Path) -> N
         assert two.status()["world_size"] == 2
         lp2, _ = two.compute_log_prob(batch)
         lp_diff = (lp2["old_log_probs"] - lp1["old_log_probs"]).abs().max().item()
+        if lora_rank:  # the reference: the sharded actor with its adapters disabled
+            ref1, _ = one.compute_ref_log_prob(batch)
+            ref2, _ = two.compute_ref_log_prob(batch)
+            torch.testing.assert_close(ref2["ref_log_prob"], ref1["ref_log_prob"], atol=TOL, rtol=0)
+            batch["ref_log_prob"] = ref1["ref_log_prob"]
 
         c1, c2 = one.update_critic(batch), two.update_critic(batch)
         a1, a2 = one.update_actor(batch), two.update_actor(batch)
@@ -108,10 +118,12 @@ def test_one_rank_and_two_ranks_agree(tiny_model_dir: Path, tmp_path: Path) -> N
         finally:
             server.stop(0)
         assert out.ok == {"r0": True}, out.errors
-        ref = dict(one.core.backend.iter_full_params("actor"))
+        ref = dict(one.core.iter_weights())  # a LoRA actor's: the adapters only
         assert set(fake.weights) == set(ref)
+        assert all(k.endswith((".lora_A", ".lora_B")) for k in ref) == bool(lora_rank)
         w_diff = max((fake.weights[k] - ref[k]).abs().max().item() for k in ref)
-        moved = max((ref[k] - v).abs().max().item() for k, v in _initial(tiny_model_dir).items())
+        initial = _initial(tiny_model_dir, raw)
+        moved = max((ref[k] - v).abs().max().item() for k, v in initial.items())
         print(f"1-rank vs 2-rank: log-prob max diff {lp_diff:.3g}, weights max diff {w_diff:.3g} "
               f"(the update moved weights by up to {moved:.3g})")  # fmt: skip
         assert lp_diff < TOL
@@ -130,8 +142,7 @@ def test_one_rank_and_two_ranks_agree(tiny_model_dir: Path, tmp_path: Path) -> N
     assert proc.returncode is not None
 
 
-def _initial(model_dir: Path) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
-    return {k: v.detach() for k, v in model.named_parameters()}
+def _initial(model_dir: Path, raw: dict[str, object]) -> dict[str, torch.Tensor]:
+    """What a fresh trainer of ``raw`` pushes (the model; a LoRA actor's initial
+    adapters, seeded like the trained one's)."""
+    return dict(TrainerCore(make_config(str(model_dir), **raw)).iter_weights())  # type: ignore[arg-type]

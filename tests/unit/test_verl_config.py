@@ -181,7 +181,7 @@ def test_the_report_says_where_each_key_went(tmp_path: Path) -> None:
     ("override", "key", "missing"),
     [
         ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name", "engines"),
-        ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_rank", "LoRA"),
+        ("critic.model.lora_rank=8", "critic.model.lora_rank", "LoRA"),
         ("algorithm.adv_estimator=grpo_passk", "algorithm.adv_estimator", "advantage estimators"),
         ("trainer.logger=[console,mlflow]", "trainer.logger", "loggers"),
         ("trainer.default_hdfs_dir=hdfs://x", "trainer.default_hdfs_dir", "HDFS"),
@@ -493,3 +493,35 @@ def test_docs_verl_md_is_generated_from_the_table() -> None:
     assert text == gen.render(), "docs/verl.md is stale: run python tools/gen_verl_doc.py"
     for row in verl_config.ROWS:
         assert f"| `{row.key}` |" in text
+
+
+def test_lora_keys_map_onto_the_actor() -> None:
+    cfg = config_from_dict(
+        None,
+        [
+            *QUICKSTART,
+            *CPU,
+            "actor_rollout_ref.model.lora_rank=8",
+            "actor_rollout_ref.model.lora_alpha=32",
+            "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+        ],
+    )
+    assert cfg.actor.lora_rank == 8
+    assert cfg.actor.lora_alpha == 32
+    assert cfg.actor.target_modules == ["q_proj", "v_proj"]
+
+
+def test_lora_with_vllm_is_refused_in_one_line() -> None:
+    err = _error(
+        None,
+        [
+            *QUICKSTART,
+            *CPU,
+            "actor_rollout_ref.model.lora_rank=8",
+            "actor_rollout_ref.rollout.name=vllm",
+            "trainer.device=cuda",
+        ],
+    )
+    lines = [str(i) for i in err.issues if i.path == "actor.lora_rank"]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert "vllm" in lines[0] and "8" in lines[0]

@@ -307,11 +307,27 @@ class ActorConfig(_Section):
     backend: Backend = "fsdp"
     fsdp: FsdpConfig = Field(default_factory=FsdpConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    lora_rank: int = Field(
+        default=0,
+        ge=0,
+        description="LoRA adapter rank (peft); 0: full fine-tuning. > 0: only the adapters "
+        "train, and a weight push sends only them (fsdp backend, hf rollout engine)",
+    )
+    lora_alpha: float = Field(
+        default=16, gt=0, description="LoRA scale numerator: the update is alpha / rank * B @ A"
+    )
+    target_modules: str | list[str] = Field(
+        default="all-linear",
+        description="the linear modules that get adapters: 'all-linear' (every linear "
+        "layer but the LM head) or a list of module names (e.g. [q_proj, v_proj])",
+    )
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> Self:
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("target_modules: give 'all-linear' or at least one module name")
         if self.clip_ratio_low is None:
             self.clip_ratio_low = self.clip_ratio
         if self.clip_ratio_high is None:

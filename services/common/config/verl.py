@@ -253,6 +253,43 @@ _VLLM_HF = "a vLLM engine knob; the hf engine (rollout.name hf) has no such sett
 _VLLM_ONLY = "a vLLM scheduler / memory knob: speed and memory only"
 
 
+def _lora_rows(prefix: str, role: str) -> list[Row]:
+    """LoRA keys: the actor's map to ``actor.lora_*`` (fsdp backend, hf engine); the
+    critic trains in full."""
+    exclude = _ign(
+        f"{prefix}.model.exclude_modules",
+        None,
+        "null: no module is excluded from target_modules",
+        accepts=_empty,
+        accepted="null",
+        missing="excluding modules from LoRA (list the wanted ones in target_modules)",
+    )
+    if role != "actor":
+        return [
+            _ign(
+                f"{prefix}.model.lora_rank",
+                0,
+                "0: the critic trains in full",
+                only=(0,),
+                missing="a LoRA critic (lora_rank > 0)",
+            ),
+            _ign(f"{prefix}.model.lora_alpha", 16, "read only with lora_rank > 0"),
+            _ign(f"{prefix}.model.target_modules", "all-linear", "read only with lora_rank > 0"),
+            exclude,
+        ]
+    return [
+        _map(f"{prefix}.model.lora_rank", 0, "actor.lora_rank"),
+        _map(f"{prefix}.model.lora_alpha", 16, "actor.lora_alpha"),
+        _map(
+            f"{prefix}.model.target_modules",
+            "all-linear",
+            "actor.target_modules",
+            convert=lambda v: list(v) if isinstance(v, (list, tuple)) else v,
+        ),
+        exclude,
+    ]
+
+
 def _model_rows(prefix: str, role: str, strategy: str) -> list[Row]:
     """``<prefix>.model.*`` keys shared by actor_rollout_ref and critic (``strategy``:
     the key naming the role's training backend)."""
@@ -287,16 +324,7 @@ def _model_rows(prefix: str, role: str, strategy: str) -> list[Row]:
             why="rlfleet's megatron backend runs padded batches, with the same result",
         ),
         _ign(f"{prefix}.model.use_shm", False, "copying the model to shared memory: speed only"),
-        _ign(
-            f"{prefix}.model.lora_rank",
-            0,
-            "0: full fine-tuning",
-            only=(0,),
-            missing="LoRA adapters (lora_rank > 0)",
-        ),
-        _ign(f"{prefix}.model.lora_alpha", 16, "read only with lora_rank > 0"),
-        _ign(f"{prefix}.model.target_modules", "all-linear", "read only with lora_rank > 0"),
-        _ign(f"{prefix}.model.exclude_modules", None, "read only with lora_rank > 0"),
+        *_lora_rows(prefix, role),
         _ign(f"{prefix}.model.use_liger", False, _SPEED),
         _ign(f"{prefix}.model.use_fused_kernels", False, _SPEED),
         _ign(f"{prefix}.model.fused_kernel_options.**", NO_DEFAULT, _SPEED),
