@@ -886,7 +886,7 @@ class PPOTrainer:
         from rlfleet.common.rpc import wait_for_ready
 
         r = self.config.trainer.recovery
-        address = self._w.trainer.address  # type: ignore[union-attr]
+        address = getattr(self._w.trainer, "address", "")
         failed_at = self.global_steps + 1
         if self.recoveries >= r.max_recoveries:
             tracking.warn(f"trainer {address} lost at step {failed_at} after "

@@ -620,9 +620,9 @@ class LocalCluster:
                 ]
             for proc in dead:
                 code = proc.popen.returncode if proc.popen is not None else None
-                restartable = ("rollout", "reward", "tools")
+                restartable = {"rollout", "reward", "tools"}
                 if self.config.trainer.recovery.enable:
-                    restartable += ("trainer",)  # the driver restores its checkpoint
+                    restartable.add("trainer")  # the driver restores its checkpoint
                 if proc.kind not in restartable:
                     logger.error(
                         "%s (%s, pid %d) died with code %s: it is not restarted (its state is "
