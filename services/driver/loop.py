@@ -751,6 +751,7 @@ class PPOTrainer:
         metrics["training/global_step"] = float(self.global_steps)
         metrics["training/epoch"] = float(gb.epoch)
         metrics["rollout/requeued_samples"] = float(gb.requeued_samples)
+        metrics["rollout/samples"] = float(len(gb.samples))  # the batch the step trained
         metrics["rollout/replicas"] = float(len(self._fleet))
         metrics.update(gb.sampling)
         metrics.update(gb.extra_metrics)

@@ -603,44 +603,48 @@ class LocalCluster:
         """
         while not self._stopped:
             time.sleep(0.5)
-            try:
+            self._restart_dead()
+            try:  # after the restarts: a slow scale-up must not delay them
                 self._follow_scale()
             except Exception:  # keep supervising: one bad round must not end it
                 if not self._stopped:
                     logger.exception("following the desired rollout scale failed")
-            with self._lock:
-                if self._stopped:
-                    return
-                dead = [
-                    p
-                    for p in self._procs
-                    if p.popen is not None
-                    and p.popen.poll() is not None
-                    and p.name not in self.given_up
-                ]
-            for proc in dead:
-                code = proc.popen.returncode if proc.popen is not None else None
-                restartable = {"rollout", "reward", "tools"}
-                if self.config.trainer.recovery.enable:
-                    restartable.add("trainer")  # the driver restores its checkpoint
-                if proc.kind not in restartable:
-                    logger.error(
-                        "%s (%s, pid %d) died with code %s: it is not restarted (its state is "
-                        "in memory); resume the run from its last checkpoint "
-                        "(trainer.resume_mode=auto)",
-                        proc.name, proc.address, proc.pid, code,
-                    )  # fmt: skip
-                    self.given_up.add(proc.name)
-                    continue
-                done = self.restarts.get(proc.name, 0)
-                if done >= self.config.services.max_restarts:
-                    logger.error(
-                        "%s (%s) died with code %s after %d restart(s): giving up on it",
-                        proc.name, proc.address, code, done,
-                    )  # fmt: skip
-                    self.given_up.add(proc.name)
-                    continue
-                self._restart(proc, code, done)
+
+    def _restart_dead(self) -> None:
+        """One round of :meth:`_supervise`'s restarts."""
+        with self._lock:
+            if self._stopped:
+                return
+            dead = [
+                p
+                for p in self._procs
+                if p.popen is not None
+                and p.popen.poll() is not None
+                and p.name not in self.given_up
+            ]
+        for proc in dead:
+            code = proc.popen.returncode if proc.popen is not None else None
+            restartable = {"rollout", "reward", "tools"}
+            if self.config.trainer.recovery.enable:
+                restartable.add("trainer")  # the driver restores its checkpoint
+            if proc.kind not in restartable:
+                logger.error(
+                    "%s (%s, pid %d) died with code %s: it is not restarted (its state is "
+                    "in memory); resume the run from its last checkpoint "
+                    "(trainer.resume_mode=auto)",
+                    proc.name, proc.address, proc.pid, code,
+                )  # fmt: skip
+                self.given_up.add(proc.name)
+                continue
+            done = self.restarts.get(proc.name, 0)
+            if done >= self.config.services.max_restarts:
+                logger.error(
+                    "%s (%s) died with code %s after %d restart(s): giving up on it",
+                    proc.name, proc.address, code, done,
+                )  # fmt: skip
+                self.given_up.add(proc.name)
+                continue
+            self._restart(proc, code, done)
 
     def _restart(self, proc: _Proc, code: int | None, done: int) -> None:
         backoff = self.config.services.restart_backoff_s * 2.0**done
