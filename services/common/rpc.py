@@ -64,7 +64,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rlfleet.common import auth
+from rlfleet.common import auth, tracing
 from rlfleet.common.auth import Authenticator, Credentials
 from rlfleet.common.errors import (
     Internal,
@@ -531,6 +531,49 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         return _rebuild_handler(handler, lambda _behavior: deny, lenient=True)
 
 
+class TraceInterceptor(grpc.ServerInterceptor):
+    """Runs each handler (and its response stream) inside the caller's trace span, read
+    from the ``rlfleet-trace`` metadata entry, so the service's spans join the caller's
+    trace (:mod:`rlfleet.common.tracing`). A malformed entry is ignored."""
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        value = None
+        for key, v in handler_call_details.invocation_metadata or ():
+            if key == tracing.TRACE_METADATA_KEY:
+                value = v
+        ctx = tracing.from_header(value)
+        if handler is None or ctx is None:
+            return handler
+        return _rebuild_handler(handler, lambda behavior: _in_trace(behavior, ctx))
+
+
+def _in_trace(behavior: Callable[..., Any], ctx: tracing.SpanContext) -> Callable[..., Any]:
+    @functools.wraps(behavior)
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        with tracing.attached(ctx):
+            result = behavior(request, context)
+        if isinstance(result, Iterator):
+            return _iterate_in(result, ctx)
+        return result
+
+    return call
+
+
+def _iterate_in(iterator: Iterator[Any], ctx: tracing.SpanContext) -> Iterator[Any]:
+    while True:
+        with tracing.attached(ctx):
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+        yield item
+
+
 def _as_caller(behavior: Callable[..., Any], role: str) -> Callable[..., Any]:
     """Run a handler (and iterate its response stream) with ``caller_role() == role``."""
 
@@ -571,18 +614,26 @@ class _BearerTokenClientInterceptor(
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    """Adds ``authorization: Bearer <token>`` to every call of a channel.
+    """Adds ``authorization: Bearer <token>`` (with a token) and the current trace
+    span (``rlfleet-trace``, :mod:`rlfleet.common.tracing`) to every call of a channel.
 
     An interceptor rather than call credentials: gRPC only sends call
     credentials over TLS, and loopback services run in plaintext.
     """
 
-    def __init__(self, token: str) -> None:
-        self._header = (AUTH_METADATA_KEY, f"Bearer {_check_token(token)}")
+    def __init__(self, token: str | None) -> None:
+        self._header = (
+            (AUTH_METADATA_KEY, f"Bearer {_check_token(token)}") if token is not None else None
+        )
 
     def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
-        metadata = [(k, v) for k, v in details.metadata or () if k != AUTH_METADATA_KEY]
-        metadata.append(self._header)
+        drop = (AUTH_METADATA_KEY, tracing.TRACE_METADATA_KEY)
+        metadata = [(k, v) for k, v in details.metadata or () if k not in drop]
+        if self._header is not None:
+            metadata.append(self._header)
+        trace = tracing.header()
+        if trace is not None:
+            metadata.append((tracing.TRACE_METADATA_KEY, trace))
         return _CallDetails(
             method=details.method,
             timeout=details.timeout,
@@ -1060,6 +1111,7 @@ def create_server(
         all_interceptors.append(BearerTokenInterceptor(authenticator))
     if map_errors:
         all_interceptors.append(ErrorMappingInterceptor())
+    all_interceptors.append(TraceInterceptor())
     all_interceptors.extend(interceptors)
     server_options = [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -1207,9 +1259,7 @@ def create_channel(
         channel = grpc.secure_channel(address, tls.channel_credentials(), options=channel_options)
     else:
         channel = grpc.insecure_channel(address, options=channel_options)
-    if auth_token is not None:
-        channel = grpc.intercept_channel(channel, _BearerTokenClientInterceptor(auth_token))
-    return channel
+    return grpc.intercept_channel(channel, _BearerTokenClientInterceptor(auth_token))
 
 
 def call_options(

@@ -1,0 +1,201 @@
+"""Traces: spans of a run's work across the driver and the services, as JSON lines.
+
+A span is one piece of work (a step, a generation shard on one replica, a reward
+call, a trainer phase) with a start, an end, its parent, and attributes. Each PPO
+step is one trace; its id travels with every gRPC call made inside it in the
+``rlfleet-trace`` metadata entry (``<trace id>-<span id>``, OpenTelemetry's hex
+sizes), so a service's spans join the step's tree. Nothing needs the OpenTelemetry
+SDK: spans are written, in OTLP's field names, to ``<run dir>/traces/<process>.jsonl``
+by the in-process exporter (one line per span, flushed as written), and
+``rlfleet trace`` reads them back (:mod:`rlfleet.launch.trace_cli`).
+
+Standard library only (every service imports it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = [
+    "TRACE_METADATA_KEY",
+    "SpanContext",
+    "Tracer",
+    "attached",
+    "current",
+    "from_header",
+    "header",
+    "set_tracer",
+    "span",
+    "tracer",
+]
+
+TRACE_METADATA_KEY = "rlfleet-trace"
+_HEADER = re.compile(r"^([0-9a-f]{32})-([0-9a-f]{16})$")
+_MAX_ATTR_CHARS = 4096
+
+
+@dataclass(frozen=True)
+class SpanContext:
+    trace_id: str  # 32 hex digits
+    span_id: str  # 16 hex digits
+
+
+_CURRENT: contextvars.ContextVar[SpanContext | None] = contextvars.ContextVar(
+    "rlfleet_trace", default=None
+)
+
+
+def current() -> SpanContext | None:
+    """The span this code runs in (None: none)."""
+    return _CURRENT.get()
+
+
+def header() -> str | None:
+    """The metadata value that carries the current span to a service (None: none)."""
+    ctx = _CURRENT.get()
+    return None if ctx is None else f"{ctx.trace_id}-{ctx.span_id}"
+
+
+def from_header(value: str | bytes | None) -> SpanContext | None:
+    """A caller's span from its metadata value; None when absent or malformed (a
+    malformed value from the network is ignored, never an error)."""
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if not value or len(value) > 64:
+        return None
+    m = _HEADER.match(value)
+    return SpanContext(m.group(1), m.group(2)) if m else None
+
+
+@contextlib.contextmanager
+def attached(ctx: SpanContext | None) -> Iterator[None]:
+    """Run the block inside ``ctx`` (another thread's span, a caller's)."""
+    token = _CURRENT.set(ctx)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def _new_id(nbytes: int) -> str:
+    return os.urandom(nbytes).hex()
+
+
+def _attr(value: Any) -> Any:
+    if isinstance(value, bool | int | float) or value is None:
+        return value
+    if isinstance(value, list | tuple) and all(isinstance(v, int | float) for v in value):
+        return list(value)
+    return str(value)[:_MAX_ATTR_CHARS]
+
+
+class Tracer:
+    """Writes the spans of one process to ``path`` (None: spans are not kept, but ids
+    still propagate so the services' spans of a call still join their trace).
+
+    Args:
+        path: the JSON-lines file (made with its folder).
+        service: ``service.name`` of every span (``driver``, ``rollout-0`` ...).
+    """
+
+    def __init__(self, path: str | Path | None, service: str) -> None:
+        self.path = Path(path) if path is not None else None
+        self.service = service
+        self._lock = threading.Lock()
+        self._file: TextIO | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def record(
+        self,
+        name: str,
+        start_ns: int,
+        end_ns: int,
+        ctx: SpanContext,
+        parent: SpanContext | None,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Write one finished span (also for work timed elsewhere, e.g. the trainer's
+        phases laid out from their durations)."""
+        if self._file is None:
+            return
+        line = json.dumps(
+            {
+                "traceId": ctx.trace_id,
+                "spanId": ctx.span_id,
+                "parentSpanId": parent.span_id if parent is not None else "",
+                "name": name,
+                "service": self.service,
+                "startTimeUnixNano": start_ns,
+                "endTimeUnixNano": end_ns,
+                "attributes": {k: _attr(v) for k, v in (attributes or {}).items()},
+            },
+            separators=(",", ":"),
+        )
+        with self._lock:
+            if self._file is not None:
+                self._file.write(line + "\n")
+                self._file.flush()
+
+    @contextlib.contextmanager
+    def span(self, name: str, *, root: bool = False, **attributes: Any) -> Iterator[dict[str, Any]]:
+        """A span around the block, child of the current one (``root``: a new trace).
+
+        Yields its attributes, which the block may add to.
+        """
+        parent = None if root else _CURRENT.get()
+        ctx = SpanContext(parent.trace_id if parent else _new_id(16), _new_id(8))
+        attrs = dict(attributes)
+        start = time.time_ns()
+        token = _CURRENT.set(ctx)
+        try:
+            yield attrs
+        except BaseException as e:
+            attrs["error"] = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            _CURRENT.reset(token)
+            self.record(name, start, time.time_ns(), ctx, parent, attrs)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+_TRACER = Tracer(None, "")
+
+
+def tracer() -> Tracer:
+    """This process's tracer (spans dropped until :func:`set_tracer`)."""
+    return _TRACER
+
+
+def set_tracer(t: Tracer) -> Tracer:
+    """Make ``t`` this process's tracer; returns the previous one."""
+    global _TRACER
+    previous, _TRACER = _TRACER, t
+    return previous
+
+
+def span(name: str, **attributes: Any) -> contextlib.AbstractContextManager[dict[str, Any]]:
+    """A span of this process's tracer, inside the current one."""
+    return _TRACER.span(name, **attributes)
+
+
+def service_trace_path(run_dir: str | Path, service: str) -> Path:
+    """Where a process of a run writes its spans."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", service)[:64] or "process"
+    return Path(run_dir) / "traces" / f"{safe}-{os.getpid()}.jsonl"
