@@ -240,3 +240,103 @@ def test_partial_rollout_off_finishes_under_the_old_weights(
             assert s.token_ids == o.token_ids and s.weight_version == 0
             assert s.token_weight_versions == []
             np.testing.assert_allclose(s.logprobs, o.logprobs, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+@pytest.fixture(scope="module")
+def arithmetic_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rlfleet.driver.data.preprocess import preprocess
+
+    out = tmp_path_factory.mktemp("arith")
+    preprocess("arithmetic", None, out, n=64, n_test=8, digits=1, ops="+-*", seed=0)
+    return out
+
+
+def test_pipelined_run_with_partial_rollouts_reports_token_staleness(
+    tiny_model_dir: Path, arithmetic_dir: Path, tmp_path: Path
+) -> None:
+    """Pipelined (max_staleness 1) with partial rollouts: step 2's batch generates
+    while step 1 trains; its generation is held at its first decode step until the
+    push of version 1 is posted, so that push lands mid-generation. Step 2 then
+    trains on samples whose first token is version 0's and the rest version 1's: one
+    version behind the policy by the sample count (staleness/max 1), but mostly
+    fresh by the token count."""
+    from rlfleet.common.config import load_config
+    from rlfleet.driver.loop import PPOTrainer
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "ppo_tiny.yaml"
+    cfg = load_config(
+        example,
+        [
+            f"actor.model_path={tiny_model_dir}",
+            f"data.train_files={arithmetic_dir / 'train.parquet'}",
+            f"data.val_files={arithmetic_dir / 'test.parquet'}",
+            f"trainer.default_local_dir={tmp_path}",
+            "data.train_batch_size=4",
+            "data.max_response_length=8",
+            "actor.ppo_mini_batch_size=2",
+            "actor.ppo_micro_batch_size=null",
+            "ref.log_prob_micro_batch_size=null",
+            "rollout.log_prob_micro_batch_size=null",
+            "rollout.n=2",
+            "trainer.total_training_steps=3",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+            "trainer.val_before_train=false",
+            "trainer.resume_mode=disable",
+            "trainer.logger=[jsonl]",
+            "trainer.pipeline.enable=true",
+            "trainer.pipeline.max_staleness=1",
+            "trainer.pipeline.partial_rollout=true",
+            "rollout.max_num_batched_tokens=null",  # a step's batch: one engine batch
+        ],
+    )
+    with PPOTrainer(config=cfg) as trainer:
+        trainer.init_workers()
+        engine = trainer._w.rollouts[0].client.core.engine  # type: ignore[attr-defined]
+        assert isinstance(engine, HFEngine) and engine.partial_rollout
+        producing: dict[str, int] = {"step": 0, "forwards": 0}
+        produce = trainer._produce
+
+        def tracked(step: int, min_version: int) -> Any:
+            producing.update(step=step, forwards=0)
+            return produce(step, min_version)
+
+        def hold(module: Any, args: Any, output: Any) -> None:
+            if producing["step"] != 2:
+                return
+            producing["forwards"] += 1
+            if producing["forwards"] == 2:  # the first decode step of step 2's batch
+                deadline = time.monotonic() + 120
+                while not engine.update_pending and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                assert engine.update_pending, "the push of version 1 never came"
+
+        trainer._produce = tracked  # type: ignore[method-assign]
+        handle = engine.model.register_forward_hook(hold)
+        try:
+            records = trainer.fit()
+        finally:
+            handle.remove()
+    assert [r.step for r in records] == [1, 2, 3]
+    first, second, third = (r.metrics for r in records)
+    for m in (first, second, third):
+        for key in (
+            "rollout/stale_token_frac",
+            "rollout/token_staleness_mean",
+            "rollout/token_staleness_max",
+            "rollout/partial_sample_frac",
+        ):
+            assert key in m, key
+        assert m["rollout/token_staleness_max"] <= m["staleness/max"] <= 1.0
+        assert m["rollout/token_staleness_mean"] <= m["staleness/mean"]
+    assert first["rollout/stale_token_frac"] == 0.0  # the initial weights, on-policy
+    # Step 2: every sample began under version 0 (the oldest: staleness 1 by sample)...
+    assert second["staleness/mean"] == 1.0
+    assert second["rollout/partial_sample_frac"] > 0.0
+    # ... but the tokens after the push are version 1's, the policy's own.
+    assert 0.0 < second["rollout/stale_token_frac"] < 1.0
+    assert second["rollout/token_staleness_mean"] < 1.0
+    assert second["rollout/token_staleness_max"] == 1.0

@@ -493,3 +493,22 @@ def test_docs_verl_md_is_generated_from_the_table() -> None:
     assert text == gen.render(), "docs/verl.md is stale: run python tools/gen_verl_doc.py"
     for row in verl_config.ROWS:
         assert f"| `{row.key}` |" in text
+
+
+def test_fully_async_partial_rollout_maps_onto_the_pipeline() -> None:
+    cfg = config_from_dict(
+        None,
+        [
+            *QUICKSTART,
+            *CPU,
+            "async_training.partial_rollout=true",
+            "trainer.pipeline.enable=true",
+            "resource_pools={train_pool: [1], rollout_pool: [1]}",
+            "mapping={actor: train_pool, ref: train_pool, critic: train_pool, "
+            "rollout: rollout_pool}",
+        ],
+    )
+    assert cfg.trainer.pipeline.partial_rollout and cfg.trainer.pipeline.enable
+    # Without rlfleet's pipelined mode it is refused, naming the key.
+    err = _error(None, [*QUICKSTART, *CPU, "async_training.partial_rollout=true"])
+    assert "trainer.pipeline.partial_rollout" in str(err)
