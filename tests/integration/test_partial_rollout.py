@@ -254,26 +254,17 @@ def arithmetic_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_pipelined_run_with_partial_rollouts_reports_token_staleness(
-    tiny_model_dir: Path, arithmetic_dir: Path, tmp_path: Path
-) -> None:
-    """Pipelined (max_staleness 1) with partial rollouts: step 2's batch generates
-    while step 1 trains; its generation is held at its first decode step until the
-    push of version 1 is posted, so that push lands mid-generation. Step 2 then
-    trains on samples whose first token is version 0's and the rest version 1's: one
-    version behind the policy by the sample count (staleness/max 1), but mostly
-    fresh by the token count."""
+def _pipelined_config(model: Path, data: Path, run_dir: Path, *more: str) -> Any:
     from rlfleet.common.config import load_config
-    from rlfleet.driver.loop import PPOTrainer
 
     example = Path(__file__).resolve().parents[2] / "examples" / "ppo_tiny.yaml"
-    cfg = load_config(
+    return load_config(
         example,
         [
-            f"actor.model_path={tiny_model_dir}",
-            f"data.train_files={arithmetic_dir / 'train.parquet'}",
-            f"data.val_files={arithmetic_dir / 'test.parquet'}",
-            f"trainer.default_local_dir={tmp_path}",
+            f"actor.model_path={model}",
+            f"data.train_files={data / 'train.parquet'}",
+            f"data.val_files={data / 'test.parquet'}",
+            f"trainer.default_local_dir={run_dir}",
             "data.train_batch_size=4",
             "data.max_response_length=8",
             "actor.ppo_mini_batch_size=2",
@@ -291,35 +282,43 @@ def test_pipelined_run_with_partial_rollouts_reports_token_staleness(
             "trainer.pipeline.max_staleness=1",
             "trainer.pipeline.partial_rollout=true",
             "rollout.max_num_batched_tokens=null",  # a step's batch: one engine batch
+            *more,
         ],
     )
-    with PPOTrainer(config=cfg) as trainer:
-        trainer.init_workers()
-        engine = trainer._w.rollouts[0].client.core.engine  # type: ignore[attr-defined]
-        assert isinstance(engine, HFEngine) and engine.partial_rollout
-        producing: dict[str, int] = {"step": 0, "forwards": 0}
-        produce = trainer._produce
 
-        def tracked(step: int, min_version: int) -> Any:
-            producing.update(step=step, forwards=0)
-            return produce(step, min_version)
 
-        def hold(module: Any, args: Any, output: Any) -> None:
-            if producing["step"] != 2:
-                return
-            producing["forwards"] += 1
-            if producing["forwards"] == 2:  # the first decode step of step 2's batch
-                deadline = time.monotonic() + 120
-                while not engine.update_pending and time.monotonic() < deadline:
-                    time.sleep(0.005)
-                assert engine.update_pending, "the push of version 1 never came"
+def _run_holding_step_2(trainer: Any, engine: HFEngine) -> list[Any]:
+    """``trainer.fit()`` with step 2's generation held at its first decode step until
+    a weight update is posted to ``engine`` (step 1's push), so that it lands there."""
+    producing: dict[str, int] = {"step": 0, "forwards": 0}
+    produce = trainer._produce
 
-        trainer._produce = tracked  # type: ignore[method-assign]
-        handle = engine.model.register_forward_hook(hold)
-        try:
-            records = trainer.fit()
-        finally:
-            handle.remove()
+    def tracked(step: int, min_version: int) -> Any:
+        producing.update(step=step, forwards=0)
+        return produce(step, min_version)
+
+    def hold(module: Any, args: Any, output: Any) -> None:
+        if producing["step"] != 2:
+            return
+        producing["forwards"] += 1
+        if producing["forwards"] == 2:  # the first decode step of step 2's batch
+            deadline = time.monotonic() + 120
+            while not engine.update_pending and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert engine.update_pending, "the push of version 1 never came"
+
+    trainer._produce = tracked
+    handle = engine.model.register_forward_hook(hold)
+    try:
+        return list(trainer.fit())
+    finally:
+        handle.remove()
+
+
+def _check_token_staleness(records: list[Any]) -> None:
+    """Step 2 trains on samples whose first token is version 0's and the rest version
+    1's: one version behind the policy by the sample count (staleness 1), mostly
+    fresh by the token count."""
     assert [r.step for r in records] == [1, 2, 3]
     first, second, third = (r.metrics for r in records)
     for m in (first, second, third):
@@ -340,3 +339,63 @@ def test_pipelined_run_with_partial_rollouts_reports_token_staleness(
     assert 0.0 < second["rollout/stale_token_frac"] < 1.0
     assert second["rollout/token_staleness_mean"] < 1.0
     assert second["rollout/token_staleness_max"] == 1.0
+
+
+def test_pipelined_run_with_partial_rollouts_reports_token_staleness(
+    tiny_model_dir: Path, arithmetic_dir: Path, tmp_path: Path
+) -> None:
+    """Every role in this process: the push is handed over as tensors."""
+    from rlfleet.driver.loop import PPOTrainer
+
+    cfg = _pipelined_config(tiny_model_dir, arithmetic_dir, tmp_path)
+    with PPOTrainer(config=cfg) as trainer:
+        trainer.init_workers()
+        engine = trainer._w.rollouts[0].client.core.engine
+        assert isinstance(engine, HFEngine) and engine.partial_rollout
+        records = _run_holding_step_2(trainer, engine)
+    _check_token_staleness(records)
+
+
+def test_pipelined_run_over_grpc_with_bulk_pushes(
+    tiny_model_dir: Path, arithmetic_dir: Path, tmp_path: Path
+) -> None:
+    """A trainer service and a replica on real gRPC servers; the pushes take the bulk
+    TCP plane, whose verified tensors the engine adopts as its weights (the swap, and
+    the release of the tensors it held before, now happen mid-generation)."""
+    from rlfleet.common.rpc import create_server
+    from rlfleet.driver.clients import Role, remote_workers
+    from rlfleet.driver.loop import PPOTrainer
+    from rlfleet.reward.client import InProcessRewardClient
+    from rlfleet.reward.core import RewardManager
+    from rlfleet.trainer.core import TrainerCore
+    from rlfleet.trainer.servicer import TrainerServicer
+    from rlfleet.v1 import trainer_pb2_grpc
+
+    cfg = _pipelined_config(
+        tiny_model_dir, arithmetic_dir, tmp_path / "run", "rollout.weight_transport=tcp"
+    )
+    trainer_core = TrainerCore(cfg)
+    trainer_server = create_server(
+        [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(trainer_core))]
+    )
+    engine = HFEngine(tiny_model_dir, partial_rollout=True)
+    replica = RolloutCore(engine, replica_id="r0")
+    replica_server = start_rollout_server(replica)
+    try:
+        mapping = remote_workers(trainer_server.address, [replica_server.address])
+        mapping[Role.RewardModel] = InProcessRewardClient(RewardManager(cfg.reward, num_workers=0))
+        with PPOTrainer(config=cfg, role_worker_mapping=mapping) as trainer:
+            records = _run_holding_step_2(trainer, engine)
+        applied = replica.metrics.registry.get_sample_value(
+            "rlfleet_rollout_weight_update_bytes_total", {"transport": "tcp"}
+        )
+        # Tensors an adopting update replaced went back to the receiver for reuse.
+        spare = replica.status().weight_spare_bytes
+    finally:
+        replica_server.stop(0)
+        replica.close()
+        trainer_server.stop(0)
+    _check_token_staleness(records)
+    assert all(r.metrics.get("weight_sync/transport/tcp") == 1.0 for r in records)
+    assert applied and applied > 0 and engine.weight_version == 3
+    assert spare > 0
