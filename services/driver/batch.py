@@ -25,6 +25,7 @@ __all__ = [
     "prompt_ids",
     "rollout_metrics",
     "select_prompts",
+    "token_staleness_metrics",
     "trainer_batch",
 ]
 
@@ -156,7 +157,11 @@ def rollout_metrics(gb: GeneratedBatch, policy_version: int) -> dict[str, float]
     """What only the driver knows about a batch: the weight versions its samples were
     generated with against the policy's. The batch's data metrics (scores, advantages,
     lengths, ...) come from the trainer, defined once
-    (:func:`rlfleet.trainer.ppo.metric_utils.compute_data_metrics`)."""
+    (:func:`rlfleet.trainer.ppo.metric_utils.compute_data_metrics`).
+
+    ``staleness/*`` count samples (each at its oldest version); the token metrics
+    (:func:`token_staleness_metrics`) count the model's tokens, each at the version
+    that produced it, which is what partial rollouts change."""
     versions = np.array([s.weight_version for s in gb.samples], dtype=np.float64)
     stale = policy_version - versions
     out = {
@@ -164,8 +169,53 @@ def rollout_metrics(gb: GeneratedBatch, policy_version: int) -> dict[str, float]
         "staleness/max": float(stale.max()),
         "rollout/weight_version": float(versions.min()),
     }
+    out.update(token_staleness_metrics(gb.samples, policy_version))
     if any(s.loss_mask for s in gb.samples):
         out.update(multi_turn_metrics(gb.samples))
+    return out
+
+
+def token_staleness_metrics(
+    samples: Sequence[SampleOutput], policy_version: int
+) -> dict[str, float]:
+    """Staleness per generated token: ``policy_version`` minus the version of the
+    weights that produced it (``SampleOutput.token_weight_versions``, or the sample's
+    ``weight_version`` for every token when it has none); tokens the replica inserted
+    (multi-turn ``loss_mask`` 0) are not counted.
+
+    Returns ``rollout/stale_token_frac`` (share of tokens from older weights than the
+    policy's), ``rollout/token_staleness_mean`` and ``_max``, and
+    ``rollout/partial_sample_frac`` (share of samples whose tokens span more than one
+    version: continued across a weight update)."""
+    lengths = np.fromiter((len(s.token_ids) for s in samples), np.int64, len(samples))
+    tagged = np.fromiter((bool(s.token_weight_versions) for s in samples), bool, len(samples))
+    whole = np.array([s.weight_version for s in samples], dtype=np.int64)
+    # Tokens in sample order: a tagged sample's own list, else its version repeated.
+    per_sample = [
+        np.asarray(s.token_weight_versions, dtype=np.int64) if t else np.full(n, v, dtype=np.int64)
+        for s, t, n, v in zip(samples, tagged, lengths.tolist(), whole.tolist(), strict=True)
+    ]
+    versions = np.concatenate(per_sample) if per_sample else np.zeros(0, np.int64)
+    if any(s.loss_mask for s in samples):
+        mask = np.concatenate(
+            [
+                np.asarray(s.loss_mask, dtype=bool) if s.loss_mask else np.ones(n, dtype=bool)
+                for s, n in zip(samples, lengths.tolist(), strict=True)
+            ]
+        )
+        versions = versions[mask]
+    partial = sum(int(v.size > 0 and v.min() != v.max()) for v in per_sample)
+    out = {"rollout/partial_sample_frac": partial / max(1, len(samples))}
+    if versions.size == 0:
+        return out
+    stale = policy_version - versions
+    out.update(
+        {
+            "rollout/stale_token_frac": float(np.count_nonzero(stale > 0) / stale.size),
+            "rollout/token_staleness_mean": float(stale.mean()),
+            "rollout/token_staleness_max": float(stale.max()),
+        }
+    )
     return out
 
 

@@ -267,6 +267,8 @@ def _in_process_rollouts(config: Config) -> list[RolloutReplica]:
             dtype=config.rollout.dtype,
             device=device,
             max_num_batched_tokens=config.rollout.max_num_batched_tokens,
+            partial_rollout=config.trainer.pipeline.enable
+            and config.trainer.pipeline.partial_rollout,
         )
         core = RolloutCore(
             engine, replica_id=f"rollout-{i}", multi_turn=_in_process_multi_turn(config, path)

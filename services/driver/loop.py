@@ -39,7 +39,12 @@ generation of step ``s + 1`` overlaps training on step ``s``, with weights one
 version old. Every sample carries the weight version it was generated with;
 ``staleness/mean`` and ``staleness/max`` report ``policy version - sample version``
 at training time. Replicas are also asked for ``min_weight_version``, so a replica
-never serves older weights than the bound allows.
+never serves older weights than the bound allows. With
+``trainer.pipeline.partial_rollout`` a push that lands while a replica generates is
+applied between two decode steps (the samples go on under the new weights, each token
+tagged with its version), and ``rollout/stale_token_frac`` and
+``rollout/token_staleness_*`` count staleness per token
+(:func:`~rlfleet.driver.batch.token_staleness_metrics`).
 
 **Checkpoints** hold the trainer state and, as extra state, the step count and the
 loader position *after the batch that step trained on*; batches prefetched by the

@@ -7,7 +7,10 @@
 * **Weights**: the gRPC chunk stream, the bulk data plane and in-process tensors
   all go through one :class:`~rlfleet.weightsync.receiver.WeightReceiver`; the swap
   waits for the running batch (the engine's lock), so every sample is generated
-  with exactly one weight version, which it carries.
+  with exactly one weight version, which it carries. With an HF engine built with
+  ``partial_rollout=True`` the swap happens between two decode steps of the running
+  batch instead, and each sample lists the version of each of its tokens
+  (``SampleOutput.token_weight_versions``).
 * **Limits and cancellation**: a request is checked against the replica's
   :class:`~rlfleet.rollout.engine.GenerateLimits` before it queues; one whose caller
   gave up (``GenerationHandle.cancel``: the servicer calls it when the RPC ends,

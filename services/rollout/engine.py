@@ -117,12 +117,17 @@ class SampleOutput:
         logprobs: one per token (empty when not requested).
         finish_reason: why it ended.
         weight_version: the weights it was generated with (a multi-turn sample
-            whose turns saw several versions: the oldest).
+            whose turns saw several versions, or a partial rollout continued under
+            newer weights: the oldest).
         text: the decoded response, when asked for (filled at the service edge).
         loss_mask: multi-turn samples: one 0/1 per token, 1 where the model
             generated it, 0 where the replica inserted it (tool results, the chat
             template's turn markers); ``logprobs`` are 0.0 where it is 0. Empty:
             every token is the model's (single-turn).
+        token_weight_versions: one per token, the weight version that produced it
+            (a partial rollout: a weight update landed while the sample was being
+            generated and its later tokens came from the new weights). Empty: every
+            token is ``weight_version``'s.
     """
 
     prompt_index: int
@@ -133,6 +138,7 @@ class SampleOutput:
     weight_version: int = 0
     text: str = ""
     loss_mask: list[int] = field(default_factory=list)
+    token_weight_versions: list[int] = field(default_factory=list)
 
 
 #: ``(request index in the batch, sample)``, called as soon as a sample finishes.

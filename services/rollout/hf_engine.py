@@ -22,7 +22,13 @@ requests with different sampling parameters share one batch:
   per vocabulary entry (what makes ``generate``'s sampler slow), and a seeded
   request's samples do not depend on the other rows of its batch or on how rows
   are batched (up to floating-point rounding of the batched forward);
-* a row that finishes is reported at once through ``on_sample``.
+* a row that finishes is reported at once through ``on_sample``;
+* **partial rollouts** (``partial_rollout=True``): a weight update that arrives
+  while a batch generates is applied between two decode steps instead of waiting
+  for the batch to end; the KV cache of every row (prompt + tokens so far) is then
+  recomputed under the new weights in one prefill and decoding goes on, so the
+  later tokens and their log-probs come from the new weights. Each sample lists the
+  version of every token (``SampleOutput.token_weight_versions``).
 
 Log-probs: ``log_softmax(logits / T)`` of the sampled token (raw logits when
 greedy), computed in fp32; see :mod:`rlfleet.rollout.engine`.
@@ -75,6 +81,8 @@ class HFEngine:
         max_num_batched_tokens: padded tokens (rows x (longest prompt + largest
             ``max_tokens``)) per generation batch; rows are grouped by prompt length
             to fill it. None: every row of a ``generate`` call in one batch.
+        partial_rollout: apply a weight update between two decode steps of a
+            running batch (module docstring) instead of after the batch.
     """
 
     def __init__(
@@ -86,6 +94,7 @@ class HFEngine:
         weight_version: int = 0,
         attn_implementation: str | None = None,
         max_num_batched_tokens: int | None = None,
+        partial_rollout: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -95,7 +104,9 @@ class HFEngine:
             kwargs["attn_implementation"] = attn_implementation
         model = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
         _grouped_decode_attention(model)
-        self._init(model, str(model_path), device, weight_version, max_num_batched_tokens)
+        self._init(
+            model, str(model_path), device, weight_version, max_num_batched_tokens, partial_rollout
+        )
 
     @classmethod
     def from_model(
@@ -106,10 +117,11 @@ class HFEngine:
         device: str = "cpu",
         weight_version: int = 0,
         max_num_batched_tokens: int | None = None,
+        partial_rollout: bool = False,
     ) -> HFEngine:
         """Wrap an already built ``PreTrainedModel`` (tests, colocated trainers)."""
         self = cls.__new__(cls)
-        self._init(model, name, device, weight_version, max_num_batched_tokens)
+        self._init(model, name, device, weight_version, max_num_batched_tokens, partial_rollout)
         return self
 
     def _init(
@@ -119,6 +131,7 @@ class HFEngine:
         device: str,
         weight_version: int,
         max_num_batched_tokens: int | None,
+        partial_rollout: bool = False,
     ) -> None:
         import torch
 
@@ -142,6 +155,10 @@ class HFEngine:
         # Set while the parameters are tensors adopted from a weight update: tells
         # their owner when they are no longer used (see ``update_weights``).
         self._release: Callable[[], None] | None = None
+        # Partial rollouts: an update waiting to be applied between two decode steps.
+        self.partial_rollout = partial_rollout
+        self._swap = threading.Condition()
+        self._pending: _PendingUpdate | None = None
         cfg = model.config
         gen = getattr(model, "generation_config", None)
         eos: Any = getattr(gen, "eos_token_id", None)
@@ -191,6 +208,11 @@ class HFEngine:
     @property
     def sleeping(self) -> bool:
         return self._sleep_level > 0
+
+    @property
+    def update_pending(self) -> bool:
+        """Partial rollouts: a weight update waits for the running batch's next step."""
+        return self._pending is not None
 
     # ------------------------------------------------------------------ generation
 
@@ -246,6 +268,8 @@ class HFEngine:
             drop_cancelled()
             group = group[~gone[rows.req[group]]]
             if len(group):  # given up while waiting for this batch: no prefill
+                if self.partial_rollout:
+                    self._take_pending()
                 self._run_group(rows, group, results, on_sample, drop_cancelled)
         return [[s for s in rs if s is not None] for rs in results]
 
@@ -259,21 +283,26 @@ class HFEngine:
     ) -> None:
         """Generate for the rows ``group`` as one batch: one prefill, then one forward
         per decode step with the KV cache; the sampling, stop checks and bookkeeping
-        of a step are batched tensor ops over the rows."""
+        of a step are batched tensor ops over the rows. Partial rollouts: a weight
+        update waiting between two steps is applied there, and the cache is rebuilt
+        under the new weights (one prefill of prompt + tokens so far)."""
         torch = self._torch
         dev = self._device
         input_ids, mask, pos = rows.left_padded(group, self._pad)
+        input_ids, pos = input_ids.to(dev), pos.to(dev)
         width = input_ids.shape[1]
         batch = _Batch.of(rows, group, self._vocab, self._pad, dev)
         steps = int(rows.max_new[group].max())
         # Attention mask of every step, written once: the prompt's, then ones.
         full_mask = torch.ones((len(group), width + steps), dtype=torch.long, device=dev)
         full_mask[:, :width] = mask.to(dev)
-        next_pos = pos[:, -1].to(dev) + 1
+        next_pos = pos[:, -1] + 1
+        # (first step, weight version) of each stretch of steps under one set of weights.
+        switches = [(0, self._version)]
         out = self.model(
-            input_ids=input_ids.to(dev),
+            input_ids=input_ids,
             attention_mask=full_mask[:, :width],
-            position_ids=pos.to(dev),
+            position_ids=pos,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -286,7 +315,7 @@ class HFEngine:
             # The step's one device sync: how many rows finished, how many go on.
             n_new, n_live = torch.stack((newly.sum(), live.sum())).tolist()
             if n_new:
-                self._emit(rows, batch, newly, t, results, on_sample)
+                self._emit(rows, batch, newly, t, results, on_sample, switches)
             # Between decode steps: a caller that gave up frees the engine here.
             gone = drop_cancelled()
             if gone.any():
@@ -304,13 +333,31 @@ class HFEngine:
                 next_pos = next_pos[keep]
                 tok = tok[keep]
                 cache.reorder_cache(keep)
-            out = self.model(
-                input_ids=tok[:, None],
-                attention_mask=full_mask[:, : width + t + 1],
-                position_ids=(next_pos + t)[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
+                if self.partial_rollout:
+                    input_ids, pos = input_ids[keep], pos[keep]
+            if self.partial_rollout and self._take_pending():
+                # New weights: the cache of prompt + tokens so far is recomputed under
+                # them, so the next token (and its log-prob) is theirs.
+                switches.append((t + 1, self._version))
+                n = t + 1
+                del cache, out
+                out = self.model(
+                    input_ids=torch.cat((input_ids, batch.tokens[:, :n]), 1),
+                    attention_mask=full_mask[:, : width + n],
+                    position_ids=torch.cat(
+                        (pos, next_pos[:, None] + torch.arange(n, device=dev)), 1
+                    ),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            else:
+                out = self.model(
+                    input_ids=tok[:, None],
+                    attention_mask=full_mask[:, : width + t + 1],
+                    position_ids=(next_pos + t)[:, None],
+                    past_key_values=cache,
+                    use_cache=True,
+                )
             cache = out.past_key_values
             logits = out.logits[:, -1, :]
         del cache
@@ -323,9 +370,17 @@ class HFEngine:
         t: int,
         results: list[list[SampleOutput | None]],
         on_sample: SampleCallback | None,
+        switches: Sequence[tuple[int, int]],
     ) -> None:
         """Hand out the samples of the rows that finished at step ``t`` (each has
-        ``t + 1`` tokens)."""
+        ``t + 1`` tokens); ``switches``: (first step, weight version) of the batch's
+        stretches of steps under one set of weights."""
+        token_versions: list[int] = []
+        if self.partial_rollout:
+            firsts = [s for s, _ in switches if s <= t] + [t + 1]
+            token_versions = np.repeat(
+                [v for _, v in switches[: len(firsts) - 1]], np.diff(firsts)
+            ).tolist()
         idx = newly.nonzero().squeeze(-1)
         stops = batch.stopped[idx].tolist()
         toks = batch.tokens[idx, : t + 1].tolist()
@@ -338,7 +393,8 @@ class HFEngine:
                 token_ids=toks[j],
                 logprobs=lps[j] if rows.want_logprobs[r] else [],
                 finish_reason=FinishReason.STOP if stops[j] else FinishReason.LENGTH,
-                weight_version=self._version,
+                weight_version=switches[0][1],
+                token_weight_versions=list(token_versions),
             )
             results[r][int(rows.slot[row])] = sample
             if on_sample is not None:
@@ -493,14 +549,19 @@ class HFEngine:
         tensor of the parameter's dtype, aligned to its element size; the tensors
         adopted by the previous such update are then released to their owner (the
         bulk receiver reuses them as the next staging buffer). Otherwise the values
-        are copied into the parameters (``copy_``). Returns whether it adopted."""
-        torch = self._torch
+        are copied into the parameters (``copy_``). Returns whether it adopted.
+
+        Partial rollouts: a running batch takes the update at its next decode step
+        (this call returns once it is applied); with no batch running it is applied
+        here at once."""
         specs = {
             name: (str(t.dtype).removeprefix("torch."), tuple(int(d) for d in t.shape))
             for name, t in named_tensors.items()
         }
         self.check_weights(specs)
         if any(is_lora_name(n) for n in specs):
+            # Between two batches, also with partial rollouts (an adapter update is
+            # small; its merge is not split across a batch's decode steps).
             with self._lock, torch.no_grad():
                 self._apply_lora(named_tensors)
                 self._version = version
@@ -515,24 +576,14 @@ class HFEngine:
             and self._device.type == "cpu"
             and all(_adoptable(t, self._params[n].dtype) for n, t in named_tensors.items())
         )
-        released: Callable[[], None] | None = None
-        with self._lock, torch.no_grad():
-            # Validated above: nothing below can fail half-way on a mismatch.
-            for name, t in named_tensors.items():
-                p = self._params[name]
-                if adopt:
-                    p.data = t
-                elif self._weights_dropped:
-                    p.data = t.to(p.device, copy=True).reshape(self._shapes[name])
-                else:
-                    p.copy_(t)  # into the adopted tensors too, if the parameters are those
-            if adopt:
-                released, self._release = self._release, on_release
-            self._lora_base.clear()  # new base weights: a LoRA update merges into these
-            self._weights_dropped = False
-            self._version = version
-        if released is not None:  # no parameter views them any more
-            released()
+        update = _PendingUpdate(named_tensors, version, adopt, on_release)
+        if self.partial_rollout:
+            self._hand_over(update)
+        else:
+            with self._lock:
+                self._apply(update)
+        if update.released is not None:  # no parameter views them any more
+            update.released()
         logger.info(
             "weights updated to version %d (%d tensors%s)",
             version,
@@ -540,6 +591,71 @@ class HFEngine:
             ", adopted" if adopt else "",
         )
         return adopt
+
+    def _apply(self, u: _PendingUpdate) -> None:
+        """Swap the weights in (the caller holds the lock); validated before, so
+        nothing here fails half-way on a mismatch."""
+        with self._torch.no_grad():
+            for name, t in u.tensors.items():
+                p = self._params[name]
+                if u.adopt:
+                    p.data = t
+                elif self._weights_dropped:
+                    p.data = t.to(p.device, copy=True).reshape(self._shapes[name])
+                else:
+                    p.copy_(t)  # into the adopted tensors too, if the parameters are those
+        if u.adopt:
+            u.released, self._release = self._release, u.on_release
+        self._lora_base.clear()  # new base weights: a LoRA update merges into these
+        self._weights_dropped = False
+        self._version = u.version
+
+    def _hand_over(self, u: _PendingUpdate) -> None:
+        """Partial rollouts: post ``u`` for the generating thread, which applies it at
+        its next decode step (:meth:`_take_pending`), or apply it here as soon as the
+        engine is free. Returns once it is applied."""
+        with self._swap:
+            while self._pending is not None:  # one update at a time
+                self._swap.wait(_HAND_OVER_POLL_S)
+            self._pending = u
+            try:
+                while not u.done:
+                    if self._lock.acquire(blocking=False):
+                        try:
+                            if not u.done:
+                                self._apply(u)
+                                u.done = True
+                        finally:
+                            self._lock.release()
+                        break
+                    # Woken by the generating thread once applied; the time-out covers
+                    # a lock held by something that does not look (sleep, wake_up).
+                    self._swap.wait(_HAND_OVER_POLL_S)
+            finally:
+                self._pending = None
+                self._swap.notify_all()
+        if u.error is not None:
+            raise u.error
+
+    def _take_pending(self) -> bool:
+        """Partial rollouts, on the generating thread (which holds the lock): apply a
+        posted weight update now. Returns whether one was applied."""
+        if self._pending is None:  # unlocked read: one is seen at the next step at worst
+            return False
+        with self._swap:
+            u = self._pending
+            if u is None or u.done:
+                return False
+            try:
+                self._apply(u)
+            except BaseException as e:  # the poster raises it; the batch fails too
+                u.error = e
+                raise
+            finally:
+                u.done = True
+                self._swap.notify_all()
+        logger.info("weights version %d applied between two decode steps", u.version)
+        return True
 
     # ------------------------------------------------------------------ sleep
 
@@ -596,6 +712,21 @@ class HFEngine:
 
 
 _GROUPED_DECODE = "rlfleet_grouped_decode_sdpa"
+#: Partial rollouts: how often a posted weight update looks for a free engine.
+_HAND_OVER_POLL_S = 0.05
+
+
+@dataclass(slots=True, eq=False)
+class _PendingUpdate:
+    """A checked weight update on its way into the parameters."""
+
+    tensors: Mapping[str, Any]
+    version: int
+    adopt: bool
+    on_release: Callable[[], None] | None
+    done: bool = False
+    released: Callable[[], None] | None = None  # to call once applied, off the lock
+    error: BaseException | None = None
 
 
 def _grouped_decode_sdpa(

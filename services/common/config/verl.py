@@ -1380,6 +1380,14 @@ ROWS: tuple[Row, ...] = (
     ),
     _ign("trainer.use_legacy_worker_impl", NO_DEFAULT, "which of verl's worker classes runs"),
     # ------------------------------------------------------------------ the rest
+    _map(
+        "async_training.partial_rollout",
+        NO_DEFAULT,
+        "trainer.pipeline.partial_rollout",
+        note="verl's fully_async recipe resumes a generation interrupted by a weight sync; "
+        "here a push lands between two decode steps of rlfleet's pipelined mode "
+        "(trainer.pipeline.enable, hf engine)",
+    ),
     _ign(
         "ray_init.**",
         NO_DEFAULT,
