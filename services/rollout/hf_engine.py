@@ -562,7 +562,7 @@ class HFEngine:
         if any(is_lora_name(n) for n in specs):
             # Between two batches, also with partial rollouts (an adapter update is
             # small; its merge is not split across a batch's decode steps).
-            with self._lock, torch.no_grad():
+            with self._lock, self._torch.no_grad():
                 self._apply_lora(named_tensors)
                 self._version = version
             logger.info(
