@@ -43,6 +43,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "rlfleet.common.secrets_cli",
         "make or rotate a cluster's credential set, or its TLS certificates",
     ),
+    "trace": (
+        "rlfleet.launch.trace_cli",
+        "where a step's time went: its spans, critical path and a timeline (HTML)",
+    ),
     "export": (
         "rlfleet.trainer.export_cli",
         "write a run's checkpoint (the latest, or --step N) as a Hugging Face folder",

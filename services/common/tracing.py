@@ -199,3 +199,33 @@ def service_trace_path(run_dir: str | Path, service: str) -> Path:
     """Where a process of a run writes its spans."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", service)[:64] or "process"
     return Path(run_dir) / "traces" / f"{safe}-{os.getpid()}.jsonl"
+
+
+def traced_stream(name: str, items: Iterator[Any], **attributes: Any) -> Iterator[Any]:
+    """``items`` passed through, recorded as one span (child of the current one) from
+    the first item asked for to the last, with ``results`` counted. For streaming
+    handlers, where a context variable cannot be held across the yields."""
+    parent = _CURRENT.get()
+    ctx = SpanContext(parent.trace_id if parent else _new_id(16), _new_id(8))
+    start = time.time_ns()
+    n = 0
+    attrs = dict(attributes)
+    try:
+        for item in items:
+            n += 1
+            yield item
+    except BaseException as e:
+        attrs["error"] = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        attrs["results"] = n
+        _TRACER.record(name, start, time.time_ns(), ctx, parent, attrs)
+
+
+def configure(config: Any, service: str) -> None:
+    """A service of a run: its spans to ``<run dir>/traces/<service>-<pid>.jsonl`` when
+    the run config has ``trainer.trace`` (None: a service without a run config keeps
+    none; ids still propagate)."""
+    if config is None or not config.trainer.trace:
+        return
+    set_tracer(Tracer(service_trace_path(config.run_dir(), service), service))

@@ -18,6 +18,7 @@ The replica list lives in the run's :class:`~rlfleet.driver.clients.Workers`
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 import queue
@@ -25,6 +26,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from rlfleet.common import tracing
 from rlfleet.common.errors import RlfleetError
 from rlfleet.driver.clients import RolloutReplica, Workers
 from rlfleet.rollout.engine import SampleOutput, SamplingParams
@@ -126,24 +128,32 @@ class RolloutFleet:
         failed: set[int] = set()  # id() of the replicas dropped in this call
 
         def run(job: int, replica: RolloutReplica, indices: list[int]) -> None:
-            try:
-                p = params
-                if p.seed is not None:
-                    p = dataclasses.replace(p, seed=(p.seed + job * _JOB_SEED_MIX) % (2**63))
-                batch = [prompts[i] for i in indices]
-                for s in replica.client.generate(batch, p, min_weight_version=min_version):
-                    s.prompt_index = indices[s.prompt_index]
-                    out.put((job, s))
-            except BaseException as e:
-                out.put((job, e))
-            finally:
-                out.put((job, None))
+            with tracing.span(
+                "generate.shard", replica=replica.replica_id, address=replica.address, job=job
+            ) as attrs:
+                attrs["prompt_indices"] = indices
+                attrs["samples"] = 0
+                try:
+                    p = params
+                    if p.seed is not None:
+                        p = dataclasses.replace(p, seed=(p.seed + job * _JOB_SEED_MIX) % (2**63))
+                    batch = [prompts[i] for i in indices]
+                    for s in replica.client.generate(batch, p, min_weight_version=min_version):
+                        s.prompt_index = indices[s.prompt_index]
+                        attrs["samples"] += 1
+                        out.put((job, s))
+                except BaseException as e:
+                    attrs["error"] = f"{type(e).__name__}: {e}"[:500]
+                    out.put((job, e))
+                finally:
+                    out.put((job, None))
 
         def launch(replica: RolloutReplica, indices: list[int]) -> None:
             job = len(jobs)
             jobs.append((replica, indices))
+            ctx = contextvars.copy_context()  # the shard's span joins the caller's trace
             threading.Thread(
-                target=run, args=(job, replica, indices), daemon=True, name=f"gen-{job}"
+                target=ctx.run, args=(run, job, replica, indices), daemon=True, name=f"gen-{job}"
             ).start()
 
         for replica, lo, hi in self.shards(len(prompts)):

@@ -67,6 +67,7 @@ others, so the step still trains on the full batch (``rollout/requeued_samples``
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import dataclasses
 import json
 import logging
@@ -81,6 +82,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from rlfleet.common import tracing
 from rlfleet.common.config import Config, save_resolved
 from rlfleet.common.errors import NotFound, RlfleetError, Unavailable
 from rlfleet.driver.batch import (
@@ -434,17 +436,21 @@ class PPOTrainer:
             if pending:
                 group = list(pending)
                 pending.clear()
-                futures.append((group, pool.submit(reward.score, batch, group)))
+                score = contextvars.copy_context().run  # the reward call joins the trace
+                futures.append((group, pool.submit(score, self._score, reward, batch, group)))
 
         t0 = time.perf_counter()
         try:
-            for s in self._fleet.generate(prompts, params, min_version, stats):
-                pending.append(s)
-                if len(pending) >= chunk:
-                    flush()
-            flush()
+            with tracing.span("generate", prompts=len(prompts), n=params.n) as attrs:
+                for s in self._fleet.generate(prompts, params, min_version, stats):
+                    pending.append(s)
+                    if len(pending) >= chunk:
+                        flush()
+                flush()
+                attrs["requeued_samples"] = (stats or {}).get("requeued_samples", 0)
             t_gen = time.perf_counter() - t0
-            results = [(g, f.result()) for g, f in futures]
+            with tracing.span("reward.wait", groups=len(futures)):
+                results = [(g, f.result()) for g, f in futures]
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         t_reward = time.perf_counter() - t0 - t_gen
@@ -462,6 +468,11 @@ class PPOTrainer:
             [x[2] for x in scored],
             {"gen": t_gen, "reward": t_reward},
         )
+
+    @staticmethod
+    def _score(reward: RewardAdapter, batch: Batch, group: list[SampleOutput]) -> Any:
+        with tracing.span("reward", samples=len(group)):
+            return reward.score(batch, group)
 
     def _produce(self, step: int, min_version: int) -> GeneratedBatch:
         """One step's generated and scored batch (several rounds with dynamic sampling)."""
@@ -631,7 +642,8 @@ class PPOTrainer:
             self._version_offset += self._policy_version - version
             version = self._policy_version
         replicas = self._fleet.replicas
-        self._push_weights(replicas, version)
+        with tracing.span("weight_sync", version=version, replicas=len(replicas)):
+            self._push_weights(replicas, version)
         self._policy_version = version
         self._trainer_weights = version
         return time.perf_counter() - t0
@@ -728,7 +740,8 @@ class PPOTrainer:
             batch = trainer_batch(gb, self.config.rollout.n, self.train_dataset.pad_token_id)
         on_policy = self._on_policy(gb)
         t0 = time.perf_counter()
-        result = self._w.trainer.train_step(batch, on_policy=on_policy)
+        with tracing.span("train", rows=len(gb.samples), on_policy=on_policy):
+            result = self._w.trainer.train_step(batch, on_policy=on_policy)
         metrics = dict(result.metrics)
         metrics["timing_s/train"] = time.perf_counter() - t0
         # Against the policy the batch trains (before this step's push).
@@ -956,6 +969,10 @@ class PPOTrainer:
         t = cfg.trainer
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_resolved(cfg, self.run_dir)
+        previous_tracer = None
+        if t.trace:
+            path = tracing.service_trace_path(self.run_dir, "driver")
+            previous_tracer = tracing.set_tracer(tracing.Tracer(path, "driver"))
         resumed = self._load_checkpoint()
         self._start_state = {
             "loader": None if self.external_rollouts else self.loader.state_dict(),
@@ -987,6 +1004,8 @@ class PPOTrainer:
         finally:
             tracking.close()
             self._publish_status(state)
+            if previous_tracer is not None:
+                tracing.set_tracer(previous_tracer).close()
         return records
 
     def _publish_status(
@@ -1020,8 +1039,11 @@ class PPOTrainer:
             self._fleet.refresh()
             step = self.global_steps + 1
             try:
-                gb = self._produce(step, self._policy_version)
-                records.append(self._finish_step(gb, tracking, t0, wait_s=0.0))
+                with tracing.span("step", root=True, step=step) as attrs:
+                    gb = self._produce(step, self._policy_version)
+                    attrs["prompts"] = [int(i) for i in gb.prompts["index"]]
+                    attrs["samples"] = len(gb.samples)
+                    records.append(self._finish_step(gb, tracking, t0, wait_s=0.0))
             except RlfleetError as e:
                 if not self._trainer_lost():
                     raise
@@ -1049,7 +1071,11 @@ class PPOTrainer:
                             return
                         versions: dict[int, int] = synced["versions"]  # type: ignore[assignment]
                         min_version = versions.get(max(need, first - 1), 0)
-                    out.put(self._produce(step, min_version))
+                    with tracing.span("produce", root=True, step=step) as attrs:
+                        gb = self._produce(step, min_version)
+                        attrs["prompts"] = [int(i) for i in gb.prompts["index"]]
+                        attrs["samples"] = len(gb.samples)
+                    out.put(gb)
             except BaseException as e:
                 out.put(e)
 
@@ -1075,7 +1101,11 @@ class PPOTrainer:
                         synced["versions"][step] = version  # type: ignore[index]
                         cond.notify_all()
 
-                records.append(self._finish_step(item, tracking, t0, wait, on_synced=synced_cb))
+                with tracing.span("step", root=True, step=item.step) as attrs:
+                    attrs["prompts"] = [int(i) for i in item.prompts["index"]]
+                    attrs["samples"] = len(item.samples)
+                    record = self._finish_step(item, tracking, t0, wait, on_synced=synced_cb)
+                records.append(record)
         finally:
             stop.set()
             with cond:
@@ -1116,7 +1146,8 @@ class PPOTrainer:
         is_last = self.global_steps >= self.total_training_steps
         if t.test_freq > 0 and (is_last or self.global_steps % t.test_freq == 0):
             tv = time.perf_counter()
-            val = self.validate()
+            with tracing.span("validation"):
+                val = self.validate()
             metrics["timing_s/validation"] = time.perf_counter() - tv
             metrics.update(val)
             self.val_history.append((self.global_steps, val))
@@ -1145,7 +1176,8 @@ class PPOTrainer:
         # saving never resumes past a step that metrics.jsonl lacks. The checkpoint's
         # time is therefore kept in the step record only, outside timing_s/step.
         if save:
-            metrics["timing_s/checkpoint"] = self.save_checkpoint(gb.loader_state)
+            with tracing.span("checkpoint"):
+                metrics["timing_s/checkpoint"] = self.save_checkpoint(gb.loader_state)
             self.guard.checkpoint_saved(self.global_steps, healthy=self.health.healthy)
         self._publish_status("running", metrics)
         if self.on_step is not None:

@@ -29,6 +29,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from rlfleet.common import tracing
 from rlfleet.common.auth import SHARED_TOKEN_ENV, CredentialError
 from rlfleet.common.config import ConfigError, RewardConfig, load_config
 from rlfleet.common.rpc import (
@@ -261,7 +262,10 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.processes is not None:
         overrides.append(f"reward.num_processes={args.processes}")
     try:
-        config = load_config(args.config, overrides).reward
+        run_config = load_config(args.config, overrides)
+        config = run_config.reward
+        if args.config is not None:
+            tracing.configure(run_config, "reward")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from rlfleet.common import tracing
 from rlfleet.common.errors import RlfleetError
 from rlfleet.reward.core import RewardManager
 from rlfleet.reward.metrics import RewardMetrics
@@ -82,7 +83,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         code = "INTERNAL"
         try:
             samples = self._samples(request)
-            results = self.manager.score(samples, timeout_s=_time_left(context))
+            with tracing.span("reward.score", samples=len(samples)):
+                results = self.manager.score(samples, timeout_s=_time_left(context))
             response = results_to_proto(results)
             code = "OK"
             return response

@@ -29,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from rlfleet.common import tracing
 from rlfleet.common.auth import CredentialError
 from rlfleet.common.config import ConfigError
 from rlfleet.common.errors import RlfleetError, Unavailable
@@ -401,6 +402,7 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
     if args.config is not None or args.override:
         cfg = load_config(args.config, args.override)
         args.run_config = cfg  # multi-turn rollouts read rollout.multi_turn and tools
+        tracing.configure(cfg, args.replica_id or "rollout")
         r = cfg.rollout
         defaults.update(
             model=r.model_path or cfg.actor.model_path,

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
+from rlfleet.common import tracing
 from rlfleet.common.errors import FailedPrecondition, InvalidArgument
 from rlfleet.rollout import serde
 from rlfleet.rollout.core import RolloutCore
@@ -43,6 +44,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._trajectories = trajectories
 
     def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[rollout_pb2.GenerateResult]:
+        return tracing.traced_stream(
+            "rollout.generate",
+            self._generate(request, context),
+            replica=self.core.replica_id,
+            prompts=len(request.prompts),
+        )
+
+    def _generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[rollout_pb2.GenerateResult]:
         if not request.prompts:

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from rlfleet.common import tracing
 from rlfleet.common.config import GROUP_ESTIMATORS, Config
 from rlfleet.common.errors import FailedPrecondition, InvalidArgument, RlfleetError
 from rlfleet.trainer import batch as B
@@ -580,7 +581,8 @@ class TrainerCore:
 
         def timed(phase: str, fn: Callable[[], Any]) -> Any:
             t0 = time.perf_counter()
-            out = fn()
+            with tracing.span(f"trainer.{phase}", rows=bs):
+                out = fn()
             metrics[f"timing_s/{phase}"] = time.perf_counter() - t0
             return out
 

@@ -80,6 +80,7 @@ def serve_main(args: argparse.Namespace) -> int:
     """Run the trainer service until stopped; returns the exit code."""
     import torch.distributed as dist
 
+    from rlfleet.common import tracing
     from rlfleet.common.auth import CredentialError
     from rlfleet.common.config import load_config
     from rlfleet.common.rpc import create_server, init_service_security, taken_ports
@@ -97,6 +98,7 @@ def serve_main(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     port = _port(args, config.services.trainer)
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    tracing.configure(config, "trainer" if rank0 else f"trainer-rank{os.environ['RANK']}")
     taken = taken_ports(args.host, {"--port": port}) if rank0 else []
     if taken:  # before the model loads
         print("\n".join(f"error: {t}" for t in taken), file=sys.stderr)

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from rlfleet.common import tracing
 from rlfleet.common.codec.batch import CodecError
 from rlfleet.common.codec.wire import ChunkAssembler, StreamTooLarge, iter_chunks
 from rlfleet.common.errors import InvalidArgument, PermissionDenied, ResourceExhausted
@@ -146,9 +147,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                     first.append(request)
                 yield request.chunk
 
-        batch = self._batch(chunks())
-        on_policy = bool(first) and first[0].on_policy
-        result = self.core.train_step_result(batch, on_policy=on_policy)
+        with tracing.span("trainer.train_step") as attrs:
+            batch = self._batch(chunks())
+            on_policy = bool(first) and first[0].on_policy
+            attrs["on_policy"] = on_policy
+            result = self.core.train_step_result(batch, on_policy=on_policy)
         return trainer_pb2.TrainStepResponse(
             metrics=result.metrics,
             global_step=result.global_step,

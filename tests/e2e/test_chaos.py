@@ -24,6 +24,7 @@ from rlfleet.driver.clients import remote_workers
 from rlfleet.driver.data.preprocess import preprocess
 from rlfleet.driver.loop import PPOTrainer, StepRecord
 from rlfleet.launch.cluster import LocalCluster
+from rlfleet.launch.trace_cli import load_spans, step_trace
 from rlfleet.scheduler.client import RemoteSchedulerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -160,3 +161,17 @@ def test_the_run_survives_replica_reward_and_trainer_faults_while_autoscaling(
     assert requeued > 0, "the killed or frozen replica's share was never re-queued"
     log = (run_dir / "logs" / "scheduler.log").read_text()
     assert "autoscale: rollout replicas 2 -> 3" in log
+    # From the traces: each step's last attempt trained the data order's prompts, all
+    # distinct within the epoch, and generated every sample of them.
+    spans = load_spans(run_dir)
+    trained = []
+    for step in range(1, STEPS + 1):
+        root = step_trace(spans, step)
+        assert root is not None, f"no trace of step {step}"
+        assert root.attributes["prompts"] == expected[step - 1]
+        assert root.attributes["samples"] == BATCH * 2
+        trained += root.attributes["prompts"]
+    assert len(trained) == len(set(trained)) == STEPS * BATCH
+    # Step 8, where the trainer was lost, has two attempts; the first ended in an error.
+    attempts = [s for s in spans if s.name == "step" and s.attributes.get("step") == 8]
+    assert len(attempts) == 2 and "error" in min(attempts, key=lambda s: s.start_ns).attributes

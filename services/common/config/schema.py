@@ -1084,6 +1084,11 @@ class TrainerConfig(_Section):
     external: ExternalRolloutConfig = Field(default_factory=ExternalRolloutConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    trace: bool = Field(
+        default=True,
+        description="rlfleet option: the driver and the services of the run write the "
+        "spans of every step to <run dir>/traces (rlfleet trace --run DIR --step N)",
+    )
     nnodes: int | None = Field(
         default=None,
         ge=1,

@@ -1,0 +1,122 @@
+"""Spans: nesting, ids on the wire (malformed ones ignored), threads joining a trace,
+and `rlfleet trace`'s reading of a step's tree and critical path."""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from rlfleet.common import tracing
+from rlfleet.launch.trace_cli import critical_path, load_spans, step_trace
+
+
+def test_spans_nest_and_carry_their_trace_over_the_wire_header(tmp_path: Path) -> None:
+    t = tracing.Tracer(tmp_path / "traces" / "a.jsonl", "driver")
+    previous = tracing.set_tracer(t)
+    try:
+        assert tracing.header() is None
+        with tracing.span("step", root=True, step=1) as attrs:
+            outer = tracing.current()
+            assert outer is not None
+            assert tracing.header() == f"{outer.trace_id}-{outer.span_id}"
+            with tracing.span("generate"):
+                inner = tracing.current()
+            attrs["samples"] = 8
+        assert tracing.current() is None
+    finally:
+        tracing.set_tracer(previous)
+        t.close()
+    assert inner is not None and inner.trace_id == outer.trace_id
+    lines = [json.loads(x) for x in (tmp_path / "traces" / "a.jsonl").read_text().splitlines()]
+    by_name = {d["name"]: d for d in lines}
+    assert by_name["generate"]["parentSpanId"] == by_name["step"]["spanId"]
+    assert by_name["step"]["parentSpanId"] == ""
+    assert by_name["step"]["attributes"] == {"step": 1, "samples": 8}
+    assert by_name["step"]["endTimeUnixNano"] >= by_name["generate"]["endTimeUnixNano"]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        "",
+        "x" * 49,
+        "ABCDEF" * 8,
+        "0" * 32 + "-" + "0" * 15,
+        "0" * 32 + "_" + "0" * 16,
+        b"\xff",
+    ],
+)
+def test_malformed_headers_are_ignored(value: str | bytes | None) -> None:
+    assert tracing.from_header(value) is None
+
+
+def test_a_header_round_trips() -> None:
+    ctx = tracing.SpanContext("ab" * 16, "cd" * 8)
+    with tracing.attached(ctx):
+        assert tracing.from_header(tracing.header()) == ctx
+        assert tracing.from_header(tracing.header().encode()) == ctx  # type: ignore[union-attr]
+
+
+def test_a_thread_started_with_the_callers_context_joins_its_trace(tmp_path: Path) -> None:
+    t = tracing.Tracer(tmp_path / "traces" / "b.jsonl", "driver")
+    seen: list[tracing.SpanContext | None] = []
+    with t.span("step", root=True) as _:
+        ctx = contextvars.copy_context()
+        outer = tracing.current()
+        th = threading.Thread(target=ctx.run, args=(lambda: seen.append(tracing.current()),))
+        th.start()
+        th.join()
+        bare = threading.Thread(target=lambda: seen.append(tracing.current()))
+        bare.start()
+        bare.join()
+    t.close()
+    assert seen == [outer, None]
+
+
+def _write(path: Path, spans: list[dict[str, object]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for s in spans:
+            f.write(json.dumps(s) + "\n")
+
+
+def _s(
+    name: str, sid: str, parent: str, start: float, end: float, **attrs: object
+) -> dict[str, object]:
+    return {
+        "traceId": "t" * 32, "spanId": sid, "parentSpanId": parent, "name": name,
+        "service": "driver", "startTimeUnixNano": int(start * 1e9),
+        "endTimeUnixNano": int(end * 1e9), "attributes": attrs,
+    }  # fmt: skip
+
+
+def test_the_critical_path_follows_what_the_step_waited_for(tmp_path: Path) -> None:
+    _write(
+        tmp_path / "traces" / "driver.jsonl",
+        [
+            _s("step", "1", "", 0, 10, step=3),
+            _s("generate", "2", "1", 0, 6),
+            _s("generate.shard", "3", "2", 0, 2, replica="r0"),
+            _s("generate.shard", "4", "2", 0, 5.5, replica="r1"),
+            _s("train", "5", "1", 6, 9),
+            _s("weight_sync", "6", "1", 9, 10),
+        ],
+    )
+    (tmp_path / "traces" / "junk.jsonl").write_text("not json\n{}\n")
+    root = step_trace(load_spans(tmp_path), 3)
+    assert root is not None and [c.name for c in root.children] == [
+        "generate", "train", "weight_sync",
+    ]  # fmt: skip
+    path = [(d, s.name, s.attributes.get("replica")) for d, s in critical_path(root)]
+    assert path == [
+        (0, "generate", None),
+        (1, "generate.shard", "r1"),  # the shard that ended last; r0 ran alongside
+        (0, "train", None),
+        (0, "weight_sync", None),
+    ]
+    assert step_trace(load_spans(tmp_path), 4) is None
