@@ -592,8 +592,9 @@ class LocalCluster:
     # ------------------------------------------------------------------ self-healing
 
     def _supervise(self) -> None:
-        """Restart rollout replicas, the reward and the tools service that die during
-        the run, and follow the scheduler's desired rollout count.
+        """Restart rollout replicas, the reward service, the tools service and the
+        scheduler that die during the run, and follow the scheduler's desired rollout
+        count.
 
         Each is restarted at most ``services.max_restarts`` times, on its old port
         (so every client's address stays valid), after ``restart_backoff_s`` doubling
@@ -624,7 +625,9 @@ class LocalCluster:
             ]
         for proc in dead:
             code = proc.popen.returncode if proc.popen is not None else None
-            restartable = {"rollout", "reward", "tools"}
+            # The scheduler too: on its address, its registry rebuilt from the replicas'
+            # re-registrations and the launcher's own (reward, trainer).
+            restartable = {"rollout", "reward", "tools", "scheduler"}
             if self.config.trainer.recovery.enable:
                 restartable.add("trainer")  # the driver restores its checkpoint
             if proc.kind not in restartable:
@@ -678,6 +681,16 @@ class LocalCluster:
             logger.error("restarting %s failed: %s", proc.name, e)
             return
         logger.warning("%s restarted at %s (pid %d)", fresh.name, fresh.address, fresh.pid)
+        if fresh.kind == "scheduler" and self.scheduler_address:
+            self._scale_generation = 0  # a new scheduler numbers its requests from 1 again
+            with self._lock:
+                probed = [p for p in self._procs if p.kind in ("reward", "trainer")]
+            self._registered.clear()
+            try:
+                self._register_probed(probed, time.monotonic() + 30.0)
+            except Exception as e:  # the next restart of it, or the run, will tell
+                logger.error("registering %s with the restarted scheduler failed: %s",
+                             [p.name for p in probed], e)  # fmt: skip
 
     # ------------------------------------------------------------------ scale
 
