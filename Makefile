@@ -7,7 +7,7 @@ STAMP := $(VENV)/.stamp-setup
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-compose lint format protos protos-check bench fuzz clean setup-vllm test-vllm
+.PHONY: setup demo test test-chaos test-compose lint format protos protos-check bench fuzz clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ test: setup protos-check
 
 # Builds the images offline (debootstrap base, host wheelhouse), starts dockerd if
 # none runs, and runs a few PPO steps under Debian's docker-compose (minutes).
+# The chaos test at length: 30 PPO steps with the replica faults every 10 (make test runs 10).
+test-chaos: setup
+	RLFLEET_CHAOS_STEPS=30 $(PY) -m pytest -v -p no:cacheprovider tests/e2e/test_chaos.py
+
 test-compose: setup
 	RLFLEET_TEST_COMPOSE=1 $(PY) -m pytest -v -p no:cacheprovider tests/e2e/test_compose.py
 

@@ -124,6 +124,11 @@ _SEED_MIX = 1_000_003
 _ROUND_SEED_MIX = 104_729  # dynamic sampling: each generation round samples anew
 
 
+class TrainerRestarted(Unavailable):
+    """The trainer answered, but as a fresh process: its state (weights, optimizer,
+    step) is not the run's any more."""
+
+
 @dataclass
 class StepRecord:
     """What one step trained on (kept in ``PPOTrainer.history`` and the JSONL file)."""
@@ -221,6 +226,9 @@ class PPOTrainer:
         self.fleet: RolloutFleet | None = None
         self._headline: dict[str, float] = {}  # published with the training status
         # Trainer recovery (trainer.recovery): where the run started, and what happened.
+        # The trainer's step counter after the last TrainStep (None: not known since the
+        # last restore): a counter that does not move by one says the trainer restarted.
+        self._trainer_step: int | None = None
         self._start_state: dict[str, Any] | None = None
         self.recoveries = 0
         self._recovery_metrics: dict[str, float] = {}
@@ -742,6 +750,15 @@ class PPOTrainer:
         t0 = time.perf_counter()
         with tracing.span("train", rows=len(gb.samples), on_policy=on_policy):
             result = self._w.trainer.train_step(batch, on_policy=on_policy)
+        expected, self._trainer_step = self._trainer_step, result.global_step
+        if expected is not None and result.global_step != expected + 1:
+            self._trainer_step = None
+            raise TrainerRestarted(
+                f"the trainer's step counter went from {expected} to {result.global_step}: it "
+                "restarted and lost its state (trainer.recovery restores the last checkpoint)",
+                field="trainer",
+                value=result.global_step,
+            )
         metrics = dict(result.metrics)
         metrics["timing_s/train"] = time.perf_counter() - t0
         # Against the policy the batch trains (before this step's push).
@@ -868,6 +885,7 @@ class PPOTrainer:
         the trainer and this driver (step, data order, health state), push its weights.
         Returns the folder loaded; raises NotFound when there is none."""
         info = self._w.trainer.load_checkpoint(path)
+        self._trainer_step = None
         extra = json.loads(info.extra_state_json or "{}")
         if "dataloader" in extra and not self.external_rollouts:
             self.loader.load_state_dict(extra["dataloader"])
@@ -896,7 +914,9 @@ class PPOTrainer:
         except RlfleetError:
             return True
         # Serving again already: a restarted trainer has lost every step.
-        return self.global_steps > 0 and int(status["global_step"]) == 0
+        step = int(status["global_step"])
+        known = self._trainer_step
+        return (self.global_steps > 0 and step == 0) or (known is not None and step < known)
 
     def _recover_trainer(self, error: RlfleetError, tracking: Tracking) -> None:
         """Wait for the restarted trainer, restore the last checkpoint (none: the run's
@@ -951,6 +971,7 @@ class PPOTrainer:
         holds the initial model); push its weights."""
         start = self._start_state
         assert start is not None
+        self._trainer_step = None
         if not self.external_rollouts:
             self.loader.load_state_dict(start["loader"])
             self._loader_iter = None
@@ -1045,7 +1066,10 @@ class PPOTrainer:
                     attrs["samples"] = len(gb.samples)
                     records.append(self._finish_step(gb, tracking, t0, wait_s=0.0))
             except RlfleetError as e:
-                if not self._trainer_lost():
+                restarted = isinstance(e, TrainerRestarted)
+                if not (restarted and self.config.trainer.recovery.enable) and not (
+                    self._trainer_lost()
+                ):
                     raise
                 self._recover_trainer(e, tracking)
                 records = [r for r in records if r.step <= self.global_steps]
@@ -1226,6 +1250,7 @@ class PPOTrainer:
             path = f"{_CHECKPOINTS}/global_step_{action.rollback_step}"
             try:
                 self._w.trainer.load_checkpoint(path)
+                self._trainer_step = None
             except NotFound:
                 done.append(f"no rollback: the checkpoint of step {action.rollback_step} is "
                             "gone (trainer.max_actor_ckpt_to_keep)")  # fmt: skip

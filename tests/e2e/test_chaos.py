@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,9 @@ from rlfleet.scheduler.client import RemoteSchedulerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS = 10
+# 10 steps in `make test`; `make test-chaos` runs 30 (RLFLEET_CHAOS_STEPS), the replica
+# faults repeated every 10 steps.
+STEPS = max(10, int(os.environ.get("RLFLEET_CHAOS_STEPS", "10")))
 BATCH = 4
 
 
@@ -51,7 +54,8 @@ def test_the_run_survives_replica_reward_and_trainer_faults_while_autoscaling(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     data = tmp_path / "data"
-    preprocess("arithmetic", None, data, n=64, n_test=8, digits=1, ops="+-*", seed=0)
+    # More prompts than the run trains: every step's are new ones.
+    preprocess("arithmetic", None, data, n=4 * STEPS * BATCH, n_test=8, digits=2, ops="+-*", seed=0)
     run_dir = tmp_path / "run"
     config = config_from_dict(
         {
@@ -106,14 +110,16 @@ def test_the_run_survives_replica_reward_and_trainer_faults_while_autoscaling(
             os.kill(frozen[-1], signal.SIGSTOP)
 
         # After step -> fault, each once (a step redone after the trainer's recovery
-        # does not fire its fault again).
-        script = {
-            2: ("rollout-0 killed", lambda: kill("rollout-0")),
-            4: ("rollout-1 frozen", freeze),
+        # does not fire its fault again); the replica faults every 10 steps.
+        script: dict[int, tuple[str, Callable[[], None]]] = {
             5: ("reward killed", lambda: kill("reward")),
-            6: ("rollout-1 thawed", lambda: os.kill(frozen[-1], signal.SIGCONT)),
             7: ("trainer killed", lambda: kill("trainer")),
         }
+        for base in range(0, STEPS - 9, 10):
+            script[base + 2] = ("rollout-0 killed", lambda: kill("rollout-0"))
+            script[base + 4] = ("rollout-1 frozen", freeze)
+            script[base + 6] = ("rollout-1 thawed", lambda: os.kill(frozen[-1], signal.SIGCONT))
+        faults = len(script)
 
         def healed(replicas: int) -> None:
             """Wait (bounded) until ``replicas`` rollout replicas are registered alive: a
@@ -147,7 +153,7 @@ def test_the_run_survives_replica_reward_and_trainer_faults_while_autoscaling(
             for pid in frozen:
                 os.kill(pid, signal.SIGCONT)
         restarts = dict(cluster.restarts)
-    assert len(done) == 5, done
+    assert len(done) == faults, done
     # Every step once, in order, each with its full batch of the prompts the data
     # order gives it: nothing lost, nothing trained twice.
     assert [r.step for r in records] == list(range(1, STEPS + 1))

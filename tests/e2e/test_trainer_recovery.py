@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ def _raw(model: Path, data: Path, run_dir: Path) -> dict[str, Any]:
 
 
 def _run(
-    model: Path, data: Path, run_dir: Path, *, kill_after: int | None
+    model: Path, data: Path, run_dir: Path, *, kill_after: int | None, wait_back: bool = False
 ) -> tuple[list[StepRecord], dict[str, torch.Tensor], LocalCluster, int]:
     config = config_from_dict(_raw(model, data, run_dir))
     with LocalCluster(config, run_dir, scheduler=False, grace_s=10) as cluster:
@@ -69,6 +70,11 @@ def _run(
         def on_step(record: StepRecord) -> None:
             if record.step == kill_after and cluster.pids["trainer"] == first_pid:
                 os.kill(first_pid, signal.SIGKILL)
+                if wait_back:  # the next step's call reaches the fresh trainer
+                    deadline = time.monotonic() + 120
+                    while cluster.pids["trainer"] == first_pid or not _serving(h.trainer):
+                        assert time.monotonic() < deadline, "the trainer was not restarted"
+                        time.sleep(0.1)
 
         mapping = remote_workers(h.trainer, h.rollout, h.reward)
         with PPOTrainer(config=config, role_worker_mapping=mapping, on_step=on_step) as t:
@@ -76,6 +82,16 @@ def _run(
         pid = cluster.pids["trainer"]
     weights = _checkpoint_weights(run_dir / "checkpoints" / f"global_step_{STEPS}")
     return records, weights, cluster, pid - first_pid
+
+
+def _serving(address: str) -> bool:
+    from rlfleet.common.rpc import check_health, create_channel
+
+    channel = create_channel(address, retry_unavailable=False)
+    try:
+        return check_health(channel, timeout_s=1.0)
+    finally:
+        channel.close()
 
 
 def _checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -89,14 +105,29 @@ def _checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_a_killed_trainer_is_restarted_and_the_run_finishes_as_without_the_fault(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    data = tmp_path / "data"
+@pytest.fixture(scope="module")
+def clean_run(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[StepRecord], dict[str, torch.Tensor]]:
+    root = tmp_path_factory.mktemp("recovery")
+    data = root / "data"
     preprocess("arithmetic", None, data, n=64, n_test=8, digits=1, ops="+-*", seed=0)
-    clean, clean_weights, _, _ = _run(tiny_model_dir, data, tmp_path / "clean", kill_after=None)
+    clean, weights, _, _ = _run(tiny_model_dir, data, root / "clean", kill_after=None)
+    return data, clean, weights
+
+
+# wait_back: the driver's next call finds the trainer already restarted (fresh: step 0)
+# rather than gone; it must notice from the step counter, not from an error.
+@pytest.mark.parametrize("wait_back", [False, True], ids=["gone", "already-back"])
+def test_a_killed_trainer_is_restarted_and_the_run_finishes_as_without_the_fault(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    clean_run: tuple[Path, list[StepRecord], dict[str, torch.Tensor]],
+    wait_back: bool,
+) -> None:
+    data, clean, clean_weights = clean_run
     records, weights, cluster, pid_moved = _run(
-        tiny_model_dir, data, tmp_path / "fault", kill_after=3
+        tiny_model_dir, data, tmp_path / "fault", kill_after=3, wait_back=wait_back
     )
     assert pid_moved != 0 and cluster.restarts == {"trainer": 1}
     # Every step once, in order, each with its full batch; the same prompts as the
