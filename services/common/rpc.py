@@ -627,11 +627,17 @@ class _BearerTokenClientInterceptor(
         )
 
     def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
-        drop = (AUTH_METADATA_KEY, tracing.TRACE_METADATA_KEY)
+        # What this interceptor sets replaces what the call carries; the rest (a token
+        # given per call on a channel without one, say) passes as it is.
+        trace = tracing.header()
+        drop = set()
+        if self._header is not None:
+            drop.add(AUTH_METADATA_KEY)
+        if trace is not None:
+            drop.add(tracing.TRACE_METADATA_KEY)
         metadata = [(k, v) for k, v in details.metadata or () if k not in drop]
         if self._header is not None:
             metadata.append(self._header)
-        trace = tracing.header()
         if trace is not None:
             metadata.append((tracing.TRACE_METADATA_KEY, trace))
         return _CallDetails(
