@@ -15,9 +15,8 @@ statuses back with :func:`rlfleet.common.rpc.to_rlfleet_error`).
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -26,9 +25,15 @@ from rlfleet.common.codec.wire import ChunkAssembler, iter_chunks
 from rlfleet.common.errors import RlfleetError
 from rlfleet.common.rpc import Watchdog, create_channel, health_probe, to_rlfleet_error
 from rlfleet.trainer.core import TrainStepResult
-from rlfleet.trainer.servicer import METRICS_META_KEY
+from rlfleet.trainer.push import PushOutcome, push_to_targets
+from rlfleet.trainer.serde import (
+    decode_result,
+    push_outcome_from_proto,
+    status_from_proto,
+    train_step_from_proto,
+)
 from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
-from rlfleet.weightsync.wire import TRANSPORT_NAMES, transport_codes
+from rlfleet.weightsync.wire import transport_codes
 
 __all__ = [
     "CheckpointInfo",
@@ -57,16 +62,6 @@ class CheckpointInfo:
     bytes: int = 0
     seconds: float = 0.0
     extra_state_json: str = ""
-
-
-@dataclass(frozen=True)
-class PushOutcome:
-    version: int
-    bytes: int
-    ok: dict[str, bool] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
-    transports: dict[str, str] = field(default_factory=dict)  # replica -> grpc | tcp | shm
-    seconds: dict[str, float] = field(default_factory=dict)  # replica -> its push's seconds
 
 
 class TrainerClient(Protocol):
@@ -105,19 +100,6 @@ class TrainerClient(Protocol):
 
     def status(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
-
-
-def _outcome(resp: trainer_pb2.PushWeightsResponse) -> PushOutcome:
-    return PushOutcome(
-        version=resp.version,
-        bytes=resp.bytes,
-        ok={r.replica_id: r.ok for r in resp.results},
-        errors={r.replica_id: r.error for r in resp.results if r.error},
-        transports={
-            r.replica_id: TRANSPORT_NAMES.get(r.transport, "grpc") for r in resp.results if r.ok
-        },
-        seconds={r.replica_id: r.seconds for r in resp.results if r.ok},
-    )
 
 
 class InProcessTrainerClient:
@@ -189,17 +171,14 @@ class InProcessTrainerClient:
         bucket_bytes: int = 0,
         transports: Sequence[str] = (),
     ) -> PushOutcome:
-        from rlfleet.trainer.servicer import push_to_targets
         from rlfleet.weightsync.sender import DEFAULT_BUCKET_BYTES
 
-        return _outcome(
-            push_to_targets(
-                self.core,
-                list(targets),
-                version=version,
-                bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
-                transports=transport_codes(transports),
-            )
+        return push_to_targets(
+            self.core,
+            list(targets),
+            version=version,
+            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+            transports=transports,
         )
 
     def set_lr_scale(self, role: str, scale: float) -> float:
@@ -284,11 +263,9 @@ class RemoteTrainerClient:
                         watchdog.progress()
                     if asm.add(chunk):
                         break
-            values, meta = asm.result(to="torch")
+            return decode_result(asm)
         except grpc.RpcError as e:
             raise self._error(e, watchdog) from e
-        metrics = json.loads(meta.get(METRICS_META_KEY, "{}"))
-        return values, metrics
 
     def _update(self, method: Callable[..., Any], batch: Batch) -> UpdateResult:
         resp: trainer_pb2.UpdateResponse = self._call(method, iter_chunks(batch))
@@ -317,10 +294,7 @@ class RemoteTrainerClient:
             for chunk in iter_chunks(batch):
                 yield trainer_pb2.TrainStepRequest(chunk=chunk, on_policy=on_policy)
 
-        resp: trainer_pb2.TrainStepResponse = self._call(self._stub.TrainStep, requests())
-        return TrainStepResult(
-            dict(resp.metrics), resp.global_step, resp.weight_version, resp.actor_updated
-        )
+        return train_step_from_proto(self._call(self._stub.TrainStep, requests()))
 
     def sft_step(self, batch: Batch) -> UpdateResult:
         return self._update(self._stub.SFTStep, batch)
@@ -353,7 +327,7 @@ class RemoteTrainerClient:
             bucket_bytes=bucket_bytes,
             transports=transport_codes(transports),
         )
-        return _outcome(self._call(self._stub.PushWeights, req))
+        return push_outcome_from_proto(self._call(self._stub.PushWeights, req))
 
     def set_lr_scale(self, role: str, scale: float) -> float:
         req = trainer_pb2.SetLRScaleRequest(role=role, scale=scale)
@@ -361,17 +335,9 @@ class RemoteTrainerClient:
         return float(resp.lr)
 
     def status(self) -> dict[str, Any]:
-        s: trainer_pb2.TrainerStatus = self._call(
-            self._stub.GetStatus, trainer_pb2.GetTrainerStatusRequest()
+        return status_from_proto(
+            self._call(self._stub.GetStatus, trainer_pb2.GetTrainerStatusRequest())
         )
-        return {
-            "global_step": s.global_step,
-            "weight_version": s.weight_version,
-            "backend": s.backend,
-            "world_size": s.world_size,
-            "roles": list(s.roles),
-            "model": s.model,
-        }
 
     def close(self) -> None:
         self._channel.close()

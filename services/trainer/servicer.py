@@ -14,62 +14,36 @@ trainer does not hold) map to status codes through :mod:`rlfleet.common.rpc`.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import grpc
 
 from rlfleet.common import tracing
-from rlfleet.common.codec.batch import CodecError
-from rlfleet.common.codec.wire import ChunkAssembler, StreamTooLarge, iter_chunks
-from rlfleet.common.errors import InvalidArgument, PermissionDenied, ResourceExhausted
-from rlfleet.common.rpc import is_loopback
+from rlfleet.common.errors import PermissionDenied
 from rlfleet.trainer import checkpoint
 from rlfleet.trainer.core import TrainerCore
-from rlfleet.trainer.models import torch_dtype
-from rlfleet.v1 import common_pb2, rollout_pb2, trainer_pb2, trainer_pb2_grpc
+from rlfleet.trainer.push import push_to_targets, refused_push_targets
+from rlfleet.trainer.serde import (
+    METRICS_META_KEY,
+    decode_stream,
+    encode_result,
+    push_outcome_to_proto,
+    status_to_proto,
+    train_step_to_proto,
+)
+from rlfleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from rlfleet.weightsync import wire
-from rlfleet.weightsync.sender import DEFAULT_BUCKET_BYTES, push_weights
+from rlfleet.weightsync.sender import DEFAULT_BUCKET_BYTES
 
-__all__ = ["METRICS_META_KEY", "TrainerServicer", "decode_stream", "encode_result"]
-
-METRICS_META_KEY = "metrics"
-
-
-def decode_stream(
-    chunks: Iterable[common_pb2.TensorBatchChunk], *, max_bytes: int | None = None
-) -> dict[str, Any]:
-    """Reassemble a request stream into a batch, reading it to its end (a chunk after
-    the last one is refused).
-
-    Raises:
-        ResourceExhausted: the stream would hold more than ``max_bytes`` (checked per
-            chunk as it arrives).
-        InvalidArgument: a malformed stream; ``field`` names the chunk field or tensor.
-    """
-    asm = ChunkAssembler(max_bytes=max_bytes)
-    try:
-        for chunk in chunks:
-            asm.add(chunk)
-        values, _meta = asm.result(to="torch")
-    except StreamTooLarge as e:
-        raise ResourceExhausted(
-            f"batch stream too large (trainer.max_request_bytes={max_bytes}): {e}",
-            field=e.field or "chunks",
-            value=e.value,
-        ) from e
-    except CodecError as e:
-        raise InvalidArgument(
-            f"malformed batch stream: {e}", field=e.field or "chunks", value=e.value
-        ) from e
-    return values
-
-
-def encode_result(
-    batch: dict[str, Any], metrics: dict[str, float]
-) -> Iterator[common_pb2.TensorBatchChunk]:
-    return iter_chunks(batch, {METRICS_META_KEY: json.dumps(metrics)})
+__all__ = [
+    "METRICS_META_KEY",
+    "TrainerServicer",
+    "decode_stream",
+    "encode_result",
+    "push_to_targets",
+    "refused_push_targets",
+]
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
@@ -152,12 +126,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             on_policy = bool(first) and first[0].on_policy
             attrs["on_policy"] = on_policy
             result = self.core.train_step_result(batch, on_policy=on_policy)
-        return trainer_pb2.TrainStepResponse(
-            metrics=result.metrics,
-            global_step=result.global_step,
-            weight_version=result.weight_version,
-            actor_updated=result.actor_updated,
-        )
+        return train_step_to_proto(result)
 
     def SFTStep(
         self, request_iterator: Iterator[common_pb2.TensorBatchChunk], context: grpc.ServicerContext
@@ -199,12 +168,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         if refused and len(refused) == len(targets):
             i, why = next(iter(refused.items()))
             raise PermissionDenied(why, field=f"targets[{i}].address", value=targets[i][1])
-        response = push_to_targets(
-            self.core,
-            [t for i, t in enumerate(targets) if i not in refused],
-            version=request.version,
-            bucket_bytes=request.bucket_bytes or self.default_bucket_bytes,
-            transports=list(request.transports),
+        response = push_outcome_to_proto(
+            push_to_targets(
+                self.core,
+                [t for i, t in enumerate(targets) if i not in refused],
+                version=request.version,
+                bucket_bytes=request.bucket_bytes or self.default_bucket_bytes,
+                transports=wire.transport_names(request.transports),
+            )
         )
         # A target that left the registry (died, scaled away) fails alone: the others
         # still get the weights, and the caller drops it.
@@ -224,71 +195,4 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def GetStatus(
         self, request: trainer_pb2.GetTrainerStatusRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.TrainerStatus:
-        return trainer_pb2.TrainerStatus(**self.core.status())
-
-
-def refused_push_targets(
-    addresses: Sequence[str], allowed: Collection[str], *, registry: bool
-) -> dict[int, str]:
-    """The targets the model must not be sent to: index -> why.
-
-    With a registry (``registry=True``), ``allowed`` are the addresses of the alive
-    rollout replicas registered with the scheduler (each registered with a rollout
-    credential, on its own host); otherwise ``allowed`` are the configured replica
-    addresses, and loopback addresses are accepted too.
-    """
-    known = set(allowed)
-    where = "registered with the scheduler" if registry else "configured (services.rollout)"
-    refused = {}
-    for i, address in enumerate(addresses):
-        if address in known or (not registry and is_loopback(address.rpartition(":")[0])):
-            continue
-        refused[i] = (
-            f"{address} is not a rollout replica {where}: weights go only to known replicas"
-        )
-    return refused
-
-
-def push_to_targets(
-    core: TrainerCore,
-    targets: list[tuple[str, str]],
-    *,
-    version: int = 0,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    transports: list[int] | None = None,
-) -> trainer_pb2.PushWeightsResponse:
-    """Push the actor's weights (in the rollout's dtype) to ``targets`` with
-    :func:`rlfleet.weightsync.sender.push_weights`, each replica over the first of
-    ``transports`` (``WeightTransport`` codes, preference order) it can take; empty
-    is the trainer's ``rollout.weight_transport`` (default ``auto``, the best
-    available: shared memory on the replica's host, else TCP, else the gRPC stream,
-    :data:`rlfleet.weightsync.wire.AUTO`)."""
-    if not targets:
-        raise InvalidArgument("no rollout targets to push to", field="targets")
-    for rid, address in targets:
-        if not address:
-            raise InvalidArgument(f"target {rid!r} has no address", field="targets")
-    names = (
-        wire.transport_names(transports)
-        if transports
-        else list(wire.transports_for(core.config.rollout.weight_transport))
-    )
-    version = version or core.weight_version
-    dtype = torch_dtype(core.config.rollout.dtype)
-    summary = push_weights(
-        core.iter_weights(dtype), targets, version, bucket_bytes=bucket_bytes, transports=names
-    )
-    return trainer_pb2.PushWeightsResponse(
-        version=version,
-        bytes=summary.bytes,
-        results=[
-            trainer_pb2.PushResult(
-                replica_id=r.replica_id,
-                ok=r.ok,
-                error=r.error,
-                transport=wire.TRANSPORT_CODES.get(r.transport, rollout_pb2.WEIGHT_TRANSPORT_GRPC),
-                seconds=r.seconds,
-            )
-            for r in summary.results
-        ],
-    )
+        return status_to_proto(self.core.status())

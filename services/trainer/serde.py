@@ -1,0 +1,139 @@
+"""Protobuf <-> trainer values, in one place (the servicer and the remote client).
+
+Batches travel as chunk streams (:mod:`rlfleet.common.codec.wire`); a streaming
+operation's answer carries its metrics as JSON in the ``metrics`` meta entry.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from rlfleet.common.codec.batch import CodecError
+from rlfleet.common.codec.wire import ChunkAssembler, StreamTooLarge, iter_chunks
+from rlfleet.common.errors import InvalidArgument, ResourceExhausted
+from rlfleet.trainer.core import TrainStepResult
+from rlfleet.trainer.push import PushOutcome
+from rlfleet.v1 import common_pb2, rollout_pb2, trainer_pb2
+from rlfleet.weightsync import wire
+
+__all__ = [
+    "METRICS_META_KEY",
+    "decode_result",
+    "decode_stream",
+    "encode_result",
+    "push_outcome_from_proto",
+    "push_outcome_to_proto",
+    "status_from_proto",
+    "status_to_proto",
+    "train_step_from_proto",
+    "train_step_to_proto",
+]
+
+METRICS_META_KEY = "metrics"
+
+Batch = dict[str, Any]
+
+
+def decode_stream(
+    chunks: Iterable[common_pb2.TensorBatchChunk], *, max_bytes: int | None = None
+) -> Batch:
+    """Reassemble a request stream into a batch, reading it to its end (a chunk after
+    the last one is refused).
+
+    Raises:
+        ResourceExhausted: the stream would hold more than ``max_bytes`` (checked per
+            chunk as it arrives).
+        InvalidArgument: a malformed stream; ``field`` names the chunk field or tensor.
+    """
+    asm = ChunkAssembler(max_bytes=max_bytes)
+    try:
+        for chunk in chunks:
+            asm.add(chunk)
+        values, _meta = asm.result(to="torch")
+    except StreamTooLarge as e:
+        raise ResourceExhausted(
+            f"batch stream too large (trainer.max_request_bytes={max_bytes}): {e}",
+            field=e.field or "chunks",
+            value=e.value,
+        ) from e
+    except CodecError as e:
+        raise InvalidArgument(
+            f"malformed batch stream: {e}", field=e.field or "chunks", value=e.value
+        ) from e
+    return values
+
+
+def encode_result(batch: Batch, metrics: dict[str, float]) -> Iterator[common_pb2.TensorBatchChunk]:
+    """A streaming operation's answer: the keys it adds, its metrics in the meta."""
+    return iter_chunks(batch, {METRICS_META_KEY: json.dumps(metrics)})
+
+
+def decode_result(asm: ChunkAssembler) -> tuple[Batch, dict[str, float]]:
+    """The client's side of :func:`encode_result`, from a filled assembler."""
+    values, meta = asm.result(to="torch")
+    return values, json.loads(meta.get(METRICS_META_KEY, "{}"))
+
+
+def train_step_to_proto(result: TrainStepResult) -> trainer_pb2.TrainStepResponse:
+    return trainer_pb2.TrainStepResponse(
+        metrics=result.metrics,
+        global_step=result.global_step,
+        weight_version=result.weight_version,
+        actor_updated=result.actor_updated,
+    )
+
+
+def train_step_from_proto(resp: trainer_pb2.TrainStepResponse) -> TrainStepResult:
+    return TrainStepResult(
+        dict(resp.metrics), resp.global_step, resp.weight_version, resp.actor_updated
+    )
+
+
+def push_outcome_to_proto(outcome: PushOutcome) -> trainer_pb2.PushWeightsResponse:
+    grpc_code = rollout_pb2.WEIGHT_TRANSPORT_GRPC
+    return trainer_pb2.PushWeightsResponse(
+        version=outcome.version,
+        bytes=outcome.bytes,
+        results=[
+            trainer_pb2.PushResult(
+                replica_id=rid,
+                ok=ok,
+                error=outcome.errors.get(rid, ""),
+                transport=wire.TRANSPORT_CODES.get(outcome.transports.get(rid, ""), grpc_code),
+                seconds=outcome.seconds.get(rid, 0.0),
+            )
+            for rid, ok in outcome.ok.items()
+        ],
+    )
+
+
+def push_outcome_from_proto(resp: trainer_pb2.PushWeightsResponse) -> PushOutcome:
+    return PushOutcome(
+        version=resp.version,
+        bytes=resp.bytes,
+        ok={r.replica_id: r.ok for r in resp.results},
+        errors={r.replica_id: r.error for r in resp.results if r.error},
+        transports={
+            r.replica_id: wire.TRANSPORT_NAMES.get(r.transport, "grpc")
+            for r in resp.results
+            if r.ok
+        },
+        seconds={r.replica_id: r.seconds for r in resp.results if r.ok},
+    )
+
+
+def status_to_proto(status: dict[str, Any]) -> trainer_pb2.TrainerStatus:
+    return trainer_pb2.TrainerStatus(**status)
+
+
+def status_from_proto(s: trainer_pb2.TrainerStatus) -> dict[str, Any]:
+    return {
+        "global_step": s.global_step,
+        "weight_version": s.weight_version,
+        "backend": s.backend,
+        "world_size": s.world_size,
+        "roles": list(s.roles),
+        "model": s.model,
+    }
