@@ -325,12 +325,14 @@ class PPOTrainer:
         key = self.config.data.reward_fn_key
         # External rollouts may run without one: the agents post their rewards.
         self._reward = (
-            RewardAdapter(self.reward_fn, self.tokenizer, key)
+            RewardAdapter(self.reward_fn, self.tokenizer, key, retry_s=self.config.reward.retry_s)
             if self.reward_fn is not None
             else None
         )
         self._val_reward = (
-            RewardAdapter(self.val_reward_fn, self.tokenizer, key)
+            RewardAdapter(
+                self.val_reward_fn, self.tokenizer, key, retry_s=self.config.reward.retry_s
+            )
             if self.val_reward_fn is not None
             else None
         )

@@ -23,13 +23,14 @@ from rlfleet.rollout.engine import SampleOutput
 if TYPE_CHECKING:
     from rlfleet.reward.types import Sample
 
-__all__ = ["ATTEMPTS", "RewardAdapter", "RewardFn", "RewardScorer", "reward_samples"]
+__all__ = ["RETRY_S", "RewardAdapter", "RewardFn", "RewardScorer", "reward_samples"]
 
 logger = logging.getLogger(__name__)
 
-ATTEMPTS = 4
-"""Tries of a recoverable failure: about 7 s of backoff, what a reward service
-restarting needs to come back."""
+RETRY_S = 120.0
+"""How long a recoverable failure is retried (``reward.retry_s``): a reward service
+restarting needs a few seconds; one frozen is given up by its client's liveness probe
+each try and may answer again later."""
 
 
 @runtime_checkable
@@ -51,11 +52,11 @@ class RewardAdapter:
         source: a :class:`RewardScorer` or a callable over a list of samples.
         tokenizer: the policy's tokenizer (decodes prompts and responses).
         reward_fn_key: the batch column that names each row's data source.
-        attempts: tries of a recoverable failure.
+        retry_s: how long a recoverable failure is retried, with backoff (0: never).
     """
 
     def __init__(
-        self, source: RewardFn, tokenizer: Any, reward_fn_key: str, *, attempts: int = ATTEMPTS
+        self, source: RewardFn, tokenizer: Any, reward_fn_key: str, *, retry_s: float = RETRY_S
     ) -> None:
         if not (isinstance(source, RewardScorer) or callable(source)):
             raise TypeError(
@@ -64,7 +65,7 @@ class RewardAdapter:
         self.source = source
         self.tokenizer = tokenizer
         self.reward_fn_key = reward_fn_key
-        self.attempts = attempts
+        self.retry_s = retry_s
 
     def score(
         self, batch: Batch, samples: Sequence[SampleOutput]
@@ -89,22 +90,25 @@ class RewardAdapter:
         return scores, details
 
     def _call(self, items: list[Sample]) -> Sequence[Any]:
-        """A recoverable failure (the service restarting, a dropped connection) is
-        retried with backoff; others propagate."""
+        """A recoverable failure (the service restarting, frozen, a dropped connection)
+        is retried with backoff for ``retry_s``; others propagate."""
         source = self.source
-        for attempt in range(self.attempts):
+        deadline = time.monotonic() + self.retry_s
+        attempt = 0
+        while True:
             try:
                 if isinstance(source, RewardScorer):
                     return source.score(items)
                 return source(items)
             except RlfleetError as e:
-                if not e.recoverable or attempt == self.attempts - 1:
-                    raise
                 pause = min(2.0**attempt, 5.0)
-                logger.warning("reward: %s; retrying in %.0fs (attempt %d of %d)",
-                               e, pause, attempt + 2, self.attempts)  # fmt: skip
+                if not e.recoverable or time.monotonic() + pause > deadline:
+                    raise
+                attempt += 1
+                left = deadline - time.monotonic()
+                logger.warning("reward: %s; retrying in %.0fs (attempt %d, %.0fs of "
+                               "reward.retry_s left)", e, pause, attempt + 1, left)  # fmt: skip
                 time.sleep(pause)
-        raise AssertionError("unreachable")
 
 
 def reward_samples(

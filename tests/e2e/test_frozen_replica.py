@@ -101,3 +101,62 @@ def test_a_frozen_replica_is_fenced_its_work_requeued_and_it_rejoins(
     # Back in the fleet after it answered again, with the current weights.
     assert m[STEPS]["rollout/replicas"] == 2.0
     assert m[STEPS]["staleness/max"] == 0.0
+
+
+def test_a_frozen_reward_service_costs_a_wait_not_the_run(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reward service freezes for 25 s mid-run: its client's liveness probe gives
+    the call up, the driver retries (reward.retry_s) until it answers again."""
+    import threading
+
+    data = tmp_path / "data"
+    preprocess("arithmetic", None, data, n=64, n_test=8, digits=1, ops="+-*", seed=0)
+    run_dir = tmp_path / "run"
+    config = config_from_dict(
+        {
+            "data": {
+                "train_files": str(data / "train.parquet"),
+                "val_files": str(data / "test.parquet"),
+                "train_batch_size": BATCH,
+                "max_prompt_length": 64,
+                "max_response_length": 8,
+            },
+            "actor": {"model_path": str(tiny_model_dir), "ppo_mini_batch_size": BATCH},
+            "rollout": {"n": N},
+            "algorithm": {"adv_estimator": "grpo"},
+            "reward": {"num_workers": 1, "retry_s": 120},
+            "trainer": {
+                "total_training_steps": 3,
+                "test_freq": -1,
+                "save_freq": -1,
+                "default_local_dir": str(run_dir),
+                "resume_mode": "disable",
+                "logger": ["jsonl"],
+                "val_before_train": False,
+            },
+            "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
+            "mapping": {"actor": "train_pool", "rollout": "rollout_pool"},
+        }
+    )
+    with LocalCluster(config, run_dir, scheduler=False, grace_s=10) as cluster:
+        h = cluster.start(timeout_s=180)
+        reward = cluster.pids["reward"]
+        thaw = threading.Timer(25.0, os.kill, (reward, signal.SIGCONT))
+
+        def on_step(record: StepRecord) -> None:
+            if record.step == 1:
+                os.kill(reward, signal.SIGSTOP)
+                thaw.start()
+
+        mapping = remote_workers(h.trainer, h.rollout, h.reward)
+        try:
+            with PPOTrainer(config=config, role_worker_mapping=mapping, on_step=on_step) as t:
+                records = t.fit()
+        finally:
+            thaw.cancel()
+            os.kill(reward, signal.SIGCONT)
+        assert cluster.pids["reward"] == reward  # the same process: frozen, not dead
+    assert [r.step for r in records] == [1, 2, 3]
+    assert [r.metrics["rollout/samples"] for r in records] == [BATCH * N] * 3
+    assert any("reward:" in m and "retrying" in m for m in caplog.messages)

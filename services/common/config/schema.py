@@ -744,6 +744,13 @@ class RewardConfig(_Section):
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
     sample_timeout_s: float = Field(default=30.0, gt=0, description="per-sample scoring deadline")
+    retry_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="rlfleet option: how long the driver keeps retrying a reward call that "
+        "failed recoverably (the service restarting, or frozen and given up by its liveness "
+        "probe) before the step fails; 0: no retry",
+    )
     num_workers: int = Field(
         default=4, ge=1, description="parallel rule-scoring workers (per server process)"
     )
