@@ -15,13 +15,18 @@ statuses back with :func:`rlfleet.common.rpc.to_rlfleet_error`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
 
-from rlfleet.common.codec.wire import ChunkAssembler, iter_chunks
+from rlfleet.common.codec.wire import (
+    ChunkAssembler,
+    iter_chunk_bytes,
+    parse_chunk,
+    serialize_chunk,
+)
 from rlfleet.common.errors import RlfleetError
 from rlfleet.common.rpc import Watchdog, create_channel, health_probe, to_rlfleet_error
 from rlfleet.trainer.core import TrainStepResult
@@ -31,6 +36,7 @@ from rlfleet.trainer.serde import (
     push_outcome_from_proto,
     status_from_proto,
     train_step_from_proto,
+    train_step_request_bytes,
 )
 from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.weightsync.wire import transport_codes
@@ -193,6 +199,8 @@ class InProcessTrainerClient:
         pass
 
 
+_METHOD = "/rlfleet.v1.TrainerService/"
+
 DEFAULT_LIVENESS_S = 5.0
 """How often a call's trainer is health-checked while the call runs: a trainer that
 is stopped or stuck fails the call within about three times this, not its deadline."""
@@ -252,8 +260,11 @@ class RemoteTrainerClient:
         except grpc.FutureCancelledError as e:
             raise self._error(grpc.RpcError(), watchdog) from e
 
-    def _stream(self, method: Callable[..., Any], batch: Batch) -> tuple[Batch, dict[str, float]]:
-        responses: Any = method(iter_chunks(batch), timeout=self.timeout_s)
+    def _stream(self, name: str, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        call = self._channel.stream_stream(
+            _METHOD + name, request_serializer=serialize_chunk, response_deserializer=parse_chunk
+        )
+        responses: Any = call(iter_chunk_bytes(batch), timeout=self.timeout_s)
         watchdog = self._watchdog(responses.cancel)
         try:
             with watchdog:
@@ -267,37 +278,47 @@ class RemoteTrainerClient:
         except grpc.RpcError as e:
             raise self._error(e, watchdog) from e
 
-    def _update(self, method: Callable[..., Any], batch: Batch) -> UpdateResult:
-        resp: trainer_pb2.UpdateResponse = self._call(method, iter_chunks(batch))
+    def _update(self, name: str, batch: Batch) -> UpdateResult:
+        call = self._channel.stream_unary(
+            _METHOD + name,
+            request_serializer=serialize_chunk,
+            response_deserializer=trainer_pb2.UpdateResponse.FromString,
+        )
+        resp: trainer_pb2.UpdateResponse = self._call(call, iter_chunk_bytes(batch))
         return UpdateResult(dict(resp.metrics), resp.global_step, resp.weight_version)
 
     def compute_log_prob(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        return self._stream(self._stub.ComputeLogProb, batch)
+        return self._stream("ComputeLogProb", batch)
 
     def compute_ref_log_prob(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        return self._stream(self._stub.ComputeRefLogProb, batch)
+        return self._stream("ComputeRefLogProb", batch)
 
     def compute_values(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        return self._stream(self._stub.ComputeValues, batch)
+        return self._stream("ComputeValues", batch)
 
     def compute_advantage(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        return self._stream(self._stub.ComputeAdvantage, batch)
+        return self._stream("ComputeAdvantage", batch)
 
     def update_critic(self, batch: Batch) -> UpdateResult:
-        return self._update(self._stub.UpdateCritic, batch)
+        return self._update("UpdateCritic", batch)
 
     def update_actor(self, batch: Batch) -> UpdateResult:
-        return self._update(self._stub.UpdateActor, batch)
+        return self._update("UpdateActor", batch)
 
     def train_step(self, batch: Batch, *, on_policy: bool = False) -> TrainStepResult:
-        def requests() -> Iterator[trainer_pb2.TrainStepRequest]:
-            for chunk in iter_chunks(batch):
-                yield trainer_pb2.TrainStepRequest(chunk=chunk, on_policy=on_policy)
-
-        return train_step_from_proto(self._call(self._stub.TrainStep, requests()))
+        call = self._channel.stream_unary(
+            _METHOD + "TrainStep",
+            request_serializer=serialize_chunk,  # bytes pass through
+            response_deserializer=trainer_pb2.TrainStepResponse.FromString,
+        )
+        requests = (
+            train_step_request_bytes(chunk, on_policy=on_policy)
+            for chunk in iter_chunk_bytes(batch)
+        )
+        return train_step_from_proto(self._call(call, requests))
 
     def sft_step(self, batch: Batch) -> UpdateResult:
-        return self._update(self._stub.SFTStep, batch)
+        return self._update("SFTStep", batch)
 
     def save_checkpoint(
         self, path: str = "", *, step: int = 0, extra_state_json: str = "", export_hf: bool = False

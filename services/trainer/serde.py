@@ -1,7 +1,13 @@
 """Protobuf <-> trainer values, in one place (the servicer and the remote client).
 
-Batches travel as chunk streams (:mod:`rlfleet.common.codec.wire`); a streaming
-operation's answer carries its metrics as JSON in the ``metrics`` meta entry.
+Batches travel as chunk streams (:mod:`rlfleet.common.codec.wire`) on the wire path:
+the sender serializes each ``TensorBatchChunk`` straight from the tensors
+(:func:`iter_chunk_bytes`), the receiver parses it without copying the tensor bytes
+(:func:`parse_chunk`) and assembles the batch; generated protobuf objects (which copy
+every byte on each set and get) are never built for them. A streaming operation's
+answer carries its metrics as JSON in the ``metrics`` meta entry. ``TrainStep``'s
+``TrainStepRequest`` wraps each chunk; it is written and read around the chunk bytes
+the same way (:func:`train_step_request_bytes`, :func:`parse_train_step_request`).
 """
 
 from __future__ import annotations
@@ -10,8 +16,16 @@ import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from rlfleet.common.codec import wire as codec_wire
 from rlfleet.common.codec.batch import CodecError
-from rlfleet.common.codec.wire import ChunkAssembler, StreamTooLarge, iter_chunks
+from rlfleet.common.codec.wire import (
+    ChunkAssembler,
+    ChunkView,
+    StreamTooLarge,
+    encode_varint,
+    iter_chunk_bytes,
+    parse_chunk,
+)
 from rlfleet.common.errors import InvalidArgument, ResourceExhausted
 from rlfleet.trainer.core import TrainStepResult
 from rlfleet.trainer.push import PushOutcome
@@ -20,14 +34,17 @@ from rlfleet.weightsync import wire
 
 __all__ = [
     "METRICS_META_KEY",
+    "TrainStepPart",
     "decode_result",
     "decode_stream",
     "encode_result",
+    "parse_train_step_request",
     "push_outcome_from_proto",
     "push_outcome_to_proto",
     "status_from_proto",
     "status_to_proto",
     "train_step_from_proto",
+    "train_step_request_bytes",
     "train_step_to_proto",
 ]
 
@@ -65,9 +82,50 @@ def decode_stream(
     return values
 
 
-def encode_result(batch: Batch, metrics: dict[str, float]) -> Iterator[common_pb2.TensorBatchChunk]:
-    """A streaming operation's answer: the keys it adds, its metrics in the meta."""
-    return iter_chunks(batch, {METRICS_META_KEY: json.dumps(metrics)})
+def encode_result(batch: Batch, metrics: dict[str, float]) -> Iterator[bytes]:
+    """A streaming operation's answer, serialized chunks: the keys it adds, its
+    metrics in the meta."""
+    return iter_chunk_bytes(batch, {METRICS_META_KEY: json.dumps(metrics)})
+
+
+class TrainStepPart:
+    """One parsed ``TrainStepRequest``: its chunk (tensor bytes not copied) and flag."""
+
+    __slots__ = ("chunk", "on_policy")
+
+    def __init__(self, chunk: ChunkView, on_policy: bool) -> None:
+        self.chunk = chunk
+        self.on_policy = on_policy
+
+
+_TRAIN_STEP_CHUNK = 1  # TrainStepRequest.chunk
+_ON_POLICY = b"\x10\x01"  # TrainStepRequest.on_policy = true (field 2, varint)
+
+
+def train_step_request_bytes(chunk: bytes, *, on_policy: bool) -> bytes:
+    """A serialized ``TrainStepRequest`` around serialized chunk bytes."""
+    head = bytes([_TRAIN_STEP_CHUNK << 3 | 2]) + encode_varint(len(chunk))
+    return b"".join((head, chunk, _ON_POLICY if on_policy else b""))
+
+
+def parse_train_step_request(data: bytes | memoryview) -> TrainStepPart:
+    """A ``TrainStepRequest`` (any valid encoding) with its chunk parsed by
+    :func:`parse_chunk`. Raises ``CodecError`` on malformed bytes."""
+    buf = memoryview(data)
+    chunk: ChunkView | None = None
+    rest: list[memoryview] = []
+    for number, wire_type, start, pos, stop in codec_wire.proto_fields(buf, 0, len(buf)):
+        if number == _TRAIN_STEP_CHUNK and wire_type == 2:
+            chunk = parse_chunk(buf[pos:stop])  # the last one wins, as protobuf merges
+        else:
+            rest.append(buf[start:stop])
+    try:
+        flags = trainer_pb2.TrainStepRequest.FromString(b"".join(rest))
+    except Exception as e:  # DecodeError
+        raise CodecError(f"malformed TrainStepRequest: {e}") from e
+    if chunk is None:
+        raise CodecError("TrainStepRequest without a chunk", field="chunk")
+    return TrainStepPart(chunk, flags.on_policy)
 
 
 def decode_result(asm: ChunkAssembler) -> tuple[Batch, dict[str, float]]:

@@ -87,7 +87,7 @@ def serve_main(args: argparse.Namespace) -> int:
     from rlfleet.trainer.core import TrainerCore
     from rlfleet.trainer.dispatch import follow
     from rlfleet.trainer.servicer import TrainerServicer
-    from rlfleet.v1 import trainer_pb2_grpc
+    from rlfleet.trainer.servicer import add_to_server as trainer_add_to_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -119,7 +119,7 @@ def serve_main(args: argparse.Namespace) -> int:
         server = create_server(
             [
                 (
-                    trainer_pb2_grpc.add_TrainerServiceServicer_to_server,
+                    trainer_add_to_server,
                     TrainerServicer(core, push_targets=_registered_replicas(args.scheduler)),
                 )
             ],

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from rlfleet.common import tracing
+from rlfleet.common.codec.wire import parse_chunk, serialize_chunk
 from rlfleet.common.errors import PermissionDenied
 from rlfleet.trainer import checkpoint
 from rlfleet.trainer.core import TrainerCore
@@ -28,6 +29,7 @@ from rlfleet.trainer.serde import (
     METRICS_META_KEY,
     decode_stream,
     encode_result,
+    parse_train_step_request,
     push_outcome_to_proto,
     status_to_proto,
     train_step_to_proto,
@@ -39,6 +41,7 @@ from rlfleet.weightsync.sender import DEFAULT_BUCKET_BYTES
 __all__ = [
     "METRICS_META_KEY",
     "TrainerServicer",
+    "add_to_server",
     "decode_stream",
     "encode_result",
     "push_to_targets",
@@ -196,3 +199,40 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self, request: trainer_pb2.GetTrainerStatusRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.TrainerStatus:
         return status_to_proto(self.core.status())
+
+
+_SERVICE = "rlfleet.v1.TrainerService"
+
+
+def add_to_server(servicer: TrainerServicer, server: Any) -> None:
+    """Register ``servicer`` (what ``trainer_pb2_grpc.add_TrainerServiceServicer_to_server``
+    does), with batch streams on the wire path: chunks are parsed without copying
+    their tensor bytes, and answers go out as the bytes :func:`encode_result` built."""
+    from google.protobuf import symbol_database
+
+    factories = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    db = symbol_database.Default()
+    handlers = {}
+    for m in trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].methods:
+        in_name, out_name = m.input_type.full_name, m.output_type.full_name
+        if in_name == "rlfleet.v1.TensorBatchChunk":
+            deserialize: Any = parse_chunk
+        elif in_name == "rlfleet.v1.TrainStepRequest":
+            deserialize = parse_train_step_request
+        else:
+            deserialize = db.GetSymbol(in_name).FromString
+        if out_name == "rlfleet.v1.TensorBatchChunk":
+            serialize: Any = serialize_chunk
+        else:
+            serialize = db.GetSymbol(out_name).SerializeToString
+        handlers[m.name] = factories[(m.client_streaming, m.server_streaming)](
+            getattr(servicer, m.name),
+            request_deserializer=deserialize,
+            response_serializer=serialize,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))

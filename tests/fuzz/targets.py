@@ -544,6 +544,7 @@ def trainer_target(creds: Credentials, model_dir: Path, run_dir: Path) -> Iterat
     from rlfleet.common.rpc import create_server
     from rlfleet.trainer.core import TrainerCore
     from rlfleet.trainer.servicer import TrainerServicer
+    from rlfleet.trainer.servicer import add_to_server as trainer_add_to_server
     from rlfleet.trainer.testing import make_batch, make_config
 
     cfg = make_config(
@@ -554,9 +555,7 @@ def trainer_target(creds: Credentials, model_dir: Path, run_dir: Path) -> Iterat
     )
     core = TrainerCore(cfg)
     with serving(creds):
-        server = create_server(
-            [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(core))]
-        )
+        server = create_server([(trainer_add_to_server, TrainerServicer(core))])
     address = server.address
 
     def check() -> None:

@@ -369,15 +369,13 @@ def test_pipelined_run_over_grpc_with_bulk_pushes(
     from rlfleet.reward.core import RewardManager
     from rlfleet.trainer.core import TrainerCore
     from rlfleet.trainer.servicer import TrainerServicer
-    from rlfleet.v1 import trainer_pb2_grpc
+    from rlfleet.trainer.servicer import add_to_server as trainer_add_to_server
 
     cfg = _pipelined_config(
         tiny_model_dir, arithmetic_dir, tmp_path / "run", "rollout.weight_transport=tcp"
     )
     trainer_core = TrainerCore(cfg)
-    trainer_server = create_server(
-        [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(trainer_core))]
-    )
+    trainer_server = create_server([(trainer_add_to_server, TrainerServicer(trainer_core))])
     engine = HFEngine(tiny_model_dir, partial_rollout=True)
     replica = RolloutCore(engine, replica_id="r0")
     replica_server = start_rollout_server(replica)

@@ -30,7 +30,8 @@ from rlfleet.rollout.hf_engine import HFEngine  # noqa: E402
 from rlfleet.rollout.server import start_rollout_server  # noqa: E402
 from rlfleet.trainer.core import TrainerCore  # noqa: E402
 from rlfleet.trainer.servicer import TrainerServicer  # noqa: E402
-from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc  # noqa: E402
+from rlfleet.trainer.servicer import add_to_server as trainer_add_to_server  # noqa: E402
+from rlfleet.v1 import trainer_pb2  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -143,7 +144,7 @@ def test_each_step_is_one_train_step_and_one_push(
     trainer_server = create_server(
         [
             (
-                trainer_pb2_grpc.add_TrainerServiceServicer_to_server,
+                trainer_add_to_server,
                 TrainerServicer(TrainerCore(cfg)),
             )
         ],

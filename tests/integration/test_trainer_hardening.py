@@ -19,6 +19,7 @@ from rlfleet.common.rpc import create_channel, create_server, to_rlfleet_error
 from rlfleet.trainer.client import RemoteTrainerClient
 from rlfleet.trainer.core import TrainerCore
 from rlfleet.trainer.servicer import TrainerServicer
+from rlfleet.trainer.servicer import add_to_server as trainer_add_to_server
 from rlfleet.trainer.testing import make_batch, make_config
 from rlfleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
@@ -43,9 +44,7 @@ def core(tiny_model_dir: Path, run_dir: Path) -> TrainerCore:
 
 @pytest.fixture(scope="module")
 def address(core: TrainerCore) -> Iterator[str]:
-    server = create_server(
-        [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(core))]
-    )
+    server = create_server([(trainer_add_to_server, TrainerServicer(core))])
     yield server.address
     server.stop(0)
 

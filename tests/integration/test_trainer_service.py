@@ -15,8 +15,9 @@ from rlfleet.common.rpc import Server, create_server
 from rlfleet.trainer.client import InProcessTrainerClient, RemoteTrainerClient
 from rlfleet.trainer.core import TrainerCore
 from rlfleet.trainer.servicer import TrainerServicer
+from rlfleet.trainer.servicer import add_to_server as trainer_add_to_server
 from rlfleet.trainer.testing import FakeRollout, make_batch, make_config
-from rlfleet.v1 import rollout_pb2_grpc, trainer_pb2_grpc
+from rlfleet.v1 import rollout_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +34,7 @@ def core(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Trai
 
 @pytest.fixture(scope="module")
 def remote(core: TrainerCore) -> Iterator[RemoteTrainerClient]:
-    server = create_server(
-        [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(core))]
-    )
+    server = create_server([(trainer_add_to_server, TrainerServicer(core))])
     client = RemoteTrainerClient(server.address, timeout_s=120)
     yield client
     client.close()
@@ -153,9 +152,7 @@ def test_push_bounds_memory_to_one_bucket(core: TrainerCore) -> None:
 
 def test_missing_role_is_failed_precondition(tiny_model_dir: Path) -> None:
     grpo = TrainerCore(make_config(str(tiny_model_dir), algorithm={"adv_estimator": "grpo"}))
-    server = create_server(
-        [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(grpo))]
-    )
+    server = create_server([(trainer_add_to_server, TrainerServicer(grpo))])
     client = RemoteTrainerClient(server.address)
     try:
         with pytest.raises(FailedPrecondition, match="critic"):

@@ -35,7 +35,7 @@ from rlfleet.rollout.hf_engine import HFEngine
 from rlfleet.rollout.server import start_rollout_server
 from rlfleet.trainer.core import TrainerCore
 from rlfleet.trainer.servicer import TrainerServicer
-from rlfleet.v1 import trainer_pb2_grpc
+from rlfleet.trainer.servicer import add_to_server as trainer_add_to_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,9 +83,7 @@ def services(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, str, R
     trainer's config is the run's (its own ``weight_transport`` stays ``auto``: the
     driver's request says which transport to take)."""
     trainer = TrainerCore(_config(tiny_model_dir, tmp_path, tmp_path / "trainer", "auto"))
-    trainer_server = create_server(
-        [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(trainer))]
-    )
+    trainer_server = create_server([(trainer_add_to_server, TrainerServicer(trainer))])
     rollout = RolloutCore(HFEngine(tiny_model_dir), replica_id="r0")
     rollout_server = start_rollout_server(rollout)
     try:

@@ -79,6 +79,7 @@ __all__ = [
     "iter_chunk_bytes",
     "iter_chunks",
     "parse_chunk",
+    "proto_fields",
     "serialize_chunk",
 ]
 
@@ -715,8 +716,10 @@ def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
             raise CodecError("varint longer than 10 bytes in chunk")
 
 
-def _fields(buf: memoryview, pos: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
-    """Yield (field number, wire type, field start, value start, value end)."""
+def proto_fields(buf: memoryview, pos: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """The fields of the protobuf message in ``buf[pos:end]``, as (field number, wire
+    type, field start, value start, value end), for parsers that keep bytes fields as
+    views (raises ``CodecError`` on malformed bytes)."""
     while pos < end:
         start = pos
         key, pos = _read_varint(buf, pos, end)
@@ -750,7 +753,7 @@ def parse_chunk(data: bytes | bytearray | memoryview) -> ChunkView:
     rest: list[memoryview] = []
     pieces: list[PieceView] = []
     try:
-        for number, wire, start, pos, stop in _fields(buf, 0, len(buf)):
+        for number, wire, start, pos, stop in proto_fields(buf, 0, len(buf)):
             if number == 4 and wire == 2:
                 pieces.append(_parse_piece(buf, pos, stop))
             else:
@@ -764,7 +767,7 @@ def parse_chunk(data: bytes | bytearray | memoryview) -> ChunkView:
 def _parse_piece(buf: memoryview, begin: int, end: int) -> PieceView:
     header: list[memoryview] = []
     data: memoryview = buf[begin:begin]
-    for number, wire, start, pos, stop in _fields(buf, begin, end):
+    for number, wire, start, pos, stop in proto_fields(buf, begin, end):
         if number == 6 and wire == 2:
             data = buf[pos:stop]  # last one wins, as protobuf merges bytes fields
         else:
