@@ -229,6 +229,7 @@ class PPOTrainer:
         # The trainer's step counter after the last TrainStep (None: not known since the
         # last restore): a counter that does not move by one says the trainer restarted.
         self._trainer_step: int | None = None
+        self._producer: threading.Thread | None = None  # pipelined: the generating thread
         self._start_state: dict[str, Any] | None = None
         self.recoveries = 0
         self._recovery_metrics: dict[str, float] = {}
@@ -1078,6 +1079,30 @@ class PPOTrainer:
         return records
 
     def _fit_pipelined(self, tracking: Tracking) -> list[StepRecord]:
+        records: list[StepRecord] = []
+        while True:
+            try:
+                self._pipeline(tracking, records)
+                return records
+            except RlfleetError as e:
+                restarted = isinstance(e, TrainerRestarted)
+                if not (restarted and self.config.trainer.recovery.enable) and not (
+                    self._trainer_lost()
+                ):
+                    raise
+                # The generation in flight ends (the replicas are up); the batches made
+                # ahead were for weights the restore drops: the pipeline starts again
+                # from the restored step, in the same data order.
+                producer = self._producer
+                if producer is not None:
+                    producer.join(timeout=self.config.trainer.recovery.wait_s)
+                    if producer.is_alive():
+                        raise
+                self._recover_trainer(e, tracking)
+                records[:] = [r for r in records if r.step <= self.global_steps]
+
+    def _pipeline(self, tracking: Tracking, records: list[StepRecord]) -> None:
+        """Pipelined steps from the current one to the last, appended to ``records``."""
         k = self.config.trainer.pipeline.max_staleness
         cond = threading.Condition()
         synced = {"step": self.global_steps, "versions": {self.global_steps: self._policy_version}}
@@ -1109,8 +1134,8 @@ class PPOTrainer:
         # newcomer gets weights that match the version it is told.
         self._fleet.refresh()
         thread = threading.Thread(target=producer, name="rlfleet-pipeline", daemon=True)
+        self._producer = thread
         thread.start()
-        records = []
         try:
             while self.global_steps < last:
                 t0 = time.perf_counter()
@@ -1137,7 +1162,6 @@ class PPOTrainer:
             with cond:
                 cond.notify_all()
             thread.join(timeout=1.0)
-        return records
 
     def _finish_step(
         self,

@@ -60,9 +60,15 @@ def _raw(model: Path, data: Path, run_dir: Path) -> dict[str, Any]:
 
 
 def _run(
-    model: Path, data: Path, run_dir: Path, *, kill_after: int | None, wait_back: bool = False
+    model: Path,
+    data: Path,
+    run_dir: Path,
+    *,
+    kill_after: int | None,
+    wait_back: bool = False,
+    overrides: tuple[str, ...] = (),
 ) -> tuple[list[StepRecord], dict[str, torch.Tensor], LocalCluster, int]:
-    config = config_from_dict(_raw(model, data, run_dir))
+    config = config_from_dict(_raw(model, data, run_dir), list(overrides))
     with LocalCluster(config, run_dir, scheduler=False, grace_s=10) as cluster:
         h = cluster.start(timeout_s=180)
         first_pid = cluster.pids["trainer"]
@@ -145,3 +151,25 @@ def test_a_killed_trainer_is_restarted_and_the_run_finishes_as_without_the_fault
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0, msg=name)
     log = (tmp_path / "fault" / "metrics.jsonl").read_text().splitlines()
     assert len(log) == STEPS + 1  # step 3 logged twice: before the fault, and redone
+
+
+def test_a_pipelined_run_recovers_from_the_trainers_death(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    clean_run: tuple[Path, list[StepRecord], dict[str, torch.Tensor]],
+) -> None:
+    """Pipelined: the batches generated ahead are dropped (their weights are gone with
+    the trainer), the pipeline starts again at the restored step, same data order."""
+    data, clean, _ = clean_run
+    records, _, cluster, pid_moved = _run(
+        tiny_model_dir,
+        data,
+        tmp_path / "fault",
+        kill_after=3,
+        overrides=("trainer.pipeline.enable=true",),
+    )
+    assert pid_moved != 0 and cluster.restarts == {"trainer": 1}
+    assert [r.step for r in records] == [1, 2, 3, 4]
+    assert [r.indices for r in records] == [r.indices for r in clean]
+    assert records[-1].metrics["fault/trainer_recoveries"] == 1.0
+    assert records[-1].metrics["staleness/max"] <= 1.0

@@ -673,14 +673,3 @@ def resolve(cfg: Config) -> None:
         overlong = overlong.model_copy(update={"max_resp_len": cfg.rollout.response_length})
         cfg.reward = cfg.reward.model_copy(update={"overlong_buffer": overlong})
     cfg.trainer = cfg.trainer.model_copy(update={"default_local_dir": str(cfg.run_dir())})
-
-
-@_check("trainer.recovery", "trainer.pipeline")
-def _check_recovery(cfg: Config) -> Iterator[ConfigIssue]:
-    if cfg.trainer.recovery.enable and cfg.trainer.pipeline.enable:
-        yield ConfigIssue(
-            "trainer.recovery.enable",
-            "recovering from a trainer restart is implemented for synchronous runs only "
-            "(trainer.pipeline.enable is true)",
-            True,
-        )

@@ -975,7 +975,8 @@ class RecoveryConfig(_Section):
     address; the driver, whose trainer call failed, waits for it, has it load the last
     checkpoint (none yet: the initial model), rewinds its own step counter and data
     order to that point, pushes the restored weights to the rollout replicas (which
-    kept running) and redoes the steps since. Synchronous runs only.
+    kept running) and redoes the steps since. Pipelined runs drop the batches generated
+    ahead (for weights the restore discards) and start the pipeline again there.
     """
 
     enable: bool = Field(default=False, description="restart the trainer and recover the run")
