@@ -149,24 +149,32 @@ class Tracer:
                 self._file.flush()
 
     @contextlib.contextmanager
-    def span(self, name: str, *, root: bool = False, **attributes: Any) -> Iterator[dict[str, Any]]:
-        """A span around the block, child of the current one (``root``: a new trace).
-
-        Yields its attributes, which the block may add to.
-        """
+    def timed(
+        self, name: str, *, root: bool = False, **attributes: Any
+    ) -> Iterator[tuple[SpanContext, dict[str, Any]]]:
+        """Time the block as span ``name`` (child of the current one; ``root``: a new
+        trace), without making it current; yields its context and its attributes
+        (which the block may add to). A failure is recorded as ``error``."""
         parent = None if root else _CURRENT.get()
         ctx = SpanContext(parent.trace_id if parent else _new_id(16), _new_id(8))
         attrs = dict(attributes)
         start = time.time_ns()
-        token = _CURRENT.set(ctx)
         try:
-            yield attrs
+            yield ctx, attrs
         except BaseException as e:
-            attrs["error"] = f"{type(e).__name__}: {e}"
+            attrs["error"] = f"{type(e).__name__}: {e}"[:_MAX_ATTR_CHARS]
             raise
         finally:
-            _CURRENT.reset(token)
             self.record(name, start, time.time_ns(), ctx, parent, attrs)
+
+    @contextlib.contextmanager
+    def span(self, name: str, *, root: bool = False, **attributes: Any) -> Iterator[dict[str, Any]]:
+        """A span around the block, current inside it (``root``: a new trace).
+
+        Yields its attributes, which the block may add to.
+        """
+        with self.timed(name, root=root, **attributes) as (ctx, attrs), attached(ctx):
+            yield attrs
 
     def close(self) -> None:
         with self._lock:
@@ -205,21 +213,11 @@ def traced_stream(name: str, items: Iterator[Any], **attributes: Any) -> Iterato
     """``items`` passed through, recorded as one span (child of the current one) from
     the first item asked for to the last, with ``results`` counted. For streaming
     handlers, where a context variable cannot be held across the yields."""
-    parent = _CURRENT.get()
-    ctx = SpanContext(parent.trace_id if parent else _new_id(16), _new_id(8))
-    start = time.time_ns()
-    n = 0
-    attrs = dict(attributes)
-    try:
+    with _TRACER.timed(name, **attributes) as (_ctx, attrs):
+        attrs["results"] = 0
         for item in items:
-            n += 1
+            attrs["results"] += 1
             yield item
-    except BaseException as e:
-        attrs["error"] = f"{type(e).__name__}: {e}"
-        raise
-    finally:
-        attrs["results"] = n
-        _TRACER.record(name, start, time.time_ns(), ctx, parent, attrs)
 
 
 def configure(config: Any, service: str) -> None:

@@ -903,12 +903,15 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ trainer recovery
 
-    def _trainer_lost(self) -> bool:
-        """After a failed step: is the trainer gone (dead, or restarted with a fresh
-        state) rather than refusing the request? Only with ``trainer.recovery``."""
+    def _trainer_lost(self, error: RlfleetError) -> bool:
+        """After a step failed with ``error``: is the trainer gone (dead, or restarted
+        with a fresh state) rather than refusing the request? Only with
+        ``trainer.recovery``."""
         address = getattr(self._w.trainer, "address", None)
         if not self.config.trainer.recovery.enable or not address:
             return False
+        if isinstance(error, TrainerRestarted):
+            return True
         from rlfleet.common.rpc import wait_for_ready
 
         try:
@@ -1069,10 +1072,7 @@ class PPOTrainer:
                     attrs["samples"] = len(gb.samples)
                     records.append(self._finish_step(gb, tracking, t0, wait_s=0.0))
             except RlfleetError as e:
-                restarted = isinstance(e, TrainerRestarted)
-                if not (restarted and self.config.trainer.recovery.enable) and not (
-                    self._trainer_lost()
-                ):
+                if not self._trainer_lost(e):
                     raise
                 self._recover_trainer(e, tracking)
                 records = [r for r in records if r.step <= self.global_steps]
@@ -1085,10 +1085,7 @@ class PPOTrainer:
                 self._pipeline(tracking, records)
                 return records
             except RlfleetError as e:
-                restarted = isinstance(e, TrainerRestarted)
-                if not (restarted and self.config.trainer.recovery.enable) and not (
-                    self._trainer_lost()
-                ):
+                if not self._trainer_lost(e):
                     raise
                 # The generation in flight ends (the replicas are up); the batches made
                 # ahead were for weights the restore drops: the pipeline starts again

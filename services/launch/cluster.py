@@ -244,6 +244,14 @@ def cluster_tls(config: Config) -> TLSConfig | None:
     )
 
 
+def fleet_metrics(events: Mapping[str, int], rollout_replicas: int) -> dict[str, float]:
+    """A launcher's step metrics: its event counts (``fleet/restarted``, ...) and
+    ``fleet/rollout_replicas``."""
+    out = {f"fleet/{k}": float(v) for k, v in sorted(events.items())}
+    out["fleet/rollout_replicas"] = float(rollout_replicas)
+    return out
+
+
 def deregister_address(scheduler: str, address: str) -> None:
     """Drop the rollout registry entries at ``address`` (as the driver): a dead or
     removed replica leaves the fleet at once, and its restart may take the address.
@@ -781,9 +789,7 @@ class LocalCluster:
 
     def fleet_metrics(self) -> dict[str, float]:
         """What the launcher did, for the run's step metrics (``fleet/...``)."""
-        out = {f"fleet/{k}": float(v) for k, v in sorted(self.events.items())}
-        out["fleet/rollout_replicas"] = float(len(self.rollout_replicas()))
-        return out
+        return fleet_metrics(self.events, len(self.rollout_replicas()))
 
     def _launch(self, proc: _Proc) -> None:
         if proc.address_file is not None:

@@ -68,6 +68,7 @@ from rlfleet.launch.cluster import (
     ServiceStartError,
     cluster_tls,
     deregister_address,
+    fleet_metrics,
     log_tail,
     reward_argv,
     rollout_argv,
@@ -937,9 +938,7 @@ class RayCluster:
 
     def fleet_metrics(self) -> dict[str, float]:
         """What the launcher did, for the run's step metrics (``fleet/...``)."""
-        out = {f"fleet/{k}": float(v) for k, v in sorted(self.events.items())}
-        out["fleet/rollout_replicas"] = float(len(self.rollout_replicas()))
-        return out
+        return fleet_metrics(self.events, len(self.rollout_replicas()))
 
     # ------------------------------------------------------------------ inspect / stop
 

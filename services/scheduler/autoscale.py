@@ -163,10 +163,13 @@ class Autoscaler:
             step=status.global_step if started else -1,
         )
 
-    def desired(self) -> int:
-        """The count the launcher is asked for (the alive count until one is set)."""
+    def desired(self, alive: int | None = None) -> int:
+        """The count the launcher is asked for (until one is set: the replicas alive,
+        ``alive`` when the caller has just counted them)."""
         desired, _ = self.core.scale("rollout")
-        return int(desired) or len(self.core.list_services("rollout", alive_only=True))
+        if desired:
+            return int(desired)
+        return len(self.core.list_services("rollout", alive_only=True)) if alive is None else alive
 
     def check(self) -> AutoscaleEvent | None:
         """One round: gather, decide, act. Returns the decision taken, if any."""
@@ -174,7 +177,7 @@ class Autoscaler:
             sig = self.signals()
             if sig.replicas == 0 and not self.core.scale("rollout")[0]:
                 return None  # the launcher is still starting the fleet
-            target = self.desired()
+            target = self.desired(sig.replicas)
             if sig.replicas != target:
                 return None  # the launcher is still adding or draining replicas
             now = self._clock()

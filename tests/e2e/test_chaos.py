@@ -19,10 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from runlib import arithmetic, grpo_config, loader_order
 
 from rlfleet.common.config import config_from_dict
 from rlfleet.driver.clients import remote_workers
-from rlfleet.driver.data.preprocess import preprocess
 from rlfleet.driver.loop import PPOTrainer, StepRecord
 from rlfleet.launch.cluster import LocalCluster
 from rlfleet.launch.trace_cli import load_spans, step_trace
@@ -36,67 +36,37 @@ STEPS = max(10, int(os.environ.get("RLFLEET_CHAOS_STEPS", "10")))
 BATCH = 4
 
 
-def _expected_order(trainer: PPOTrainer, steps: int) -> list[list[int]]:
-    from rlfleet.driver.data.sampler import PromptLoader
-
-    d = trainer.config.data
-    loader = PromptLoader(trainer.train_dataset, d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
-    out: list[list[int]] = []
-    while len(out) < steps:
-        for batch in loader:
-            out.append([int(i) for i in batch["index"]])
-            if len(out) == steps:
-                break
-    return out
-
-
 def test_the_run_survives_replica_reward_and_trainer_faults_while_autoscaling(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    data = tmp_path / "data"
     # More prompts than the run trains: every step's are new ones.
-    preprocess("arithmetic", None, data, n=4 * STEPS * BATCH, n_test=8, digits=2, ops="+-*", seed=0)
+    data = arithmetic(tmp_path / "data", n=4 * STEPS * BATCH, digits=2)
     run_dir = tmp_path / "run"
-    config = config_from_dict(
-        {
-            "data": {
-                "train_files": str(data / "train.parquet"),
-                "val_files": str(data / "test.parquet"),
-                "train_batch_size": BATCH,
-                "max_prompt_length": 64,
-                "max_response_length": 8,
-            },
-            "actor": {"model_path": str(tiny_model_dir), "ppo_mini_batch_size": BATCH},
-            "rollout": {"n": 2, "replicas": 2},
-            "algorithm": {"adv_estimator": "grpo"},
-            "reward": {"num_workers": 1},
-            "trainer": {
-                "total_training_steps": STEPS,
-                "test_freq": -1,
-                "save_freq": 2,
-                "default_local_dir": str(run_dir),
-                "resume_mode": "disable",
-                "logger": ["jsonl"],
-                "val_before_train": False,
-                "recovery": {"enable": True, "wait_s": 180},
-            },
-            "services": {"max_restarts": 3, "restart_backoff_s": 0.2},
-            "scheduler": {
-                "autoscale": {
-                    "enable": True,
-                    "min_replicas": 2,
-                    "max_replicas": 3,
-                    # Generation is well above a tenth of a step here: one replica
-                    # more at the first measured step, then held at the maximum.
-                    "target_gen_share": 0.1,
-                    "cooldown_s": 0,
-                    "interval_s": 0.5,
-                }
-            },
-            "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
-            "mapping": {"actor": "train_pool", "rollout": "rollout_pool"},
-        }
+    raw = grpo_config(
+        tiny_model_dir,
+        data,
+        run_dir,
+        rollout={"replicas": 2},
+        trainer={
+            "total_training_steps": STEPS,
+            "save_freq": 2,
+            "recovery": {"enable": True, "wait_s": 180},
+        },
+        services={"max_restarts": 3, "restart_backoff_s": 0.2},
+        scheduler={
+            "autoscale": {
+                "enable": True,
+                "min_replicas": 2,
+                "max_replicas": 3,
+                # Generation is well above a tenth of a step here: one replica more
+                # at the first measured step, then held at the maximum.
+                "target_gen_share": 0.1,
+                "cooldown_s": 0,
+                "interval_s": 0.5,
+            }
+        },
     )
+    config = config_from_dict(raw)
     with LocalCluster(config, run_dir, heartbeat_interval_s=0.5, grace_s=10) as cluster:
         h = cluster.start(timeout_s=180)
         frozen: list[int] = []
@@ -148,7 +118,7 @@ def test_the_run_survives_replica_reward_and_trainer_faults_while_autoscaling(
                 fleet_metrics=cluster.fleet_metrics,
             ) as trainer:
                 records = trainer.fit()
-                expected = _expected_order(trainer, STEPS)
+                expected = loader_order(trainer, STEPS)
         finally:
             for pid in frozen:
                 os.kill(pid, signal.SIGCONT)

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from runlib import arithmetic, grpo_config
 
 from rlfleet.common.config import config_from_dict
 from rlfleet.driver.clients import remote_workers
-from rlfleet.driver.data.preprocess import preprocess
 from rlfleet.driver.loop import PPOTrainer, StepRecord
 from rlfleet.launch.cluster import LocalCluster
 from rlfleet.scheduler.client import RemoteSchedulerClient
@@ -30,34 +30,16 @@ N = 2
 def test_a_frozen_replica_is_fenced_its_work_requeued_and_it_rejoins(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    data = tmp_path / "data"
-    preprocess("arithmetic", None, data, n=64, n_test=8, digits=1, ops="+-*", seed=0)
+    data = arithmetic(tmp_path / "data")
     run_dir = tmp_path / "run"
     config = config_from_dict(
-        {
-            "data": {
-                "train_files": str(data / "train.parquet"),
-                "val_files": str(data / "test.parquet"),
-                "train_batch_size": BATCH,
-                "max_prompt_length": 64,
-                "max_response_length": 8,
-            },
-            "actor": {"model_path": str(tiny_model_dir), "ppo_mini_batch_size": BATCH},
-            "rollout": {"n": N, "replicas": 2},
-            "algorithm": {"adv_estimator": "grpo"},
-            "reward": {"num_workers": 1},
-            "trainer": {
-                "total_training_steps": STEPS,
-                "test_freq": -1,
-                "save_freq": -1,
-                "default_local_dir": str(run_dir),
-                "resume_mode": "disable",
-                "logger": ["jsonl"],
-                "val_before_train": False,
-            },
-            "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
-            "mapping": {"actor": "train_pool", "rollout": "rollout_pool"},
-        }
+        grpo_config(
+            tiny_model_dir,
+            data,
+            run_dir,
+            rollout={"n": N, "replicas": 2},
+            trainer={"total_training_steps": STEPS},
+        )
     )
     with LocalCluster(config, run_dir, heartbeat_interval_s=0.5, grace_s=10) as cluster:
         h = cluster.start(timeout_s=180)
@@ -110,35 +92,9 @@ def test_a_frozen_reward_service_costs_a_wait_not_the_run(
     the call up, the driver retries (reward.retry_s) until it answers again."""
     import threading
 
-    data = tmp_path / "data"
-    preprocess("arithmetic", None, data, n=64, n_test=8, digits=1, ops="+-*", seed=0)
+    data = arithmetic(tmp_path / "data")
     run_dir = tmp_path / "run"
-    config = config_from_dict(
-        {
-            "data": {
-                "train_files": str(data / "train.parquet"),
-                "val_files": str(data / "test.parquet"),
-                "train_batch_size": BATCH,
-                "max_prompt_length": 64,
-                "max_response_length": 8,
-            },
-            "actor": {"model_path": str(tiny_model_dir), "ppo_mini_batch_size": BATCH},
-            "rollout": {"n": N},
-            "algorithm": {"adv_estimator": "grpo"},
-            "reward": {"num_workers": 1, "retry_s": 120},
-            "trainer": {
-                "total_training_steps": 3,
-                "test_freq": -1,
-                "save_freq": -1,
-                "default_local_dir": str(run_dir),
-                "resume_mode": "disable",
-                "logger": ["jsonl"],
-                "val_before_train": False,
-            },
-            "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
-            "mapping": {"actor": "train_pool", "rollout": "rollout_pool"},
-        }
-    )
+    config = config_from_dict(grpo_config(tiny_model_dir, data, run_dir, reward={"retry_s": 120}))
     with LocalCluster(config, run_dir, scheduler=False, grace_s=10) as cluster:
         h = cluster.start(timeout_s=180)
         reward = cluster.pids["reward"]

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from runlib import loader_order
 
 from rlfleet.common.config import Config, config_from_dict
 from rlfleet.driver.clients import remote_workers
@@ -133,25 +134,10 @@ def test_stopped_run_resumes_over_grpc(
         first = [r.indices for r in t.history]
     with PPOTrainer(config=cfg, role_worker_mapping=_mapping(handle)) as t:
         second = t.fit()
-        expected = _loader_order(t, 4)
+        expected = loader_order(t, 4)
     assert [r.step for r in second] == [3, 4]
     assert first == expected[:3]
     assert [r.indices for r in second] == expected[2:]
-
-
-def _loader_order(trainer: PPOTrainer, steps: int) -> list[list[int]]:
-    """The prompts of steps 1..steps, straight from a fresh loader with the same seed."""
-    from rlfleet.driver.data.sampler import PromptLoader
-
-    d = trainer.config.data
-    loader = PromptLoader(trainer.train_dataset, d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
-    out: list[list[int]] = []
-    while len(out) < steps:
-        for batch in loader:
-            out.append([int(i) for i in batch["index"]])
-            if len(out) == steps:
-                break
-    return out
 
 
 def test_rlfleet_train_killed_and_resumed(

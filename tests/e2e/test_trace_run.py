@@ -8,11 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from runlib import arithmetic, grpo_config
 
 from rlfleet.cli import main
 from rlfleet.common.config import config_from_dict
 from rlfleet.driver.clients import remote_workers
-from rlfleet.driver.data.preprocess import preprocess
 from rlfleet.driver.loop import PPOTrainer
 from rlfleet.launch.cluster import LocalCluster
 from rlfleet.launch.trace_cli import load_spans, step_trace
@@ -23,34 +23,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def test_a_steps_spans_cross_every_service_and_rlfleet_trace_shows_them(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    data = tmp_path / "data"
-    preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+-*", seed=0)
+    data = arithmetic(tmp_path / "data", n=32)
     run_dir = tmp_path / "run"
     config = config_from_dict(
-        {
-            "data": {
-                "train_files": str(data / "train.parquet"),
-                "val_files": str(data / "test.parquet"),
-                "train_batch_size": 4,
-                "max_prompt_length": 64,
-                "max_response_length": 8,
-            },
-            "actor": {"model_path": str(tiny_model_dir), "ppo_mini_batch_size": 4},
-            "rollout": {"n": 2},
-            "algorithm": {"adv_estimator": "grpo"},
-            "reward": {"num_workers": 1},
-            "trainer": {
-                "total_training_steps": 2,
-                "test_freq": -1,
-                "save_freq": -1,
-                "default_local_dir": str(run_dir),
-                "resume_mode": "disable",
-                "logger": ["jsonl"],
-                "val_before_train": False,
-            },
-            "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
-            "mapping": {"actor": "train_pool", "rollout": "rollout_pool"},
-        }
+        grpo_config(tiny_model_dir, data, run_dir, trainer={"total_training_steps": 2})
     )
     with LocalCluster(config, run_dir, scheduler=False) as cluster:
         h = cluster.start(timeout_s=180)

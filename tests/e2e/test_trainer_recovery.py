@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 import torch
+from runlib import arithmetic, grpo_config
 
 from rlfleet.common.config import config_from_dict
 from rlfleet.driver.clients import remote_workers
-from rlfleet.driver.data.preprocess import preprocess
 from rlfleet.driver.loop import PPOTrainer, StepRecord
 from rlfleet.launch.cluster import LocalCluster
 
@@ -31,32 +31,17 @@ STEPS = 4
 
 
 def _raw(model: Path, data: Path, run_dir: Path) -> dict[str, Any]:
-    return {
-        "data": {
-            "train_files": str(data / "train.parquet"),
-            "val_files": str(data / "test.parquet"),
-            "train_batch_size": 4,
-            "max_prompt_length": 64,
-            "max_response_length": 8,
-        },
-        "actor": {"model_path": str(model), "lr": 1e-4, "ppo_mini_batch_size": 4},
-        "rollout": {"n": 2},
-        "algorithm": {"adv_estimator": "grpo"},
-        "reward": {"num_workers": 1},
-        "trainer": {
+    return grpo_config(
+        model,
+        data,
+        run_dir,
+        trainer={
             "total_training_steps": STEPS,
-            "test_freq": -1,
             "save_freq": 2,
-            "default_local_dir": str(run_dir),
-            "resume_mode": "disable",
-            "logger": ["jsonl"],
-            "val_before_train": False,
             "recovery": {"enable": True, "wait_s": 180},
         },
-        "services": {"max_restarts": 2, "restart_backoff_s": 0.2},
-        "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
-        "mapping": {"actor": "train_pool", "rollout": "rollout_pool"},
-    }
+        services={"max_restarts": 2, "restart_backoff_s": 0.2},
+    )
 
 
 def _run(
@@ -116,8 +101,7 @@ def clean_run(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, list[StepRecord], dict[str, torch.Tensor]]:
     root = tmp_path_factory.mktemp("recovery")
-    data = root / "data"
-    preprocess("arithmetic", None, data, n=64, n_test=8, digits=1, ops="+-*", seed=0)
+    data = arithmetic(root / "data")
     clean, weights, _, _ = _run(tiny_model_dir, data, root / "clean", kill_after=None)
     return data, clean, weights
 
