@@ -755,6 +755,6 @@ def test_verl_node_keys_build_the_default_pool() -> None:
 
 
 def test_trainer_recovery_is_refused_where_nothing_restarts_the_trainer() -> None:
-    with pytest.raises(ConfigError, match="trainer.recovery.enable: the Ray launcher"):
+    with pytest.raises(ConfigError, match=r"trainer\.recovery\.enable: the Ray launcher"):
         config_from_dict({"launcher": "ray", "trainer": {"recovery": {"enable": True}}})
     assert config_from_dict({"trainer": {"recovery": {"enable": True}}}).trainer.recovery.enable
