@@ -147,4 +147,3 @@ def test_metrics_count_decisions_and_show_the_desired_count() -> None:
     assert 'rlfleet_autoscale_decisions_total{direction="up"} 1.0' in text
     assert 'rlfleet_autoscale_decisions_total{direction="down"} 0.0' in text
     assert "rlfleet_autoscale_desired_replicas 2.0" in text
-
