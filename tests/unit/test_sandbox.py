@@ -356,6 +356,41 @@ def test_concurrent_runs_stay_apart(box: Sandbox) -> None:
         assert all(r.uid >= sb._UID_BASE for r in results)
 
 
+def test_runs_started_beside_a_live_grpc_server_all_start(box: Sandbox) -> None:
+    """A tools or reward server starts programs while gRPC's poller threads run.
+
+    A plain fork() there runs gRPC's fork handlers in the child, which restart a
+    poller that then dies on the descriptors closed before the exec (SIGABRT in
+    about 1 start in 300 before the fix): every one of many starts must run.
+    """
+    from concurrent import futures
+
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        grpc.channel_ready_future(channel).result(timeout=10)
+        with futures.ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda i: box.run_python(["-c", f"print({i})"]), range(900)))
+    finally:
+        channel.close()
+        server.stop(None)
+    failed = [(i, r) for i, r in enumerate(results) if text(r.stdout).strip() != str(i)]
+    assert failed == [], failed[:3]
+
+
+def test_a_root_caller_switches_user_after_the_exec() -> None:
+    cmd, popen_kw = sb._as_user(["/bin/true"], 1234)
+    if shutil.which("setpriv") is None:
+        assert popen_kw == {"user": 1234, "group": 1234, "extra_groups": []}
+    else:
+        assert popen_kw == {} and cmd[-2:] == ["--", "/bin/true"]
+        assert {"--reuid=1234", "--regid=1234", "--clear-groups"} <= set(cmd)
+
+
 # --------------------------------------------------------------------- probing
 
 
