@@ -207,6 +207,15 @@ class ServiceActor:
             return proc.wait(timeout=10)
 
 
+def _keep_port(svc: _Service) -> None:
+    """Make ``svc``'s next start listen on the port it has now (every client's address
+    of it stays valid)."""
+    argv = list(svc.launch["argv"])
+    if svc.address and "--port" in argv:
+        argv[argv.index("--port") + 1] = svc.address.rpartition(":")[2]
+    svc.launch["argv"] = argv
+
+
 def _serving_line(log: Path, start: int) -> dict[str, Any] | None:
     try:
         with open(log, "rb") as f:
@@ -719,6 +728,9 @@ class RayCluster:
         for svc in services:
             if self._stopped:
                 return
+            with self._lock:
+                if svc not in self._services:
+                    continue  # replaced this round (a trainer rank restarted with rank 0)
             try:
                 code = ray.get(svc.actor.poll.remote(), timeout=15)
             except ray.exceptions.GetTimeoutError:
@@ -772,9 +784,8 @@ class RayCluster:
         self.events["replaced"] += 1
         logger.warning("%s replaced at %s on node %s", new.name, new.address, new.info.get("ip"))
 
-    def _relaunch(
-        self, ray: Any, svc: _Service, *, timeout_s: float, actor: Any = None
-    ) -> _Service:
+    def _relaunch(self, ray: Any, svc: _Service, *, timeout_s: float) -> _Service:
+        """Start ``svc`` again in a new actor of its bundle (its old one is gone)."""
         deadline = time.monotonic() + timeout_s
         launch = svc.launch
         new = self._launch(
@@ -790,7 +801,6 @@ class RayCluster:
             deadline,
             address_file=launch["address_file"],
             wait_address=launch["wait_address"],
-            actor=actor,
         )
         try:
             self._finish(ray, new, deadline)
@@ -804,20 +814,31 @@ class RayCluster:
         return new
 
     def _restart(self, ray: Any, svc: _Service, code: int) -> None:
-        """A service process exited: start it again in its actor, on its port."""
-        if svc.kind not in ("rollout", "reward"):
+        """A service process exited: start it again in its actor, on its port.
+
+        Rollout replicas, the reward service and the scheduler always (its registry is
+        rebuilt: replicas register again at their next heartbeat, the reward service and
+        the trainer are registered again here); the trainer with ``trainer.recovery``,
+        every rank of it (the driver restores the last checkpoint into it)."""
+        restartable = {"rollout", "reward", "scheduler"}
+        if self.config.trainer.recovery.enable:
+            restartable.add("trainer")
+        if svc.kind not in restartable:
             self.given_up.add(svc.name)
             logger.error(
                 "%s (%s) exited with code %s: not restarted (its state is in "
-                "memory; resume from the last checkpoint)",
+                "memory; resume from the last checkpoint, or set trainer.recovery.enable)",
                 svc.name,
                 svc.address,
                 code,
             )
             return
-        done = self.restarts.get(svc.name, 0)
+        # The trainer's ranks are one group: they stop, count and start together.
+        group = self._trainer_ranks() if svc.kind == "trainer" else [svc]
+        key = "trainer" if svc.kind == "trainer" else svc.name
+        done = self.restarts.get(key, 0)
         if done >= self.config.services.max_restarts:
-            self.given_up.add(svc.name)
+            self.given_up.update(s.name for s in group)
             logger.error(
                 "%s (%s) exited with code %s after %d restart(s): giving up",
                 svc.name,
@@ -828,32 +849,79 @@ class RayCluster:
             return
         backoff = self.config.services.restart_backoff_s * 2.0**done
         logger.warning(
-            "%s (%s) exited with code %s: restarting it in %.1fs (%d of %d)",
+            "%s (%s) exited with code %s: restarting %s in %.1fs (%d of %d)",
             svc.name,
             svc.address,
             code,
+            "every trainer rank" if len(group) > 1 else "it",
             backoff,
             done + 1,
             self.config.services.max_restarts,
         )
+        for other in group:
+            if other is not svc:  # a group with a rank gone cannot go on
+                with contextlib.suppress(Exception):
+                    ray.get(other.actor.stop.remote(2.0), timeout=20)
         time.sleep(backoff)
         if self._stopped:
             return
-        self.restarts[svc.name] = done + 1
+        self.restarts[key] = done + 1
         self.events["restarted"] += 1
-        port = svc.address.rpartition(":")[2] if svc.address else "0"
-        argv = list(svc.launch["argv"])
-        if "--port" in argv:
-            argv[argv.index("--port") + 1] = port
-        svc.launch["argv"] = argv
         if svc.kind == "rollout":
             self._deregister(svc.address)
         with self._lock:
-            self._services.remove(svc)
+            for member in group:
+                self._services.remove(member)
+        if len(group) > 1:
+            # A fresh rendezvous port: the old one may linger in TIME_WAIT.
+            port = ray.get(group[0].actor.free_port.remote(), timeout=20)
+            for member in group:
+                member.launch["env"] = {**member.launch["env"], "MASTER_PORT": str(port)}
+        for member in group:
+            _keep_port(member)
+        deadline = time.monotonic() + 120.0
         try:
-            self._relaunch(ray, svc, timeout_s=120.0, actor=svc.actor)
+            # Every rank starts before any is awaited: rank 0 serves only once the
+            # group has formed.
+            fresh = [self._launch_again(ray, m, deadline) for m in group]
+            for new in fresh:
+                self._finish(ray, new, deadline)
         except Exception as e:
             logger.error("restarting %s failed: %s", svc.name, e)
+            return
+        logger.warning("%s restarted at %s", svc.name, fresh[0].address)
+        if svc.kind == "scheduler":
+            self._scale_generation = 0  # a new scheduler numbers its requests from 1 again
+            try:
+                self._register_probed(time.monotonic() + 30.0)
+            except Exception as e:  # the next restart of it, or the run, will tell
+                logger.error("registering reward and trainer with the restarted scheduler "
+                             "failed: %s", e)  # fmt: skip
+
+    def _trainer_ranks(self) -> list[_Service]:
+        """The trainer's rank actors, rank 0 first."""
+        with self._lock:
+            ranks = [s for s in self._services if s.kind == "trainer"]
+        return sorted(ranks, key=lambda s: int(s.launch["env"].get("RANK", "0")))
+
+    def _launch_again(self, ray: Any, svc: _Service, deadline: float) -> _Service:
+        """Start ``svc``'s process again in its actor, as it was started."""
+        launch = svc.launch
+        return self._launch(
+            ray,
+            svc.name,
+            svc.kind,
+            svc.pool,
+            svc.bundle,
+            list(launch["argv"]),
+            dict(launch["env"]),
+            launch["config_path"],
+            launch["config_text"],
+            deadline,
+            address_file=launch["address_file"],
+            wait_address=launch["wait_address"],
+            actor=svc.actor,
+        )
 
     def rollout_replicas(self) -> list[str]:
         """Names of the rollout replicas running now."""

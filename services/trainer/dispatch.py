@@ -15,8 +15,9 @@ With one rank no process group is needed: :class:`Dispatcher` calls the method d
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -129,7 +130,10 @@ class Dispatcher:
         if self.world_size == 1:
             return per_rank[0]
         out: list[Any] = [None]
-        dist.scatter_object_list(out, [(op, a, kwargs) for a in per_rank], src=0)
+        try:
+            dist.scatter_object_list(out, [(op, a, kwargs) for a in per_rank], src=0)
+        except RuntimeError as e:  # torch.distributed's errors (a pickling one is not)
+            _group_broken(op, e)
         return out[0][1]
 
     def gather(self, result: Any) -> list[Any]:
@@ -137,7 +141,10 @@ class Dispatcher:
         if self.world_size == 1:
             return [result]
         results: list[Any] = [None] * self.world_size
-        dist.gather_object(result, results, dst=0)
+        try:
+            dist.gather_object(result, results, dst=0)
+        except RuntimeError as e:  # torch.distributed's errors (a pickling one is not)
+            _group_broken("gather", e)
         return results
 
     def run(self, op: str, args: Sequence[Any] | None = None, **kwargs: Any) -> list[Any]:
@@ -146,8 +153,32 @@ class Dispatcher:
         return self.gather(self.ops.run(op, mine, kwargs))
 
     def stop(self) -> None:
-        if self.world_size > 1:
-            self.send(STOP, None, {})
+        """Release the followers (on shutdown: one already gone is no error)."""
+        if self.world_size == 1:
+            return
+        try:
+            dist.scatter_object_list([None], [(STOP, None, {})] * self.world_size, src=0)
+        except RuntimeError as e:
+            logger.warning("followers not released (a rank is already gone): %s", e)
+
+
+GROUP_BROKEN_EXIT = 75
+
+
+def _group_broken(what: str, error: BaseException) -> NoReturn:
+    """A collective of the group failed: a rank is gone (or its link), and no later
+    collective can succeed. Rank 0 leaves at once (exit code ``GROUP_BROKEN_EXIT``), so
+    the driver sees the trainer gone rather than a trainer that fails every call, and
+    the launcher restarts the whole group (``trainer.recovery``)."""
+    logger.critical(
+        "rank 0: %s failed in the process group (%s: %s): a rank is gone; exiting so "
+        "the launcher restarts every rank",
+        what,
+        type(error).__name__,
+        error,
+    )
+    logging.shutdown()
+    os._exit(GROUP_BROKEN_EXIT)
 
 
 def follow(ops: RankOps) -> None:

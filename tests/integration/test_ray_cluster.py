@@ -189,6 +189,71 @@ def test_scale_rollout_one_two_one_mid_run(
 
 
 @pytest.mark.slow
+def test_the_scheduler_and_a_trainer_rank_die_and_the_run_goes_on(
+    ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Under Ray too: the scheduler is SIGKILLed after step 1 (restarted in its actor
+    on its address; the replica registers again), then the trainer's second rank after
+    step 3 (rank 0 leaves its broken group, every rank is restarted, the driver restores
+    the step-2 checkpoint and redoes steps 3 and 4)."""
+    import signal
+    import time
+
+    from rlfleet.driver.clients import remote_workers
+    from rlfleet.driver.loop import PPOTrainer, StepRecord
+    from rlfleet.launch.ray_cluster import RayCluster
+    from rlfleet.scheduler.client import RemoteSchedulerClient
+
+    data = tmp_path / "data"
+    preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+-", seed=0)
+    raw = _raw(tiny_model_dir, data, tmp_path / "run")
+    raw["trainer"].update(
+        total_training_steps=4, save_freq=2, recovery={"enable": True, "wait_s": 240}
+    )
+    raw["services"] = {"max_restarts": 2, "restart_backoff_s": 0.2}
+    config = config_from_dict(raw)
+    assert config.world_size("actor") == 2
+    with RayCluster(config, tmp_path / "run", heartbeat_interval_s=0.5) as cluster:
+        cluster.supervise_interval_s = 0.3
+        handle = cluster.start(timeout_s=300)
+        scheduler = handle.scheduler or ""
+        first = dict(cluster.pids)
+
+        def on_step(record: StepRecord) -> None:
+            if record.step == 1 and cluster.pids["scheduler"] == first["scheduler"]:
+                os.kill(first["scheduler"], signal.SIGKILL)
+                _wait("the scheduler back", lambda: cluster.restarts.get("scheduler") == 1)
+                _wait("the replica registered again", lambda: len(_alive_rollouts(scheduler)) == 1)
+            if record.step == 3 and cluster.pids["trainer-1"] == first["trainer-1"]:
+                os.kill(first["trainer-1"], signal.SIGKILL)
+
+        t0 = time.monotonic()
+        with PPOTrainer(
+            config,
+            role_worker_mapping=remote_workers(handle.trainer, handle.rollout, handle.reward),
+            scheduler=scheduler,
+            on_step=on_step,
+            fleet_metrics=cluster.fleet_metrics,
+        ) as trainer:
+            records = trainer.fit()
+        assert time.monotonic() - t0 < 500
+        assert cluster.restarts == {"scheduler": 1, "trainer": 1}
+        now = cluster.pids
+        assert all(now[n] != first[n] for n in ("scheduler", "trainer", "trainer-1"))
+        assert now["rollout-0"] == first["rollout-0"] and now["reward"] == first["reward"]
+        # The restarted scheduler knows the fleet again (the launcher registered the
+        # trainer and the reward service; the replica registered itself).
+        with RemoteSchedulerClient(scheduler) as client:
+            roles = {e.spec.role for e in client.list_services(alive_only=True)}
+        assert roles == {"rollout", "reward", "trainer"}
+    assert [r.step for r in records] == [1, 2, 3, 4]
+    assert all(len(r.indices) == config.data.train_batch_size for r in records)
+    last = records[-1].metrics
+    assert last["fault/trainer_recoveries"] == 1.0 and last["fault/redone_steps"] == 1.0
+    assert last["fleet/restarted"] == 2.0
+
+
+@pytest.mark.slow
 def test_a_replicas_node_removed_mid_run_is_replaced_and_no_sample_is_lost(
     ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:

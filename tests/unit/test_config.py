@@ -754,7 +754,7 @@ def test_verl_node_keys_build_the_default_pool() -> None:
     assert given.resource_pools == {"train_pool": [3], "rollout_pool": [1]}  # explicit wins
 
 
-def test_trainer_recovery_is_refused_where_nothing_restarts_the_trainer() -> None:
-    with pytest.raises(ConfigError, match=r"trainer\.recovery\.enable: the Ray launcher"):
-        config_from_dict({"launcher": "ray", "trainer": {"recovery": {"enable": True}}})
-    assert config_from_dict({"trainer": {"recovery": {"enable": True}}}).trainer.recovery.enable
+def test_trainer_recovery_is_accepted_by_both_launchers() -> None:
+    for launcher in ("local", "ray"):
+        cfg = config_from_dict({"launcher": launcher, "trainer": {"recovery": {"enable": True}}})
+        assert cfg.trainer.recovery.enable

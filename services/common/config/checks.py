@@ -673,15 +673,3 @@ def resolve(cfg: Config) -> None:
         overlong = overlong.model_copy(update={"max_resp_len": cfg.rollout.response_length})
         cfg.reward = cfg.reward.model_copy(update={"overlong_buffer": overlong})
     cfg.trainer = cfg.trainer.model_copy(update={"default_local_dir": str(cfg.run_dir())})
-
-
-@_check("trainer.recovery", "launcher")
-def _check_recovery(cfg: Config) -> Iterator[ConfigIssue]:
-    if cfg.trainer.recovery.enable and cfg.launcher == "ray":
-        yield ConfigIssue(
-            "trainer.recovery.enable",
-            "the Ray launcher does not restart a dead trainer yet (the local launcher does; "
-            "a trainer given by address in services.trainer may be restarted by its own "
-            "supervisor)",
-            True,
-        )
