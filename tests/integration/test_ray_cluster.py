@@ -189,6 +189,72 @@ def test_scale_rollout_one_two_one_mid_run(
 
 
 @pytest.mark.slow
+def test_the_autoscaler_adds_a_replica_actor_during_a_run(
+    ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The scheduler's autoscaler, fed by the driver's published step timings, asks
+    for a second replica (generation is most of every step here); the Ray launcher
+    starts it as an actor in the rollout pool and the run trains on both."""
+    from rlfleet.common.http import http_get
+    from rlfleet.driver.clients import remote_workers
+    from rlfleet.driver.loop import PPOTrainer, StepRecord
+    from rlfleet.launch.ray_cluster import RayCluster
+
+    data = tmp_path / "data"
+    preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+-", seed=0)
+    raw = _raw(tiny_model_dir, data, tmp_path / "run")
+    raw["resource_pools"] = {"train_pool": [1], "rollout_pool": [1]}
+    raw["trainer"]["total_training_steps"] = 4
+    raw["scheduler"] = {
+        "autoscale": {
+            "enable": True,
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "target_gen_share": 0.01,
+            "target_queue_depth": 1000,
+            "cooldown_s": 0,
+            "interval_s": 0.3,
+        }
+    }
+    config = config_from_dict(raw)
+    seen: dict[int, list[str]] = {}
+    with RayCluster(config, tmp_path / "run", heartbeat_interval_s=0.5) as cluster:
+        cluster.supervise_interval_s = 0.3
+        handle = cluster.start(timeout_s=300)
+        scheduler = handle.scheduler or ""
+
+        def on_step(record: StepRecord) -> None:
+            if record.step == 1:
+                _wait(
+                    "the autoscaler's second replica", lambda: len(_alive_rollouts(scheduler)) == 2
+                )
+            seen[record.step] = _alive_rollouts(scheduler)
+
+        with PPOTrainer(
+            config,
+            role_worker_mapping=remote_workers(handle.trainer, handle.rollout, handle.reward),
+            scheduler=scheduler,
+            on_step=on_step,
+            fleet_metrics=cluster.fleet_metrics,
+        ) as trainer:
+            records = trainer.fit()
+        assert cluster.events["scaled_up"] == 1 and cluster.rollout_replicas() == [
+            "rollout-0",
+            "rollout-1",
+        ]
+        named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+        assert "rlfleet/rollout-1" in named
+        text = http_get(handle.metrics["scheduler"], "/metrics").decode()
+        assert 'rlfleet_autoscale_decisions_total{direction="up"} 1.0' in text
+        assert "rlfleet_autoscale_desired_replicas 2.0" in text
+    assert [len(seen[s]) for s in (1, 2, 3, 4)] == [2, 2, 2, 2]
+    assert all(len(r.indices) == config.data.train_batch_size for r in records)
+    assert records[-1].metrics["fleet/rollout_replicas"] == 2.0
+    log = (tmp_path / "run" / "logs" / "scheduler.log").read_text()
+    assert "autoscale: rollout replicas 1 -> 2 at step 1" in log
+
+
+@pytest.mark.slow
 def test_the_scheduler_and_a_trainer_rank_die_and_the_run_goes_on(
     ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
