@@ -19,7 +19,6 @@ The replica list lives in the run's :class:`~rlfleet.driver.clients.Workers`
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import logging
 import queue
 import threading
@@ -39,7 +38,6 @@ __all__ = ["RolloutFleet"]
 
 logger = logging.getLogger(__name__)
 
-_JOB_SEED_MIX = 7919
 
 PushFn = Callable[[Sequence[RolloutReplica], int], None]
 """``push(replicas, version)``: the trainer's current weights to ``replicas``."""
@@ -134,11 +132,13 @@ class RolloutFleet:
                 attrs["prompt_indices"] = indices
                 attrs["samples"] = 0
                 try:
-                    p = params
-                    if p.seed is not None:
-                        p = dataclasses.replace(p, seed=(p.seed + job * _JOB_SEED_MIX) % (2**63))
+                    # One seed for every shard, and each prompt its index in the whole
+                    # batch as its seed index: a prompt's samples are the same on any
+                    # replica, in any shard, re-queued or not.
                     batch = [prompts[i] for i in indices]
-                    for s in replica.client.generate(batch, p, min_weight_version=min_version):
+                    for s in replica.client.generate(
+                        batch, params, min_weight_version=min_version, seed_indices=indices
+                    ):
                         s.prompt_index = indices[s.prompt_index]
                         attrs["samples"] += 1
                         out.put((job, s))

@@ -51,8 +51,10 @@ loader position *after the batch that step trained on*; batches prefetched by th
 pipeline are not counted, so a resumed run (``trainer.resume_mode: auto``) sees the
 same prompts in the same order at the same step numbers.
 
-Generation seeds are ``trainer.seed`` mixed with the step and the replica, so a
-resumed run also samples the same responses (for a fixed replica count).
+Generation seeds are ``trainer.seed`` mixed with the step, and each prompt's sampling
+noise is keyed by its place in the step's batch (its seed index), so a resumed run
+samples the same responses, whatever the replica count and whichever replica (a
+re-queue after a failure included) generates a prompt.
 
 **Rollout membership.** With a scheduler (``services.scheduler`` or the ``scheduler``
 argument) the driver refreshes its rollout replicas from the registry (alive ROLLOUT

@@ -48,8 +48,10 @@ class RolloutClient(Protocol):
         params: SamplingParams,
         *,
         min_weight_version: int = 0,
+        seed_indices: Sequence[int] | None = None,
     ) -> Iterator[SampleOutput]:
-        """Samples as they finish, each tagged with prompt/sample index and weight version."""
+        """Samples as they finish, each tagged with prompt/sample index and weight
+        version (``seed_indices``: see :class:`~rlfleet.rollout.engine.GenerationRequest`)."""
         ...
 
     def update_weights(
@@ -81,8 +83,11 @@ class InProcessRolloutClient:
         params: SamplingParams,
         *,
         min_weight_version: int = 0,
+        seed_indices: Sequence[int] | None = None,
     ) -> Iterator[SampleOutput]:
-        return self.core.generate(prompts, params, min_weight_version=min_weight_version)
+        return self.core.generate(
+            prompts, params, min_weight_version=min_weight_version, seed_indices=seed_indices
+        )
 
     def update_weights(
         self,
@@ -164,13 +169,17 @@ class RemoteRolloutClient:
         min_weight_version: int = 0,
         detokenize: bool = False,
         prompt_ids: Sequence[str] | None = None,
+        seed_indices: Sequence[int] | None = None,
     ) -> Iterator[SampleOutput]:
         ids = list(prompt_ids) if prompt_ids is not None else [""] * len(prompts)
+        messages = [
+            rollout_pb2.Prompt(id=i, token_ids=list(p)) for i, p in zip(ids, prompts, strict=True)
+        ]
+        if seed_indices is not None:
+            for m, k in zip(messages, seed_indices, strict=True):
+                m.seed_index = int(k)
         request = rollout_pb2.GenerateRequest(
-            prompts=[
-                rollout_pb2.Prompt(id=i, token_ids=list(p))
-                for i, p in zip(ids, prompts, strict=True)
-            ],
+            prompts=messages,
             sampling=serde.sampling_to_proto(params, detokenize=detokenize),
             min_weight_version=min_weight_version,
         )

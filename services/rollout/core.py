@@ -209,12 +209,22 @@ class RolloutCore:
         *,
         min_weight_version: int = 0,
         multi_turn: bool | None = None,
+        seed_indices: Sequence[int] | None = None,
     ) -> GenerationHandle | ConversationHandle:
         """Queue a request; validated now (limits, then the engine's checks), so a bad
         one fails alone. With a multi-turn replica (and ``multi_turn`` not False) the
         request runs as conversations: ``max_tokens`` is each sample's whole response
-        budget, tool turns included."""
-        request = GenerationRequest([list(p) for p in prompts], params)
+        budget, tool turns included. ``seed_indices``: see
+        :class:`~rlfleet.rollout.engine.GenerationRequest`."""
+        if seed_indices is not None:
+            seed_indices = [int(i) for i in seed_indices]
+            if len(seed_indices) != len(prompts):
+                raise InvalidArgument(
+                    f"{len(seed_indices)} seed indices for {len(prompts)} prompts",
+                    field="prompts.seed_index",
+                    value=len(seed_indices),
+                )
+        request = GenerationRequest([list(p) for p in prompts], params, seed_indices)
         if not request.prompts:
             raise InvalidArgument("no prompts", field="prompts")
         self.limits.check(request)
@@ -258,9 +268,12 @@ class RolloutCore:
         params: SamplingParams,
         *,
         min_weight_version: int = 0,
+        seed_indices: Sequence[int] | None = None,
     ) -> Iterator[SampleOutput]:
         """Samples as they finish (any order; each carries its indices)."""
-        handle = self.submit(prompts, params, min_weight_version=min_weight_version)
+        handle = self.submit(
+            prompts, params, min_weight_version=min_weight_version, seed_indices=seed_indices
+        )
         return iter(handle)
 
     def _take_batch(self) -> list[GenerationHandle] | None:

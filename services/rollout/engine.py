@@ -100,10 +100,31 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One caller's prompts (token ids) with its sampling parameters."""
+    """One caller's prompts (token ids) with its sampling parameters.
+
+    ``seed_indices``: with a seed, each prompt's index for its sampling noise (None:
+    its index in the request). A caller that splits one batch of prompts over several
+    requests (the driver over its replicas, a re-queue after a replica fails) gives
+    each prompt its index in the whole batch, and a seeded prompt then gets the same
+    samples whichever request carries it.
+    """
 
     prompts: Sequence[Sequence[int]]
     params: SamplingParams
+    seed_indices: Sequence[int] | None = None
+
+    def seed_index(self, i: int) -> int:
+        """Prompt ``i``'s index for its sampling noise."""
+        return i if self.seed_indices is None else int(self.seed_indices[i])
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """A prompt's own seed from its request's ``seed`` and its seed index (engines that
+    take one seed per prompt, such as vLLM)."""
+    x = (seed * 0x9E3779B97F4A7C15 + index + 1) % (1 << 64)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return (x ^ (x >> 31)) % (1 << 63)
 
 
 @dataclass(slots=True)

@@ -859,8 +859,17 @@ class _Rows:
             [(p.seed if p.seed is not None else secrets.randbits(64)) % (1 << 64) for p in params],
             dtype=np.uint64,
         )
+        # Each prompt's seed index (its index in its request unless the caller gave one).
+        seed_index = np.concatenate(
+            [
+                np.arange(len(r.prompts), dtype=np.uint64)
+                if r.seed_indices is None
+                else np.asarray(r.seed_indices, dtype=np.uint64)
+                for r in requests
+            ]
+        )[uprompt]
         key = _splitmix64(
-            _splitmix64(_splitmix64(seeds[req]) ^ prompt.astype(np.uint64))
+            _splitmix64(_splitmix64(seeds[req]) ^ seed_index)
             ^ sample.astype(np.uint64)
         )
         stop_lists = [

@@ -69,10 +69,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise InvalidArgument(
                 "this replica has no tokenizer to detokenize with", field="sampling.detokenize"
             )
+        seed_indices = None
+        if any(p.HasField("seed_index") for p in request.prompts):
+            seed_indices = [
+                p.seed_index if p.HasField("seed_index") else i
+                for i, p in enumerate(request.prompts)
+            ]
         handle = self.core.submit(
             [list(p.token_ids) for p in request.prompts],
             params,
             min_weight_version=request.min_weight_version,
+            seed_indices=seed_indices,
         )
         # The RPC ending early (cancelled, past its deadline) stops the generation;
         # False: it had already ended before the callback could be added.

@@ -45,6 +45,7 @@ from rlfleet.rollout.engine import (
     GenerationRequest,
     SampleCallback,
     SampleOutput,
+    prompt_seed,
     validate_requests,
 )
 
@@ -248,21 +249,27 @@ class VLLMEngine:
         owner: list[tuple[int, int]] = []
         for r, req in enumerate(requests):
             p = req.params
-            sp = vllm.SamplingParams(
+            kw = dict(
                 n=p.n,
                 temperature=p.temperature,
                 top_p=p.top_p,
                 top_k=p.top_k if p.top_k > 0 else -1,
                 max_tokens=p.max_tokens,
                 stop_token_ids=list(p.stop_token_ids),
-                seed=p.seed,
                 logprobs=0 if p.logprobs else None,
                 ignore_eos=p.ignore_eos,
                 detokenize=False,
             )
+            shared = vllm.SamplingParams(**kw) if p.seed is None else None
             for i, ids in enumerate(req.prompts):
                 prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
-                params.append(sp)
+                # A seeded prompt gets its own seed: its samples do not depend on which
+                # request, or which replica, carries it (see GenerationRequest).
+                if p.seed is None:
+                    params.append(shared)
+                else:
+                    seed = prompt_seed(p.seed, req.seed_index(i))
+                    params.append(vllm.SamplingParams(**kw, seed=seed))
                 owner.append((r, i))
         with self._lock:
             if self._sleep_level:

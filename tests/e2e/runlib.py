@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rlfleet.driver.data.preprocess import preprocess
 from rlfleet.driver.loop import PPOTrainer
 
@@ -66,4 +68,19 @@ def loader_order(trainer: PPOTrainer, steps: int) -> list[list[int]]:
             out.append([int(i) for i in batch["index"]])
             if len(out) == steps:
                 break
+    return out
+
+
+Weights = dict[str, torch.Tensor]
+
+
+def checkpoint_weights(folder: Path) -> Weights:
+    """The actor's weights in a checkpoint folder (its Hugging Face export)."""
+    from safetensors.torch import load_file
+
+    files = sorted((folder / "huggingface").glob("*.safetensors"))
+    assert files, f"no actor weights under {folder}: {sorted(folder.rglob('*'))}"
+    out: Weights = {}
+    for f in files:
+        out.update(load_file(str(f)))
     return out

@@ -4,22 +4,29 @@ the trainer, while the autoscaler moves the rollout count between 2 and 3. The r
 finishes; every step trains its full batch on the prompts the data order gives it
 (none lost, none trained twice); each fault shows in the run's metrics.
 
-The weights are not compared with a fault-free run's here: a re-queued prompt is
-sampled on another replica, with that replica's seed, so the samples (and from there
-the weights) differ. ``test_trainer_recovery.py`` shows the trainer's own restart
-bit-exact.
+A fault-free run of the same config (two replicas, no autoscaler) gives the
+reference: every prompt's samples are keyed by its place in the step's batch, not by
+the replica or the shard that generates it, so a re-queued prompt is sampled as it
+would have been; the trainer's restart redoes its steps bit for bit
+(``test_trainer_recovery.py``). The two runs sample the same responses at every step
+and end with the same weights, up to the float rounding of differently batched
+forwards on the replicas (what is left: the log-probs the replicas report, which the
+trainer uses only for the truncated importance weights, off here).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from runlib import arithmetic, grpo_config, loader_order
+import torch
+from runlib import Weights, arithmetic, checkpoint_weights, grpo_config, loader_order
 
 from rlfleet.common.config import config_from_dict
 from rlfleet.driver.clients import remote_workers
@@ -34,6 +41,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 # faults repeated every 10 steps.
 STEPS = max(10, int(os.environ.get("RLFLEET_CHAOS_STEPS", "10")))
 BATCH = 4
+
+
+def _fault_free(chaos: dict[str, Any], run_dir: Path) -> tuple[list[StepRecord], Weights]:
+    """The chaos run's config without the autoscaler, run without faults."""
+    raw = copy.deepcopy(chaos)
+    del raw["scheduler"]
+    raw["trainer"]["default_local_dir"] = str(run_dir)
+    config = config_from_dict(raw)
+    with LocalCluster(config, run_dir, scheduler=False, grace_s=10) as cluster:
+        h = cluster.start(timeout_s=180)
+        mapping = remote_workers(h.trainer, h.rollout, h.reward)
+        with PPOTrainer(config=config, role_worker_mapping=mapping) as trainer:
+            records = trainer.fit()
+    return records, checkpoint_weights(run_dir / "checkpoints" / f"global_step_{STEPS}")
 
 
 def test_the_run_survives_replica_reward_and_trainer_faults_while_autoscaling(
@@ -151,3 +172,16 @@ def test_the_run_survives_replica_reward_and_trainer_faults_while_autoscaling(
     # Step 8, where the trainer was lost, has two attempts; the first ended in an error.
     attempts = [s for s in spans if s.name == "step" and s.attributes.get("step") == 8]
     assert len(attempts) == 2 and "error" in min(attempts, key=lambda s: s.start_ns).attributes
+
+    # The fault-free reference: the same responses at every step (their lengths and
+    # scores), the same weights at the end.
+    clean, clean_weights = _fault_free(raw, tmp_path / "clean")
+    assert [r.indices for r in clean] == expected
+    for key in ("response_length/mean", "critic/score/mean"):
+        assert [m[s][key] for s in m] == [r.metrics[key] for r in clean], key
+    weights = checkpoint_weights(run_dir / "checkpoints" / f"global_step_{STEPS}")
+    assert weights.keys() == clean_weights.keys()
+    worst = max((weights[k] - clean_weights[k]).abs().max().item() for k in weights)
+    print(f"chaos vs fault-free: largest weight difference {worst:.3g}")
+    for name, tensor in clean_weights.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from runlib import arithmetic, grpo_config
+from runlib import arithmetic, checkpoint_weights, grpo_config
 
 from rlfleet.common.config import config_from_dict
 from rlfleet.driver.clients import remote_workers
@@ -71,7 +71,7 @@ def _run(
         with PPOTrainer(config=config, role_worker_mapping=mapping, on_step=on_step) as t:
             records = t.fit()
         pid = cluster.pids["trainer"]
-    weights = _checkpoint_weights(run_dir / "checkpoints" / f"global_step_{STEPS}")
+    weights = checkpoint_weights(run_dir / "checkpoints" / f"global_step_{STEPS}")
     return records, weights, cluster, pid - first_pid
 
 
@@ -83,17 +83,6 @@ def _serving(address: str) -> bool:
         return check_health(channel, timeout_s=1.0)
     finally:
         channel.close()
-
-
-def _checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted((folder / "huggingface").glob("*.safetensors"))
-    assert files, f"no actor weights under {folder}: {sorted(folder.rglob('*'))}"
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
 
 
 @pytest.fixture(scope="module")

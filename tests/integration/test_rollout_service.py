@@ -117,6 +117,10 @@ def test_generate_n_samples_with_consistent_logprobs(served, tiny_model_dir: Pat
     # In-process client, same seed: the same samples.
     local = by_index(InProcessRolloutClient(core).generate(PROMPTS, params))
     assert [s.token_ids for s in local] == [s.token_ids for s in samples]
+    # The last prompt alone, with its seed index from the whole batch: its samples.
+    with RemoteRolloutClient(address) as client:
+        alone = by_index(client.generate(PROMPTS[2:], params, seed_indices=[2]))
+    assert [s.token_ids for s in alone] == [s.token_ids for s in samples if s.prompt_index == 2]
 
 
 def test_ignore_eos_crosses_grpc(served) -> None:

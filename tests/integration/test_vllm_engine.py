@@ -125,6 +125,16 @@ def test_greedy_matches_hf_and_seeds_reproduce(engine: VLLMEngine, hf: HFEngine)
     assert sample(9) != sample(10)
 
 
+def test_seed_indices_make_a_prompts_samples_independent_of_its_request(
+    engine: VLLMEngine,
+) -> None:
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=13, ignore_eos=True)
+    [whole] = engine.generate([GenerationRequest(PROMPTS, params)])
+    last = len(PROMPTS) - 1
+    [alone] = engine.generate([GenerationRequest(PROMPTS[last:], params, seed_indices=[last])])
+    assert token_ids(alone) == [s.token_ids for s in whole if s.prompt_index == last]
+
+
 def test_stop_token_ids_and_concurrent_requests(engine: VLLMEngine) -> None:
     [[first]] = engine.generate([GenerationRequest(PROMPTS[:1], GREEDY)])
     stop = first.token_ids[2]

@@ -93,6 +93,28 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batchmates(engine: H
     assert [s.token_ids for s in a] != [s.token_ids for s in c]
 
 
+def test_seed_indices_make_a_prompts_samples_independent_of_its_request(
+    engine: HFEngine,
+) -> None:
+    """One batch of three prompts, then the same prompts split over two requests (in
+    another order) with their batch indices as seed indices: the same samples."""
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=13)
+    [whole] = engine.generate([GenerationRequest(PROMPTS, params)])
+    first, second = engine.generate(
+        [
+            GenerationRequest([PROMPTS[2], PROMPTS[0]], params, seed_indices=[2, 0]),
+            GenerationRequest([PROMPTS[1]], params, seed_indices=[1]),
+        ]
+    )
+    split = {(2, s.sample_index): s.token_ids for s in first if s.prompt_index == 0}
+    split |= {(0, s.sample_index): s.token_ids for s in first if s.prompt_index == 1}
+    split |= {(1, s.sample_index): s.token_ids for s in second}
+    assert split == {(s.prompt_index, s.sample_index): s.token_ids for s in whole}
+    # Without them, the prompt alone in its request draws the noise of index 0.
+    [alone] = engine.generate([GenerationRequest([PROMPTS[1]], params)])
+    assert [s.token_ids for s in alone] != [s.token_ids for s in whole if s.prompt_index == 1]
+
+
 def test_top_k_1_is_greedy(engine: HFEngine) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
     topk1 = SamplingParams(temperature=0.9, top_k=1, max_tokens=6, seed=0)
