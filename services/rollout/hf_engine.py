@@ -869,8 +869,7 @@ class _Rows:
             ]
         )[uprompt]
         key = _splitmix64(
-            _splitmix64(_splitmix64(seeds[req]) ^ seed_index)
-            ^ sample.astype(np.uint64)
+            _splitmix64(_splitmix64(seeds[req]) ^ seed_index) ^ sample.astype(np.uint64)
         )
         stop_lists = [
             list(dict.fromkeys([*p.stop_token_ids, *(() if p.ignore_eos else eos)])) for p in params

@@ -711,7 +711,9 @@ class MultiTurn:
                     params,
                     n=1,
                     max_tokens=per_turn,
-                    seed=_mix(base_seed, request.seed_index(c.prompt_index), c.sample_index, c.turns),
+                    seed=_mix(
+                        base_seed, request.seed_index(c.prompt_index), c.sample_index, c.turns
+                    ),
                 )
                 requests.append(GenerationRequest([c.prompt + c.tokens], p))
             handles = core.submit_requests(requests, min_weight_version=min_weight_version)
