@@ -131,6 +131,7 @@ class RolloutFleet:
             ) as attrs:
                 attrs["prompt_indices"] = indices
                 attrs["samples"] = 0
+                versions: set[int] = set()
                 try:
                     # One seed for every shard, and each prompt its index in the whole
                     # batch as its seed index: a prompt's samples are the same on any
@@ -141,11 +142,13 @@ class RolloutFleet:
                     ):
                         s.prompt_index = indices[s.prompt_index]
                         attrs["samples"] += 1
+                        versions.add(s.weight_version)
                         out.put((job, s))
                 except BaseException as e:
                     attrs["error"] = f"{type(e).__name__}: {e}"[:500]
                     out.put((job, e))
                 finally:
+                    attrs["versions"] = sorted(versions)
                     out.put((job, None))
 
         def launch(replica: RolloutReplica, indices: list[int]) -> None:

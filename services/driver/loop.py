@@ -510,7 +510,11 @@ class PPOTrainer:
 
         t0 = time.perf_counter()
         try:
-            with tracing.span("generate", prompts=len(prompts), n=params.n) as attrs:
+            # The call's prompts by dataset index (a shard's and a reward call's
+            # ``prompt_indices`` are places in this list): `rlfleet trace --prompt`.
+            index = batch.get("index")
+            ids = [int(i) for i in index] if index is not None else list(range(len(prompts)))
+            with tracing.span("generate", prompts=ids, n=params.n) as attrs:
                 for s in self._fleet.generate(prompts, params, min_version, stats):
                     pending.append(s)
                     if len(pending) >= chunk:
@@ -540,7 +544,8 @@ class PPOTrainer:
 
     @staticmethod
     def _score(reward: RewardAdapter, batch: Batch, group: list[SampleOutput]) -> Any:
-        with tracing.span("reward", samples=len(group)):
+        places = sorted({s.prompt_index for s in group})
+        with tracing.span("reward", samples=len(group), prompt_indices=places):
             return reward.score(batch, group)
 
     def _produce(self, step: int, min_version: int) -> GeneratedBatch:

@@ -22,7 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Span", "add_arguments", "critical_path", "load_spans", "run", "step_trace"]
+__all__ = [
+    "Attempt",
+    "Span",
+    "add_arguments",
+    "critical_path",
+    "load_spans",
+    "prompt_path",
+    "run",
+    "step_trace",
+]
 
 _MAX_LINE = 1 << 20  # a longer line is not a span this project wrote
 
@@ -174,11 +183,113 @@ def _html(root: Span, step: int) -> str:
     )
 
 
+@dataclass
+class Attempt:
+    """One generation of a prompt (a step redone after a fault generates it again)."""
+
+    step: int
+    root: str  # the trace's root span: "step" (synchronous) or "produce" (pipelined)
+    start_ns: int
+    parts: list[Span]  # its shards (an errored one: re-queued), reward calls, train
+
+
+def prompt_path(spans: Iterable[Span], prompt: int) -> list[Attempt]:
+    """Where dataset prompt ``prompt`` went, in time order: every ``generate`` call that
+    carried it, with the shards that generated it (which replica, the weight versions,
+    an error where the replica failed and the prompt was re-queued), the reward calls
+    that scored it, and the ``train`` call and weight push of the step that trained it
+    (that step's own trace: in pipelined runs, generation has a trace of its own)."""
+    spans = list(spans)
+    by_id = {s.span_id: s for s in spans}
+    roots = {s.trace_id: s for s in spans if s.name in ("step", "produce") and not s.parent_id}
+    steps: dict[int, list[Span]] = {}  # step -> its "step" root spans (one per attempt)
+    for s in roots.values():
+        if s.name == "step":
+            steps.setdefault(int(s.attributes.get("step", 0)), []).append(s)
+    out: list[Attempt] = []
+    for gen in sorted((s for s in spans if s.name == "generate"), key=lambda s: s.start_ns):
+        ids = gen.attributes.get("prompts")
+        if not isinstance(ids, list) or prompt not in ids:
+            continue
+        place = ids.index(prompt)
+        root = roots.get(gen.trace_id)
+        step = int(root.attributes.get("step", 0)) if root is not None else 0
+        parts = [
+            s
+            for s in spans
+            if s.name in ("generate.shard", "reward")
+            and place in (s.attributes.get("prompt_indices") or ())
+            and _under(s, gen, by_id)
+        ]
+        # The step that trained it: its own trace (synchronous: this one), the attempt
+        # that began after this generation did.
+        later = [r for r in steps.get(step, []) if r.end_ns >= gen.end_ns]
+        if later:
+            trained = min(later, key=lambda r: r.start_ns)
+            parts += [
+                s
+                for s in spans
+                if s.trace_id == trained.trace_id and s.name in ("train", "weight_sync")
+            ]
+        parts.sort(key=lambda s: s.start_ns)
+        out.append(Attempt(step, root.name if root else "?", gen.start_ns, parts))
+    return out
+
+
+def _under(span: Span, ancestor: Span, by_id: dict[str, Span]) -> bool:
+    seen = 0
+    while span.parent_id and seen < 64:
+        if span.parent_id == ancestor.span_id:
+            return True
+        parent = by_id.get(span.parent_id)
+        if parent is None:
+            return False
+        span, seen = parent, seen + 1
+    return False
+
+
+def _prompt_report(run_dir: Path, prompt: int, as_json: bool) -> int:
+    attempts = prompt_path(load_spans(run_dir), prompt)
+    if not attempts:
+        print(f"rlfleet trace: prompt {prompt} is in no traced step under "
+              f"{run_dir / 'traces'}", file=sys.stderr)  # fmt: skip
+        return 2
+    if as_json:
+        print(json.dumps([
+            {"step": a.step, "root": a.root,
+             "parts": [{"name": p.name, "service": p.service, "seconds": p.seconds,
+                        "attributes": p.attributes} for p in a.parts]}
+            for a in attempts
+        ]))  # fmt: skip
+        return 0
+    origin = attempts[0].start_ns
+    steps = sorted({a.step for a in attempts})
+    print(f"prompt {prompt}: step(s) {steps}, generated {len(attempts)} time(s)")
+    for a in attempts:
+        print(f"step {a.step} ({a.root} trace) +{(a.start_ns - origin) / 1e9:.3f}s")
+        for p in a.parts:
+            extra = ""
+            if p.name == "generate.shard":
+                versions = p.attributes.get("versions") or []
+                extra = f" weights v{','.join(map(str, versions))}" if versions else ""
+                if "error" in p.attributes:
+                    extra += " (re-queued)"
+            print(f"  {p.label()}{extra}  +{(p.start_ns - origin) / 1e9:.3f}s  {p.seconds:.3f}s")
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--run", required=True, help="the run directory (trainer.default_local_dir)"
     )
-    parser.add_argument("--step", type=int, required=True, help="the step to show")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--step", type=int, help="the step to show")
+    which.add_argument(
+        "--prompt",
+        type=int,
+        help="a prompt's dataset index: every generation of it (replica, weights, "
+        "re-queues), its scoring and the step that trained it",
+    )
     parser.add_argument(
         "--out", default=None, help="timeline HTML (default: RUN/traces/step-N.html)"
     )
@@ -201,6 +312,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"rlfleet trace: no traces under {run_dir} (trainer.trace off, or not a run "
               "directory)", file=sys.stderr)  # fmt: skip
         return 2
+    if args.prompt is not None:
+        return _prompt_report(run_dir, args.prompt, args.json)
     root = step_trace(load_spans(run_dir), args.step)
     if root is None:
         print(f"rlfleet trace: no trace of step {args.step} under {run_dir / 'traces'}",

@@ -32,7 +32,7 @@ from rlfleet.common.config import config_from_dict
 from rlfleet.driver.clients import remote_workers
 from rlfleet.driver.loop import PPOTrainer, StepRecord
 from rlfleet.launch.cluster import LocalCluster
-from rlfleet.launch.trace_cli import load_spans, step_trace
+from rlfleet.launch.trace_cli import load_spans, prompt_path, step_trace
 from rlfleet.scheduler.client import RemoteSchedulerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -172,6 +172,25 @@ def test_the_run_survives_replica_reward_and_trainer_faults_while_autoscaling(
     # Step 8, where the trainer was lost, has two attempts; the first ended in an error.
     attempts = [s for s in spans if s.name == "step" and s.attributes.get("step") == 8]
     assert len(attempts) == 2 and "error" in min(attempts, key=lambda s: s.start_ns).attributes
+
+    # A prompt a failed replica held and the driver re-queued: its trace shows the
+    # failed shard, the replica that generated it instead, its scoring and the step
+    # that trained it.
+    requeued_paths = []
+    for shard in (s for s in spans if s.name == "generate.shard" and "error" in s.attributes):
+        gen = next(s for s in spans if s.span_id == shard.parent_id)
+        for place in shard.attributes["prompt_indices"]:
+            attempts = prompt_path(spans, gen.attributes["prompts"][place])
+            attempt = next(a for a in attempts if any(p is shard for p in a.parts))
+            shards = [p for p in attempt.parts if p.name == "generate.shard"]
+            if len(shards) >= 2:
+                requeued_paths.append((shards, attempt, attempts))
+    assert requeued_paths, "no re-queued prompt in the traces"
+    for shards, attempt, attempts in requeued_paths:
+        assert "error" in shards[0].attributes and "error" not in shards[-1].attributes
+        assert shards[-1].attributes["replica"] != shards[0].attributes["replica"]
+        assert any(p.name == "reward" for p in attempt.parts)
+        assert any(p.name == "train" for p in attempts[-1].parts)
 
     # The fault-free reference: the same responses at every step (their lengths and
     # scores), the same weights at the end.

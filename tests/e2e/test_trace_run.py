@@ -65,3 +65,13 @@ def test_a_steps_spans_cross_every_service_and_rlfleet_trace_shows_them(
     page = (run_dir / "traces" / "step-2.html").read_text()
     assert page.startswith("<!doctype html>") and "<svg" in page and "trainer.update_actor" in page
     assert main(["trace", "--run", str(run_dir), "--step", "9"]) == 2
+    capsys.readouterr()
+    # One prompt's path: the replica and weights that generated it, its scoring, the
+    # step that trained it.
+    prompt = records[1].indices[0]
+    assert main(["trace", "--run", str(run_dir), "--prompt", str(prompt)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"prompt {prompt}: step(s) [2], generated 1 time(s)")
+    assert "generate.shard replica=rollout-0" in out and "weights v1" in out
+    assert "reward samples=" in out and "train rows=8" in out
+    assert main(["trace", "--run", str(run_dir), "--prompt", "100000"]) == 2
