@@ -58,7 +58,13 @@ from rlfleet.rollout.engine import (
     SampleOutput,
     validate_requests,
 )
-from rlfleet.weightsync.lora import LORA_A, LORA_B, is_lora_name, lora_modules, split_lora_name
+from rlfleet.weightsync.lora import (
+    LORA_A,
+    LORA_B,
+    check_lora_update,
+    is_lora_name,
+    lora_modules,
+)
 from rlfleet.weightsync.lora import merge as lora_merge
 
 if TYPE_CHECKING:
@@ -453,70 +459,18 @@ class HFEngine:
     def _check_lora(
         self, specs: Mapping[str, tuple[str, tuple[int, ...]]], *, complete: bool
     ) -> None:
-        """A LoRA update (:mod:`rlfleet.weightsync.lora`): adapter names only, each pair
-        ``(r, in)`` / ``(out, r)`` of a 2-D weight ``(out, in)`` of the model, in its
-        dtype; ``complete``: every module has both halves, of one rank."""
-        plain = [n for n in specs if not is_lora_name(n)]
-        if plain:
-            raise InvalidArgument(
-                f"a LoRA update (adapter tensors) also names model parameters {plain[:3]}: "
-                "send adapters or full weights, not both",
-                field=f"weights[{plain[0]!r}]",
-                value=plain[0],
-                code="MIXED_UPDATE",
-            )
-        if self._weights_dropped:
+        """A LoRA update (:func:`rlfleet.weightsync.lora.check_lora_update`), into base
+        weights this engine still holds."""
+        if self._weights_dropped and all(is_lora_name(n) for n in specs):
             raise InvalidArgument(
                 "a LoRA update merges into the base weights, which sleep(level=2) dropped: "
                 "send a full update first",
                 field="weights",
                 code="WEIGHTS_DROPPED",
             )
-        want_dtype = str(self._dtype).removeprefix("torch.")
-        ranks: dict[str, int] = {}
-        for name, (dtype, shape) in specs.items():
-            module, kind = split_lora_name(name)
-            weight = f"{module}.weight"
-            target = self._shapes.get(weight)
-            if target is None or len(target) != 2:
-                raise InvalidArgument(
-                    f"LoRA tensor {name!r}: the model has no 2-D weight {weight!r}",
-                    field=f"weights[{name!r}]",
-                    value=name,
-                    code="UNKNOWN_TENSOR",
-                )
-            if dtype != want_dtype:
-                raise InvalidArgument(
-                    f"tensor {name!r} has dtype {dtype}, the model holds {want_dtype}",
-                    field=f"weights[{name!r}].dtype",
-                    value=dtype,
-                    code="DTYPE_MISMATCH",
-                )
-            out_f, in_f = target
-            rank = shape[0] if kind == "A" else shape[-1]
-            ok = (
-                len(shape) == 2
-                and (shape[1] == in_f if kind == "A" else shape[0] == out_f)
-                and 0 < rank <= min(out_f, in_f)
-            )
-            if not ok or ranks.setdefault(module, rank) != rank:
-                raise InvalidArgument(
-                    f"LoRA tensor {name!r} has shape {list(shape)}; {weight!r} is "
-                    f"{list(target)}, so lora_A is (r, {in_f}) and lora_B ({out_f}, r) "
-                    "with one r per module",
-                    field=f"weights[{name!r}].shape",
-                    value=list(shape),
-                    code="SHAPE_MISMATCH",
-                )
-        if complete:
-            halves = [m for m, k in lora_modules(specs).items() if k != {"A", "B"}]
-            if halves:
-                raise InvalidArgument(
-                    f"LoRA update has only one of lora_A / lora_B for {halves[:3]}",
-                    field="weights",
-                    value=halves[:3],
-                    code="MISSING_TENSORS",
-                )
+        want = str(self._dtype).removeprefix("torch.")
+        model = {name: (want, shape) for name, shape in self._shapes.items()}
+        check_lora_update(specs, model, complete=complete)
 
     def _apply_lora(self, named_tensors: Mapping[str, Any]) -> None:
         """Set every adapted weight to ``W0 + lora_B @ lora_A`` and every module adapted

@@ -48,6 +48,14 @@ from rlfleet.rollout.engine import (
     prompt_seed,
     validate_requests,
 )
+from rlfleet.weightsync.lora import (
+    LORA_A,
+    LORA_B,
+    check_lora_update,
+    is_lora_name,
+    lora_modules,
+)
+from rlfleet.weightsync.lora import merge as lora_merge
 
 __all__ = ["VLLMEngine", "WorkerWeightLoader"]
 
@@ -180,6 +188,10 @@ class VLLMEngine:
         )
         self._vllm = vllm
         self._dtype = dtype
+        # LoRA updates: the base weights of the modules adapted so far (read from the
+        # model folder), and whether a full update has replaced that folder's weights.
+        self._lora_base: dict[str, Any] = {}
+        self._base_replaced = False
         self._version = weight_version
         self._sleep_level = 0
         self._lock = threading.RLock()
@@ -324,6 +336,9 @@ class VLLMEngine:
     def check_weights(
         self, specs: Mapping[str, tuple[str, tuple[int, ...]]], *, complete: bool = True
     ) -> None:
+        if any(is_lora_name(n) for n in specs):
+            check_lora_update(specs, self._specs, complete=complete)
+            return
         covered: set[int] = set()
         for name, (dtype, shape) in specs.items():
             want = self._specs.get(name)
@@ -367,19 +382,91 @@ class VLLMEngine:
         on_release: Callable[[], None] | None = None,
     ) -> bool:
         """Copies (through the workers' ``load_weights``): never adopts, so
-        ``on_release`` is never called."""
-        self.check_weights(
-            {
-                n: (str(t.dtype).removeprefix("torch."), tuple(int(d) for d in t.shape))
-                for n, t in named_tensors.items()
-            }
-        )
+        ``on_release`` is never called.
+
+        A LoRA update (:mod:`rlfleet.weightsync.lora`) is merged here: every adapted
+        weight is loaded as ``W0 + lora_B @ lora_A``, and one adapted before but not now
+        as ``W0``. ``W0`` is read from the model folder the first time a module is
+        adapted (only those weights are kept); a full update since then replaced the
+        base, so a LoRA update after one is refused (this engine keeps no copy of
+        pushed weights)."""
+        specs = {
+            n: (str(t.dtype).removeprefix("torch."), tuple(int(d) for d in t.shape))
+            for n, t in named_tensors.items()
+        }
+        self.check_weights(specs)
+        lora = any(is_lora_name(n) for n in specs)
         with self._lock:
+            if lora:
+                if self._base_replaced:
+                    raise FailedPrecondition(
+                        "a LoRA update merges into the model folder's weights, which a "
+                        "full update replaced (the vLLM engine keeps no copy of pushed "
+                        "weights): restart the replica to take adapters again",
+                        field="weights",
+                        code="BASE_REPLACED",
+                    )
+                named_tensors = self._merged(named_tensors)
             wire = [(name, *_wire(t)) for name, t in named_tensors.items()]
             self.llm.collective_rpc("rlfleet_load_weights", args=(wire,))
             self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+            if not lora:
+                self._base_replaced = True
+                self._lora_base.clear()
             self._version = version
+        if lora:
+            logger.info(
+                "weights updated to version %d (LoRA: %d adapted modules, merged)",
+                version,
+                len(specs) // 2,
+            )
         return False
+
+    def _merged(self, named_tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """The full weights a LoRA update stands for: for every module it adapts (and
+        every one adapted before, back to its base), all the parameters of the module's
+        parent (``...self_attn.q_proj`` -> ``q/k/v/o_proj`` and their biases). vLLM fuses
+        some of them (``qkv_proj``, ``gate_up_proj``), and its layer-wise reload of a
+        fused parameter needs every part of it."""
+        adapted = lora_modules(named_tensors)
+        modules = set(adapted) | {n.removesuffix(".weight") for n in self._lora_base}
+        parents = {m.rpartition(".")[0] for m in modules}
+        names = [n for n in self._specs if n.rsplit(".", 2)[0] in parents]
+        missing = [n for n in names if n not in self._lora_base]
+        if missing:
+            self._lora_base.update(self._read_base(missing))
+        out: dict[str, Any] = {}
+        for name in names:
+            module = name.removesuffix(".weight")
+            base = self._lora_base[name]
+            if module in adapted:
+                out[name] = lora_merge(
+                    base, named_tensors[module + LORA_A], named_tensors[module + LORA_B]
+                )
+            else:
+                out[name] = base
+        return out
+
+    def _read_base(self, names: list[str]) -> dict[str, Any]:
+        """Parameters ``names`` as the model folder holds them, in the engine's dtype."""
+        import torch
+        from safetensors import safe_open
+
+        folder = Path(self._name)
+        want, out = set(names), {}
+        for path in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                for name in want & set(f.keys()):
+                    out[name] = f.get_tensor(name).to(getattr(torch, self._dtype))
+        lacking = sorted(want - out.keys())
+        if lacking:
+            raise FailedPrecondition(
+                f"the model folder {folder} lacks {lacking[:3]}, which a LoRA merge needs",
+                field="weights",
+                value=lacking[:3],
+                code="NO_BASE_WEIGHT",
+            )
+        return out
 
     def close(self) -> None:
         """Stop vLLM's engine-core and worker processes (also done at interpreter exit,

@@ -155,6 +155,53 @@ def test_validation_names_the_field(engine: VLLMEngine) -> None:
         engine.validate([GenerationRequest(PROMPTS[:1], too_long)])
 
 
+def test_lora_updates_merge_as_in_the_hf_engine(engine: VLLMEngine, hf: HFEngine) -> None:
+    """Adapter-only updates (a LoRA actor's push): merged into the model folder's
+    weights, with the same greedy outputs as the HF engine given the same updates; a
+    module no longer adapted goes back to its base. Runs before any full update."""
+    g = torch.Generator().manual_seed(7)
+    params = {n: p.detach().clone() for n, p in hf.model.named_parameters()}  # the base
+
+    def adapter(*modules: str, r: int = 4) -> dict[str, torch.Tensor]:
+        out = {}
+        for m in modules:
+            out_f, in_f = params[f"{m}.weight"].shape
+            out[f"{m}.lora_A"] = 0.5 * torch.randn(r, in_f, generator=g)
+            out[f"{m}.lora_B"] = 0.5 * torch.randn(out_f, r, generator=g)
+        return out
+
+    def greedy(e: VLLMEngine | HFEngine) -> list[list[int]]:
+        return token_ids(e.generate([GenerationRequest(PROMPTS, GREEDY)])[0])
+
+    before = greedy(engine)
+    # q_proj is one slice of vLLM's fused qkv_proj; down_proj is a weight of its own.
+    both = adapter("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj")
+    version = engine.info().weight_version + 1
+    engine.update_weights(both, version)
+    hf.update_weights(both, version)
+    assert greedy(engine) == greedy(hf) != before
+    assert engine.info().weight_version == version
+    down_only = {k: t for k, t in both.items() if "down_proj" in k}  # q_proj back to W0
+    engine.update_weights(down_only, version + 1)
+    hf.update_weights(down_only, version + 1)
+    assert greedy(engine) == greedy(hf)
+    # A wrong rank names the tensor; nothing reaches the workers.
+    bad = dict(down_only)
+    bad["model.layers.1.mlp.down_proj.lora_B"] = torch.zeros(3, 3)
+    with pytest.raises(InvalidArgument, match=r"down_proj\.lora_B"):
+        engine.update_weights(bad, version + 2)
+    # Zero adapters: every weight back to the model folder's.
+    zero = adapter("model.layers.1.mlp.down_proj")
+    zero["model.layers.1.mlp.down_proj.lora_B"].zero_()
+    engine.update_weights(zero, version + 2)
+    assert greedy(engine) == before
+    # A full update replaces the base it merges into: adapters are refused after it.
+    engine.update_weights(params, version + 3)
+    assert greedy(engine) == before
+    with pytest.raises(FailedPrecondition, match="restart the replica"):
+        engine.update_weights(down_only, version + 4)
+
+
 def test_weight_update_in_the_running_engine(
     engine: VLLMEngine, hf: HFEngine, original: dict[str, torch.Tensor]
 ) -> None:

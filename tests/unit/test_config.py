@@ -422,7 +422,7 @@ CUDA_POOLS = [  # 8 training GPUs: a mini-batch of 8 prompts is one sample per G
         (["actor.lora_rank=8", "actor.target_modules=[q_proj, v_proj]"], None),
         (["actor.lora_rank=8", "actor.target_modules=[]"], "actor"),
         ([*CUDA_POOLS, "actor.lora_rank=8", "actor.backend=megatron"], "actor.lora_rank"),
-        ([*CUDA_POOLS, "actor.lora_rank=8", "rollout.engine=vllm"], "actor.lora_rank"),
+        ([*CUDA_POOLS, "actor.lora_rank=8", "rollout.engine=vllm"], None),
         ([*CUDA_POOLS, "rollout.engine=vllm"], None),
         # a budget must hold the longest sequence: 128 + 64 tokens by default
         (["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=192"], None),

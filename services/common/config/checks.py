@@ -296,10 +296,10 @@ def _check_megatron_features(cfg: Config) -> Iterator[ConfigIssue]:
             )
 
 
-@_check("actor.lora_rank", "actor.backend", "rollout.engine")
+@_check("actor.lora_rank", "actor.backend")
 def _check_lora(cfg: Config) -> Iterator[ConfigIssue]:
-    """LoRA (rlfleet.trainer.lora) trains on the fsdp backend and merges into the hf
-    engine's weights; megatron and vLLM take only full weights here."""
+    """LoRA (rlfleet.trainer.lora) trains on the fsdp backend; both rollout engines
+    merge the adapters it pushes into their weights."""
     rank = cfg.actor.lora_rank
     if rank == 0:
         return
@@ -307,13 +307,6 @@ def _check_lora(cfg: Config) -> Iterator[ConfigIssue]:
         yield ConfigIssue(
             "actor.lora_rank",
             f"LoRA needs actor.backend fsdp (actor.backend is {cfg.actor.backend})",
-            rank,
-        )
-    if cfg.rollout.engine != "hf":
-        yield ConfigIssue(
-            "actor.lora_rank",
-            f"LoRA weight pushes are applied by the hf rollout engine only (rollout.engine "
-            f"is {cfg.rollout.engine}); set lora_rank: 0 for vllm",
             rank,
         )
 
