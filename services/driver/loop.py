@@ -1008,15 +1008,25 @@ class PPOTrainer:
             f"{r.max_recoveries})"
         )
         t0 = time.perf_counter()
-        try:
-            wait_for_ready(address, timeout_s=r.wait_s)
-        except Unavailable as e:
-            raise Unavailable(
-                f"trainer {address} did not serve again within trainer.recovery.wait_s="
-                f"{r.wait_s:g}s after it failed at step {failed_at}: {error}",
-                field="trainer.recovery.wait_s",
-                value=r.wait_s,
-            ) from e
+        deadline = time.monotonic() + r.wait_s
+        while True:  # back on its address, or registered at a new one
+            try:
+                wait_for_ready(address, timeout_s=min(2.0, max(0.1, deadline - time.monotonic())))
+                break
+            except Unavailable as e:
+                moved = self._moved_trainer(address)
+                if moved is not None:
+                    tracking.warn(f"trainer moved: {address} -> {moved} (registered anew)")
+                    self._rebind_trainer(moved)
+                    address = moved
+                    continue
+                if time.monotonic() >= deadline:
+                    raise Unavailable(
+                        f"trainer {address} did not serve again within trainer.recovery."
+                        f"wait_s={r.wait_s:g}s after it failed at step {failed_at}: {error}",
+                        field="trainer.recovery.wait_s",
+                        value=r.wait_s,
+                    ) from e
         waited = time.perf_counter() - t0
         try:
             source = self._restore(_CHECKPOINTS)
@@ -1035,6 +1045,34 @@ class PPOTrainer:
             f"{failed_at} are redone with the same prompts)"
         )
         self._publish_status("running")
+
+    def _moved_trainer(self, address: str) -> str | None:
+        """The address of a trainer the scheduler lists alive other than ``address``
+        (a launcher placed it anew, on another node: its old node is gone), if any."""
+        if self._scheduler is None or not address:
+            return None
+        try:
+            entries = self._scheduler.list_services("trainer", alive_only=True)
+        except RlfleetError as e:
+            logger.warning("scheduler: looking for a moved trainer failed (%s)", e)
+            return None
+        others = sorted((e.registered_unix, e.spec.address) for e in entries
+                        if e.spec.address and e.spec.address != address)  # fmt: skip
+        return others[-1][1] if others else None
+
+    def _rebind_trainer(self, address: str) -> None:
+        """Talk to the trainer at ``address`` from now on."""
+        from rlfleet.trainer.client import RemoteTrainerClient
+
+        old = self._w.trainer
+        client = RemoteTrainerClient(address)
+        self._w.trainer = client
+        self._w.owned.append(client)
+        if old in self._w.owned:
+            self._w.owned.remove(old)
+            close = getattr(old, "close", None)
+            if close is not None:
+                close()
 
     def _rewind(self) -> str:
         """No checkpoint yet: back to where this run started (the restarted trainer

@@ -72,7 +72,7 @@ from rlfleet.common.auth import (
 )
 from rlfleet.common.config import Config, save_resolved
 from rlfleet.common.errors import RlfleetError, Unavailable
-from rlfleet.common.roles import PRINCIPALS
+from rlfleet.common.roles import PRINCIPALS, Service
 from rlfleet.common.rpc import (
     Security,
     TLSConfig,
@@ -252,15 +252,15 @@ def fleet_metrics(events: Mapping[str, int], rollout_replicas: int) -> dict[str,
     return out
 
 
-def deregister_address(scheduler: str, address: str) -> None:
-    """Drop the rollout registry entries at ``address`` (as the driver): a dead or
+def deregister_address(scheduler: str, address: str, role: Service = "rollout") -> None:
+    """Drop the ``role`` registry entries at ``address`` (as the driver): a dead or
     removed replica leaves the fleet at once, and its restart may take the address.
     Best effort: an entry left goes DEAD after missed heartbeats anyway."""
     from rlfleet.scheduler.client import RemoteSchedulerClient
 
     try:
         with RemoteSchedulerClient(scheduler, timeout_s=5.0) as client:
-            for e in client.list_services("rollout"):
+            for e in client.list_services(role):
                 if e.spec.address == address:
                     client.deregister(e.service_id)
     except Exception as e:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -648,8 +649,9 @@ class RayCluster:
             )
         return out
 
-    def _register_probed(self, deadline: float) -> None:
-        """Register reward and trainer (rank 0) with the scheduler; it health-checks them."""
+    def _register_probed(self, deadline: float, only: str | None = None) -> None:
+        """Register reward and trainer (rank 0) with the scheduler (``only``: that one);
+        it health-checks them."""
         from rlfleet.scheduler.client import RemoteSchedulerClient
 
         if not self.scheduler_address:
@@ -660,6 +662,8 @@ class RayCluster:
         ) as client:
             for svc in self._services:
                 if svc.name not in ("reward", "trainer") or svc.address is None:
+                    continue
+                if only is not None and svc.name != only:
                     continue
                 caps = {
                     LIVENESS_CAPABILITY: LIVENESS_PROBE,
@@ -751,6 +755,9 @@ class RayCluster:
         self.events["lost"] += 1
         with self._lock:
             self._services.remove(svc)
+        if svc.kind == "trainer" and self.config.trainer.recovery.enable:
+            self._replace_trainer(ray, svc, where, error)
+            return
         if svc.kind != "rollout":
             self.given_up.add(svc.name)
             logger.error(
@@ -783,6 +790,60 @@ class RayCluster:
             return
         self.events["replaced"] += 1
         logger.warning("%s replaced at %s on node %s", new.name, new.address, new.info.get("ip"))
+
+    def _replace_trainer(self, ray: Any, lost: _Service, where: str, error: BaseException) -> None:
+        """A trainer rank's actor is gone (its node died): every rank starts again in
+        new actors of the train pool's bundles (Ray moves a lost node's bundles to a live
+        node with room), on a new address that replaces the old one in the registry; the
+        driver finds it there and restores the last checkpoint into it."""
+        ranks = [lost, *self._trainer_ranks()]
+        old_address = next((s.address for s in ranks if s.name == "trainer"), None)
+        done = self.restarts.get("trainer", 0)
+        if done >= self.config.services.max_restarts:
+            self.given_up.update(s.name for s in ranks)
+            logger.error("trainer rank %s on %s is gone (%s) after %d restart(s): giving up",
+                         lost.name, where, type(error).__name__, done)  # fmt: skip
+            return
+        logger.warning(
+            "trainer rank %s on %s is gone (%s): placing every rank again in the train pool",
+            lost.name,
+            where,
+            type(error).__name__,
+        )
+        with self._lock:
+            for s in ranks[1:]:
+                self._services.remove(s)
+        for s in ranks:
+            with contextlib.suppress(Exception):
+                ray.get(s.actor.stop.remote(2.0), timeout=20)
+            with contextlib.suppress(Exception):
+                ray.kill(s.actor)
+        # The actor names are free again once the actors are gone.
+        self._await_names_released(ray, [f"rlfleet/{s.name}" for s in ranks], 30.0)
+        self.restarts["trainer"] = done + 1
+        first = next(s for s in ranks if s.name == "trainer")
+        config_path = first.launch["config_path"]
+        deadline = time.monotonic() + self.config.ray.start_timeout_s
+        try:
+            fresh = self._launch_trainer(ray, config_path, first.launch["config_text"], deadline)
+            for new in fresh:
+                self._finish(ray, new, deadline)
+        except Exception as e:
+            self.events["replacement_failed"] += 1
+            logger.error("no replacement for the trainer: %s", e)
+            return
+        self.events["replaced"] += 1
+        new_address = fresh[0].address
+        if self.handle is not None and new_address:
+            self.handle = dataclasses.replace(self.handle, trainer=new_address)
+        if self.scheduler_address:
+            try:
+                deregister_address(self.scheduler_address, old_address or "", role="trainer")
+                self._register_probed(time.monotonic() + 30.0, only="trainer")
+            except Exception as e:
+                logger.error("registering the replaced trainer failed: %s", e)
+        logger.warning("trainer replaced: %s -> %s on node %s", old_address, new_address,
+                       fresh[0].info.get("ip"))  # fmt: skip
 
     def _relaunch(self, ray: Any, svc: _Service, *, timeout_s: float) -> _Service:
         """Start ``svc`` again in a new actor of its bundle (its old one is gone)."""

@@ -378,6 +378,64 @@ def test_a_replicas_node_removed_mid_run_is_replaced_and_no_sample_is_lost(
 
 
 @pytest.mark.slow
+def test_the_trainers_node_removed_mid_run_moves_the_trainer(
+    ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With trainer.recovery, a trainer whose node dies is placed again in the train
+    pool (Ray moves the bundle to a spare node) on a new address; the launcher
+    registers it, the driver finds it in the registry, restores the step-2 checkpoint
+    into it and finishes the run."""
+    import threading
+
+    from rlfleet.driver.clients import remote_workers
+    from rlfleet.driver.loop import PPOTrainer, StepRecord
+    from rlfleet.launch.ray_cluster import RayCluster
+    from rlfleet.scheduler.client import RemoteSchedulerClient
+
+    spare = ray_nodes.add_node(num_cpus=1, node_ip_address=LOOPBACK)  # room for the move
+    data = tmp_path / "data"
+    preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+-", seed=0)
+    raw = _raw(tiny_model_dir, data, tmp_path / "run")
+    raw["resource_pools"] = {"train_pool": [1], "rollout_pool": [1]}
+    raw["trainer"].update(
+        total_training_steps=4, save_freq=2, recovery={"enable": True, "wait_s": 240}
+    )
+    config = config_from_dict(raw)
+    with RayCluster(config, tmp_path / "run", heartbeat_interval_s=0.5) as cluster:
+        cluster.supervise_interval_s = 0.3
+        handle = cluster.start(timeout_s=300)
+        driver_node = ray.get_runtime_context().get_node_id()
+        trainer_node = cluster.nodes()["trainer"]["node_id"]
+        assert trainer_node != driver_node  # the head (no CPU) holds no bundle
+        node = next(n for n in ray_nodes.list_all_nodes() if n.node_id == trainer_node)
+
+        def on_step(record: StepRecord) -> None:
+            if record.step == 2 and cluster.events["replaced"] == 0:  # while step 3 runs
+                threading.Timer(0.3, ray_nodes.remove_node, args=(node,)).start()
+
+        with PPOTrainer(
+            config,
+            role_worker_mapping=remote_workers(handle.trainer, handle.rollout, handle.reward),
+            scheduler=handle.scheduler,
+            on_step=on_step,
+            fleet_metrics=cluster.fleet_metrics,
+        ) as trainer:
+            records = trainer.fit()
+        moved = cluster.nodes()["trainer"]
+        assert moved["node_id"] != trainer_node
+        assert cluster.handle is not None and cluster.handle.trainer != handle.trainer
+        with RemoteSchedulerClient(handle.scheduler or "") as client:
+            trainers = [e.spec.address for e in client.list_services("trainer")]
+        assert trainers == [cluster.handle.trainer]
+    assert [r.step for r in records] == [1, 2, 3, 4]
+    assert all(len(r.indices) == config.data.train_batch_size for r in records)
+    last = records[-1].metrics
+    assert last["fault/trainer_recoveries"] == 1.0 and last["fault/redone_steps"] >= 0.0
+    assert last["fleet/lost"] >= 1.0 and last["fleet/replaced"] >= 1.0
+    del spare
+
+
+@pytest.mark.slow
 def test_verl_nnodes_layout_is_colocated_on_ray(
     ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
