@@ -208,6 +208,15 @@ class ServiceActor:
             return proc.wait(timeout=10)
 
 
+def _actor_gone(ray: Any, error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) says an actor is dead."""
+    while error is not None:
+        if isinstance(error, ray.exceptions.RayActorError):
+            return True
+        error = error.__cause__  # type: ignore[assignment]
+    return False
+
+
 def _keep_port(svc: _Service) -> None:
     """Make ``svc``'s next start listen on the port it has now (every client's address
     of it stays valid)."""
@@ -469,7 +478,12 @@ class RayCluster:
         }
         with self._lock:
             self._services.append(svc)
-        svc.info = ray.get(actor.node.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        try:
+            svc.info = ray.get(actor.node.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            with self._lock:
+                self._services.remove(svc)
+            raise
         threads = self._threads(pool)
         full_env = {
             "PYTHONUNBUFFERED": "1",
@@ -754,9 +768,10 @@ class RayCluster:
         where = f"node {svc.info.get('ip')} ({str(svc.info.get('node_id', ''))[:12]})"
         self.events["lost"] += 1
         with self._lock:
-            self._services.remove(svc)
+            if svc in self._services:
+                self._services.remove(svc)
         if svc.kind == "trainer" and self.config.trainer.recovery.enable:
-            self._replace_trainer(ray, svc, where, error)
+            self._replace_trainer(ray, [svc, *self._trainer_ranks()], where, error)
             return
         if svc.kind != "rollout":
             self.given_up.add(svc.name)
@@ -791,12 +806,14 @@ class RayCluster:
         self.events["replaced"] += 1
         logger.warning("%s replaced at %s on node %s", new.name, new.address, new.info.get("ip"))
 
-    def _replace_trainer(self, ray: Any, lost: _Service, where: str, error: BaseException) -> None:
-        """A trainer rank's actor is gone (its node died): every rank starts again in
-        new actors of the train pool's bundles (Ray moves a lost node's bundles to a live
-        node with room), on a new address that replaces the old one in the registry; the
-        driver finds it there and restores the last checkpoint into it."""
-        ranks = [lost, *self._trainer_ranks()]
+    def _replace_trainer(
+        self, ray: Any, ranks: list[_Service], where: str, error: BaseException
+    ) -> None:
+        """A trainer rank's actor is gone (its node died; ``ranks[0]``): every rank
+        starts again in new actors of the train pool's bundles (Ray moves a lost node's
+        bundles to a live node with room), on a new address that replaces the old one in
+        the registry; the driver finds it there and restores the last checkpoint into it."""
+        lost = ranks[0]
         old_address = next((s.address for s in ranks if s.name == "trainer"), None)
         done = self.restarts.get("trainer", 0)
         if done >= self.config.services.max_restarts:
@@ -811,8 +828,9 @@ class RayCluster:
             type(error).__name__,
         )
         with self._lock:
-            for s in ranks[1:]:
-                self._services.remove(s)
+            for s in ranks:
+                if s in self._services:
+                    self._services.remove(s)
         for s in ranks:
             with contextlib.suppress(Exception):
                 ray.get(s.actor.stop.remote(2.0), timeout=20)
@@ -941,13 +959,26 @@ class RayCluster:
         for member in group:
             _keep_port(member)
         deadline = time.monotonic() + 120.0
+        fresh: list[_Service] = []
         try:
             # Every rank starts before any is awaited: rank 0 serves only once the
             # group has formed.
-            fresh = [self._launch_again(ray, m, deadline) for m in group]
+            for member in group:
+                fresh.append(self._launch_again(ray, member, deadline))
             for new in fresh:
                 self._finish(ray, new, deadline)
         except Exception as e:
+            with self._lock:  # out of the fleet: replaced below, or given up
+                for new in fresh:
+                    if new in self._services:
+                        self._services.remove(new)
+            if _actor_gone(ray, e):  # its node died under the restart: place it anew
+                where = f"node {svc.info.get('ip')} ({str(svc.info.get('node_id', ''))[:12]})"
+                if svc.kind == "trainer" and self.config.trainer.recovery.enable:
+                    self._replace_trainer(ray, group, where, e)
+                else:
+                    self._lost(ray, svc, e)
+                return
             logger.error("restarting %s failed: %s", svc.name, e)
             return
         logger.warning("%s restarted at %s", svc.name, fresh[0].address)

@@ -385,8 +385,6 @@ def test_the_trainers_node_removed_mid_run_moves_the_trainer(
     pool (Ray moves the bundle to a spare node) on a new address; the launcher
     registers it, the driver finds it in the registry, restores the step-2 checkpoint
     into it and finishes the run."""
-    import threading
-
     from rlfleet.driver.clients import remote_workers
     from rlfleet.driver.loop import PPOTrainer, StepRecord
     from rlfleet.launch.ray_cluster import RayCluster
@@ -410,8 +408,8 @@ def test_the_trainers_node_removed_mid_run_moves_the_trainer(
         node = next(n for n in ray_nodes.list_all_nodes() if n.node_id == trainer_node)
 
         def on_step(record: StepRecord) -> None:
-            if record.step == 2 and cluster.events["replaced"] == 0:  # while step 3 runs
-                threading.Timer(0.3, ray_nodes.remove_node, args=(node,)).start()
+            if record.step == 2 and cluster.events["replaced"] == 0:  # step 3 finds it gone
+                ray_nodes.remove_node(node)
 
         with PPOTrainer(
             config,
@@ -423,14 +421,14 @@ def test_the_trainers_node_removed_mid_run_moves_the_trainer(
             records = trainer.fit()
         moved = cluster.nodes()["trainer"]
         assert moved["node_id"] != trainer_node
-        assert cluster.handle is not None and cluster.handle.trainer != handle.trainer
+        assert cluster.handle is not None  # its trainer: the new address (the port may repeat)
         with RemoteSchedulerClient(handle.scheduler or "") as client:
             trainers = [e.spec.address for e in client.list_services("trainer")]
         assert trainers == [cluster.handle.trainer]
     assert [r.step for r in records] == [1, 2, 3, 4]
     assert all(len(r.indices) == config.data.train_batch_size for r in records)
     last = records[-1].metrics
-    assert last["fault/trainer_recoveries"] == 1.0 and last["fault/redone_steps"] >= 0.0
+    assert last["fault/trainer_recoveries"] == 1.0 and last["fault/redone_steps"] == 0.0
     assert last["fleet/lost"] >= 1.0 and last["fleet/replaced"] >= 1.0
     del spare
 
