@@ -246,6 +246,9 @@ def _serving_line(log: Path, start: int) -> dict[str, Any] | None:
     return None
 
 
+_SAME = object()  # _launch_again: the service's own actor
+
+
 @dataclass
 class _Service:
     name: str
@@ -866,21 +869,7 @@ class RayCluster:
     def _relaunch(self, ray: Any, svc: _Service, *, timeout_s: float) -> _Service:
         """Start ``svc`` again in a new actor of its bundle (its old one is gone)."""
         deadline = time.monotonic() + timeout_s
-        launch = svc.launch
-        new = self._launch(
-            ray,
-            svc.name,
-            svc.kind,
-            svc.pool,
-            svc.bundle,
-            list(launch["argv"]),
-            dict(launch["env"]),
-            launch["config_path"],
-            launch["config_text"],
-            deadline,
-            address_file=launch["address_file"],
-            wait_address=launch["wait_address"],
-        )
+        new = self._launch_again(ray, svc, deadline, actor=None)
         try:
             self._finish(ray, new, deadline)
         except BaseException:
@@ -996,8 +985,11 @@ class RayCluster:
             ranks = [s for s in self._services if s.kind == "trainer"]
         return sorted(ranks, key=lambda s: int(s.launch["env"].get("RANK", "0")))
 
-    def _launch_again(self, ray: Any, svc: _Service, deadline: float) -> _Service:
-        """Start ``svc``'s process again in its actor, as it was started."""
+    def _launch_again(
+        self, ray: Any, svc: _Service, deadline: float, *, actor: Any = _SAME
+    ) -> _Service:
+        """Start ``svc``'s process again as it was started: in its actor, or in
+        ``actor`` (None: a new one in its bundle)."""
         launch = svc.launch
         return self._launch(
             ray,
@@ -1012,7 +1004,7 @@ class RayCluster:
             deadline,
             address_file=launch["address_file"],
             wait_address=launch["wait_address"],
-            actor=svc.actor,
+            actor=svc.actor if actor is _SAME else actor,
         )
 
     def rollout_replicas(self) -> list[str]:
