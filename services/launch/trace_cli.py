@@ -206,12 +206,11 @@ def prompt_path(spans: Iterable[Span], prompt: int) -> list[Attempt]:
     for s in roots.values():
         if s.name == "step":
             steps.setdefault(int(s.attributes.get("step", 0)), []).append(s)
+    gens = sorted((s for s in spans if s.name == "generate"), key=lambda s: s.start_ns)
+    carrying = [g for g in gens if prompt in (g.attributes.get("prompts") or ())]
     out: list[Attempt] = []
-    for gen in sorted((s for s in spans if s.name == "generate"), key=lambda s: s.start_ns):
-        ids = gen.attributes.get("prompts")
-        if not isinstance(ids, list) or prompt not in ids:
-            continue
-        place = ids.index(prompt)
+    for k, gen in enumerate(carrying):
+        place = gen.attributes["prompts"].index(prompt)
         root = roots.get(gen.trace_id)
         step = int(root.attributes.get("step", 0)) if root is not None else 0
         parts = [
@@ -221,16 +220,17 @@ def prompt_path(spans: Iterable[Span], prompt: int) -> list[Attempt]:
             and place in (s.attributes.get("prompt_indices") or ())
             and _under(s, gen, by_id)
         ]
-        # The step that trained it: its own trace (synchronous: this one), the attempt
-        # that began after this generation did.
-        later = [r for r in steps.get(step, []) if r.end_ns >= gen.end_ns]
-        if later:
-            trained = min(later, key=lambda r: r.start_ns)
-            parts += [
-                s
-                for s in spans
-                if s.trace_id == trained.trace_id and s.name in ("train", "weight_sync")
-            ]
+        # The step attempts that trained this generation: a synchronous step its own
+        # trace; a pipelined batch every attempt of its step that began after it was
+        # generated and before the prompt was generated again (a batch kept across a
+        # trainer's restart is trained by the attempt after the restart too).
+        if root is not None and root.name == "step":
+            trained = [root]
+        else:
+            again = carrying[k + 1].end_ns if k + 1 < len(carrying) else float("inf")
+            trained = [r for r in steps.get(step, []) if gen.end_ns <= r.start_ns < again]
+        ids = {r.trace_id for r in trained}
+        parts += [s for s in spans if s.trace_id in ids and s.name in ("train", "weight_sync")]
         parts.sort(key=lambda s: s.start_ns)
         out.append(Attempt(step, root.name if root else "?", gen.start_ns, parts))
     return out

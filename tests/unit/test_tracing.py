@@ -86,10 +86,10 @@ def _write(path: Path, spans: list[dict[str, object]]) -> None:
 
 
 def _s(
-    name: str, sid: str, parent: str, start: float, end: float, **attrs: object
+    name: str, sid: str, parent: str, start: float, end: float, trace: str = "t", **attrs: object
 ) -> dict[str, object]:
     return {
-        "traceId": "t" * 32, "spanId": sid, "parentSpanId": parent, "name": name,
+        "traceId": trace * 32, "spanId": sid, "parentSpanId": parent, "name": name,
         "service": "driver", "startTimeUnixNano": int(start * 1e9),
         "endTimeUnixNano": int(end * 1e9), "attributes": attrs,
     }  # fmt: skip
@@ -120,3 +120,57 @@ def test_the_critical_path_follows_what_the_step_waited_for(tmp_path: Path) -> N
         (0, "weight_sync", None),
     ]
     assert step_trace(load_spans(tmp_path), 4) is None
+
+
+def test_a_prompts_path_through_a_requeue_and_a_trainer_restart(tmp_path: Path) -> None:
+    """Synchronous step 3 (trace a): prompt 17 (place 1) was on r0, which failed, and
+    was re-queued on r1; the train call failed. Step 3 again (trace b): generated on r0,
+    trained. Pipelined step 5 (produce trace c; step traces d and e): generated once,
+    kept across a trainer restart, so both step attempts trained it."""
+    _write(
+        tmp_path / "traces" / "driver.jsonl",
+        [
+            _s("step", "1", "", 0, 10, trace="a", step=3),
+            _s("generate", "2", "1", 0, 5, trace="a", prompts=[4, 17]),
+            _s("generate.shard", "3", "2", 0, 2, trace="a", replica="r0",
+               prompt_indices=[0, 1], error="Unavailable", versions=[]),
+            _s("generate.shard", "4", "2", 2, 4, trace="a", replica="r1",
+               prompt_indices=[1], versions=[2]),
+            _s("reward", "5", "2", 4, 5, trace="a", prompt_indices=[1]),
+            _s("reward", "6", "2", 1, 2, trace="a", prompt_indices=[0]),
+            _s("train", "7", "1", 5, 10, trace="a", error="Unavailable"),
+            _s("step", "8", "", 20, 30, trace="b", step=3),
+            _s("generate", "9", "8", 20, 24, trace="b", prompts=[4, 17]),
+            _s("generate.shard", "10", "9", 20, 23, trace="b", replica="r0",
+               prompt_indices=[0, 1], versions=[2]),
+            _s("train", "11", "8", 24, 29, trace="b"),
+            _s("produce", "12", "", 40, 45, trace="c", step=5),
+            _s("generate", "13", "12", 40, 45, trace="c", prompts=[9, 17]),
+            _s("generate.shard", "14", "13", 40, 44, trace="c", replica="r1",
+               prompt_indices=[0, 1], versions=[4]),
+            _s("step", "15", "", 46, 50, trace="d", step=5),
+            _s("train", "16", "15", 46, 50, trace="d", error="Unavailable"),
+            _s("step", "17", "", 60, 70, trace="e", step=5),
+            _s("train", "18", "17", 60, 69, trace="e"),
+            _s("weight_sync", "19", "17", 69, 70, trace="e", version=6),
+        ],
+    )  # fmt: skip
+    from rlfleet.launch.trace_cli import prompt_path
+
+    attempts = prompt_path(load_spans(tmp_path), 17)
+    got = [
+        (a.step, a.root, [(p.name, p.attributes.get("replica"), p.span_id) for p in a.parts])
+        for a in attempts
+    ]
+    assert got == [
+        (3, "step", [
+            ("generate.shard", "r0", "3"), ("generate.shard", "r1", "4"),
+            ("reward", None, "5"), ("train", None, "7"),
+        ]),
+        (3, "step", [("generate.shard", "r0", "10"), ("train", None, "11")]),
+        (5, "produce", [
+            ("generate.shard", "r1", "14"), ("train", None, "16"), ("train", None, "18"),
+            ("weight_sync", None, "19"),
+        ]),
+    ]  # fmt: skip
+    assert prompt_path(load_spans(tmp_path), 99) == []
