@@ -215,6 +215,11 @@ class PPOTrainer:
         trajectory_sources: with ``trainer.rollout_source: external``, where finished
             agent sessions come from; None: every rollout replica's ``PopTrajectories``
             (:mod:`rlfleet.driver.external`).
+        kill_trainer: ends the trainer's processes so its launcher restarts them (the
+            local and Ray launchers' ``kill_trainer``); with ``trainer.recovery``, called
+            once a lost trainer has not answered for ``trainer.recovery.kill_after_s``:
+            one that is alive but frozen is never restarted otherwise. None: the driver
+            only waits.
     """
 
     def __init__(
@@ -233,8 +238,10 @@ class PPOTrainer:
         scheduler: str | SchedulerClient | None = None,
         fleet_metrics: Callable[[], Mapping[str, float]] | None = None,
         trajectory_sources: Sequence[TrajectorySource] | None = None,
+        kill_trainer: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
+        self.kill_trainer = kill_trainer
         self.external_rollouts = config.trainer.rollout_source == "external"
         self._trajectory_sources = trajectory_sources
         self._external: ExternalRollouts | None = None
@@ -1009,6 +1016,7 @@ class PPOTrainer:
         )
         t0 = time.perf_counter()
         deadline = time.monotonic() + r.wait_s
+        kill_at = time.monotonic() + r.kill_after_s if self.kill_trainer is not None else None
         while True:  # back on its address, or registered at a new one
             try:
                 wait_for_ready(address, timeout_s=min(2.0, max(0.1, deadline - time.monotonic())))
@@ -1020,6 +1028,18 @@ class PPOTrainer:
                     self._rebind_trainer(moved)
                     address = moved
                     continue
+                if kill_at is not None and time.monotonic() >= kill_at:
+                    kill_at = None  # once: a restart that is slow is not killed again
+                    tracking.warn(
+                        f"trainer {address} has not answered for trainer.recovery."
+                        f"kill_after_s={r.kill_after_s:g}s: killing it, so that its "
+                        "launcher restarts it (frozen, or stuck)"
+                    )
+                    assert self.kill_trainer is not None
+                    try:
+                        self.kill_trainer()
+                    except Exception as kill_error:  # the wait goes on; it may come back
+                        tracking.warn(f"killing trainer {address} failed: {kill_error}")
                 if time.monotonic() >= deadline:
                     raise Unavailable(
                         f"trainer {address} did not serve again within trainer.recovery."

@@ -791,6 +791,18 @@ class LocalCluster:
         """What the launcher did, for the run's step metrics (``fleet/...``)."""
         return fleet_metrics(self.events, len(self.rollout_replicas()))
 
+    def kill_trainer(self) -> None:
+        """SIGKILL the trainer's process group (all its ranks): the driver's last resort
+        for one that stopped answering without dying; the supervisor then restarts it
+        (``trainer.recovery``). Nothing when this cluster did not start a trainer."""
+        with self._lock:
+            procs = [p for p in self._procs if p.kind == "trainer" and p.popen is not None]
+        for proc in procs:
+            logger.warning("killing the unresponsive trainer %s (pid %d)", proc.address, proc.pid)
+            self.events["killed"] = self.events.get("killed", 0) + 1
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: pgid == pid
+
     def _launch(self, proc: _Proc) -> None:
         if proc.address_file is not None:
             proc.address_file.unlink(missing_ok=True)

@@ -1088,6 +1088,18 @@ class RayCluster:
                 ray.kill(svc.actor)
             self.events["scaled_down"] += 1
 
+    def kill_trainer(self) -> None:
+        """End every trainer rank's process (SIGKILL): the driver's last resort for a
+        trainer that stopped answering without dying; the supervisor then restarts the
+        ranks (``trainer.recovery``)."""
+        import ray
+
+        for svc in self._trainer_ranks():
+            logger.warning("killing the unresponsive trainer rank %s (%s)", svc.name, svc.address)
+            self.events["killed"] += 1
+            with contextlib.suppress(Exception):
+                ray.get(svc.actor.stop.remote(0.0), timeout=20)
+
     def fleet_metrics(self) -> dict[str, float]:
         """What the launcher did, for the run's step metrics (``fleet/...``)."""
         return fleet_metrics(self.events, len(self.rollout_replicas()))

@@ -170,6 +170,7 @@ def train(
             on_step=on_step,
             scheduler=scheduler_address,
             fleet_metrics=getattr(cluster, "fleet_metrics", None),
+            kill_trainer=getattr(cluster, "kill_trainer", None),
         ) as trainer:
             if trainer.metrics_port:
                 print(f"metrics on 127.0.0.1:{trainer.metrics_port}/metrics", file=sys.stderr)

@@ -52,6 +52,7 @@ def _run(
     kill_after: int | None,
     wait_back: bool = False,
     overrides: tuple[str, ...] = (),
+    freeze: bool = False,
 ) -> tuple[list[StepRecord], dict[str, torch.Tensor], LocalCluster, int]:
     config = config_from_dict(_raw(model, data, run_dir), list(overrides))
     with LocalCluster(config, run_dir, scheduler=False, grace_s=10) as cluster:
@@ -60,7 +61,7 @@ def _run(
 
         def on_step(record: StepRecord) -> None:
             if record.step == kill_after and cluster.pids["trainer"] == first_pid:
-                os.kill(first_pid, signal.SIGKILL)
+                os.kill(first_pid, signal.SIGSTOP if freeze else signal.SIGKILL)
                 if wait_back:  # the next step's call reaches the fresh trainer
                     deadline = time.monotonic() + 120
                     while cluster.pids["trainer"] == first_pid or not _serving(h.trainer):
@@ -68,7 +69,12 @@ def _run(
                         time.sleep(0.1)
 
         mapping = remote_workers(h.trainer, h.rollout, h.reward)
-        with PPOTrainer(config=config, role_worker_mapping=mapping, on_step=on_step) as t:
+        with PPOTrainer(
+            config=config,
+            role_worker_mapping=mapping,
+            on_step=on_step,
+            kill_trainer=cluster.kill_trainer,
+        ) as t:
             records = t.fit()
         pid = cluster.pids["trainer"]
     weights = checkpoint_weights(run_dir / "checkpoints" / f"global_step_{STEPS}")
@@ -150,3 +156,30 @@ def test_a_pipelined_run_recovers_from_the_trainers_death(
     assert last["fault/trainer_recoveries"] == 1.0
     assert last["fault/kept_batches"] == 1.0 and last["fault/dropped_batches"] == 0.0
     assert last["staleness/max"] == 1.0
+
+
+def test_a_frozen_trainer_is_killed_restarted_and_the_run_finishes_as_without_the_fault(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    clean_run: tuple[Path, list[StepRecord], dict[str, torch.Tensor]],
+) -> None:
+    """SIGSTOP, not SIGKILL: the trainer is alive and answers nothing. The driver's
+    call gives up on it (liveness probes), and once it has not answered for
+    ``trainer.recovery.kill_after_s`` the driver has the launcher kill it; it is
+    restarted and the run ends with the fault-free run's weights."""
+    data, clean, clean_weights = clean_run
+    records, weights, cluster, pid_moved = _run(
+        tiny_model_dir,
+        data,
+        tmp_path / "fault",
+        kill_after=3,
+        freeze=True,
+        overrides=("trainer.recovery.kill_after_s=2",),
+    )
+    assert pid_moved != 0 and cluster.restarts == {"trainer": 1}
+    assert cluster.events["killed"] == 1
+    assert [r.step for r in records] == [1, 2, 3, 4]
+    assert [r.indices for r in records] == [r.indices for r in clean]
+    assert records[-1].metrics["fault/trainer_recoveries"] == 1.0
+    for name, tensor in clean_weights.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0, msg=name)

@@ -378,6 +378,53 @@ def test_a_replicas_node_removed_mid_run_is_replaced_and_no_sample_is_lost(
 
 
 @pytest.mark.slow
+def test_a_frozen_trainer_is_killed_through_its_actor_and_restarted(
+    ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGSTOP on the trainer: the driver gives up on its call, and after
+    trainer.recovery.kill_after_s has the Ray launcher end the process through its
+    actor; the supervisor restarts it there and the run finishes."""
+    import signal
+
+    from rlfleet.driver.clients import remote_workers
+    from rlfleet.driver.loop import PPOTrainer, StepRecord
+    from rlfleet.launch.ray_cluster import RayCluster
+
+    data = tmp_path / "data"
+    preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+-", seed=0)
+    raw = _raw(tiny_model_dir, data, tmp_path / "run")
+    raw["resource_pools"] = {"train_pool": [1], "rollout_pool": [1]}
+    raw["trainer"].update(
+        total_training_steps=3,
+        save_freq=1,
+        recovery={"enable": True, "wait_s": 240, "kill_after_s": 2},
+    )
+    raw["services"] = {"restart_backoff_s": 0.2}
+    config = config_from_dict(raw)
+    with RayCluster(config, tmp_path / "run", heartbeat_interval_s=0.5) as cluster:
+        cluster.supervise_interval_s = 0.3
+        handle = cluster.start(timeout_s=300)
+        first = cluster.pids["trainer"]
+
+        def on_step(record: StepRecord) -> None:
+            if record.step == 1 and cluster.pids["trainer"] == first:
+                os.kill(first, signal.SIGSTOP)
+
+        with PPOTrainer(
+            config,
+            role_worker_mapping=remote_workers(handle.trainer, handle.rollout, handle.reward),
+            scheduler=handle.scheduler,
+            on_step=on_step,
+            kill_trainer=cluster.kill_trainer,
+        ) as trainer:
+            records = trainer.fit()
+        assert cluster.events["killed"] == 1 and cluster.restarts == {"trainer": 1}
+        assert cluster.pids["trainer"] != first
+    assert [r.step for r in records] == [1, 2, 3]
+    assert records[-1].metrics["fault/trainer_recoveries"] == 1.0
+
+
+@pytest.mark.slow
 def test_the_trainers_node_removed_mid_run_moves_the_trainer(
     ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:

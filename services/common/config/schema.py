@@ -975,8 +975,10 @@ class RecoveryConfig(_Section):
     address; the driver, whose trainer call failed, waits for it, has it load the last
     checkpoint (none yet: the initial model), rewinds its own step counter and data
     order to that point, pushes the restored weights to the rollout replicas (which
-    kept running) and redoes the steps since. Pipelined runs drop the batches generated
-    ahead (for weights the restore discards) and start the pipeline again there.
+    kept running) and redoes the steps since. Pipelined runs keep the batches generated
+    ahead with the restored weights or older ones and drop the rest. A trainer that
+    stops answering without dying is killed after ``kill_after_s`` (when the launcher
+    can: the local and Ray launchers), and then restarted the same way.
     """
 
     enable: bool = Field(default=False, description="restart the trainer and recover the run")
@@ -987,6 +989,13 @@ class RecoveryConfig(_Section):
     )
     max_recoveries: int = Field(
         default=3, ge=1, description="trainer deaths survived in one run; one more fails it"
+    )
+    kill_after_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a lost trainer that has not answered for this long is killed, so "
+        "that its launcher restarts it (one frozen or stuck is alive, and never restarted "
+        "otherwise); longer than the trainer's start",
     )
 
 
