@@ -22,6 +22,7 @@ import contextvars
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,10 @@ class RolloutFleet:
         push: brings replicas to a weight version (used to adopt newcomers).
         version: the policy's current weight version.
         scheduler: the registry to take membership from; None: fixed replicas.
+        heal_wait_s: when every replica has failed mid-generation, how long
+            :meth:`generate` waits for one to register again (0: it fails at once). Only
+            where generation runs on the thread that also pushes weights (synchronous
+            runs): adopting the newcomer pushes it the current weights.
     """
 
     def __init__(
@@ -60,11 +65,13 @@ class RolloutFleet:
         push: PushFn,
         version: Callable[[], int],
         scheduler: SchedulerClient | None = None,
+        heal_wait_s: float = 0.0,
     ) -> None:
         self.workers = workers
         self.push = push
         self.version = version
         self.scheduler = scheduler
+        self.heal_wait_s = heal_wait_s
         self._lock = threading.Lock()
         self._registered: set[str] = set()  # addresses the registry has listed
 
@@ -188,6 +195,8 @@ class RolloutFleet:
             failed.add(id(replica))
             others = [r for r in self.drop(replica) if id(r) not in failed]
             if not others:
+                others = self._heal(failed)
+            if not others:
                 error = e
                 continue
             unfinished = [i for i in indices if len(got.get(i, ())) < n]
@@ -211,6 +220,39 @@ class RolloutFleet:
             raise error
 
     # ------------------------------------------------------------------ membership
+
+    def _heal(self, failed: set[int]) -> list[RolloutReplica]:
+        """Every replica failed: wait up to ``heal_wait_s`` for the registry to list one
+        again (a launcher restarting them, or a replacement), adopt it with the current
+        weights and return the replicas then; [] when none came."""
+        if self.heal_wait_s <= 0 or self.scheduler is None:
+            return []
+        with self._lock:  # the failed ones leave the set, even if it empties
+            self.workers.rollouts = [r for r in self.workers.rollouts if id(r) not in failed]
+        logger.warning(
+            "every rollout replica failed: waiting up to %.0fs for one to register again",
+            self.heal_wait_s,
+        )
+        try:
+            self.refresh_waiting()
+        except RuntimeError:
+            return []
+        replicas = [r for r in self.replicas if id(r) not in failed]
+        logger.warning("rollout replicas back: %s", [r.replica_id for r in replicas])
+        return replicas
+
+    def refresh_waiting(self) -> None:
+        """:meth:`refresh`; while no replica is left, again every half second for up to
+        ``heal_wait_s`` (a launcher restarting them), then its error."""
+        deadline = time.monotonic() + self.heal_wait_s
+        while True:
+            try:
+                self.refresh()
+                return
+            except RuntimeError:
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.5)
 
     def drop(self, replica: RolloutReplica) -> list[RolloutReplica]:
         """Stop sending work to ``replica``; returns the replicas left."""

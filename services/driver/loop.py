@@ -407,6 +407,9 @@ class PPOTrainer:
             push=self._push_weights,
             version=lambda: self._policy_version,
             scheduler=self._scheduler,
+            # Synchronous runs generate on the thread that pushes weights, so a replica
+            # that comes back mid-generation can be given them there.
+            heal_wait_s=0.0 if self.pipelined else self.config.rollout.replica_wait_s,
         )
         if self.external_rollouts:
             sources = self._trajectory_sources
@@ -1187,7 +1190,7 @@ class PPOTrainer:
         records = []
         while self.global_steps < self.total_training_steps:
             t0 = time.perf_counter()
-            self._fleet.refresh()
+            self._fleet.refresh_waiting()  # none left: wait for rollout.replica_wait_s
             step = self.global_steps + 1
             try:
                 with tracing.span("step", root=True, step=step) as attrs:

@@ -1,0 +1,99 @@
+"""Every rollout replica dies at once (a synchronous run on the local launcher, a
+scheduler): the driver's generation finds none left, waits for the launcher's restarts
+to register (``rollout.replica_wait_s``), gives them the current weights and the
+unfinished prompts, and the run goes on: every step with its full batch, in the data
+order."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from runlib import arithmetic, grpo_config, loader_order
+
+from rlfleet.common.config import config_from_dict
+from rlfleet.common.errors import RlfleetError
+from rlfleet.driver.clients import remote_workers
+from rlfleet.driver.loop import PPOTrainer, StepRecord
+from rlfleet.launch.cluster import LocalCluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+STEPS = 4
+
+
+def test_the_run_waits_for_its_replicas_when_every_one_dies(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    data = arithmetic(tmp_path / "data", n=64)
+    run_dir = tmp_path / "run"
+    raw = grpo_config(
+        tiny_model_dir,
+        data,
+        run_dir,
+        rollout={"replicas": 2, "replica_wait_s": 120},
+        trainer={"total_training_steps": STEPS},
+        services={"max_restarts": 2, "restart_backoff_s": 0.2},
+    )
+    config = config_from_dict(raw)
+    with LocalCluster(config, run_dir, heartbeat_interval_s=0.5, grace_s=10) as cluster:
+        h = cluster.start(timeout_s=180)
+        first = {n: cluster.pids[n] for n in ("rollout-0", "rollout-1")}
+
+        def on_step(record: StepRecord) -> None:
+            if record.step == 1:  # both at once, before step 2 generates
+                for pid in first.values():
+                    os.kill(pid, signal.SIGKILL)
+
+        with PPOTrainer(
+            config=config,
+            role_worker_mapping=remote_workers(h.trainer, h.rollout, h.reward),
+            scheduler=h.scheduler,
+            on_step=on_step,
+            fleet_metrics=cluster.fleet_metrics,
+        ) as trainer:
+            records = trainer.fit()
+            expected = loader_order(trainer, STEPS)
+        restarted = {n: cluster.pids[n] != first[n] for n in first}
+    assert restarted == {"rollout-0": True, "rollout-1": True}
+    assert [r.step for r in records] == list(range(1, STEPS + 1))
+    assert [r.indices for r in records] == expected
+    assert all(r.metrics["rollout/samples"] == 8 for r in records)
+    assert records[-1].metrics["fleet/restarted"] == 2.0
+
+
+def test_without_a_wait_the_step_fails_naming_the_replicas(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    data = arithmetic(tmp_path / "data", n=64)
+    run_dir = tmp_path / "run"
+    raw = grpo_config(
+        tiny_model_dir,
+        data,
+        run_dir,
+        rollout={"replicas": 1, "replica_wait_s": 0},
+        trainer={"total_training_steps": STEPS},
+        services={"max_restarts": 0},
+    )
+    config = config_from_dict(raw)
+    with LocalCluster(config, run_dir, heartbeat_interval_s=0.5, grace_s=10) as cluster:
+        h = cluster.start(timeout_s=180)
+
+        def on_step(record: StepRecord) -> None:
+            if record.step == 1:
+                os.kill(cluster.pids["rollout-0"], signal.SIGKILL)
+
+        with (
+            PPOTrainer(
+                config=config,
+                role_worker_mapping=remote_workers(h.trainer, h.rollout, h.reward),
+                scheduler=h.scheduler,
+                on_step=on_step,
+            ) as trainer,
+            pytest.raises(RlfleetError) as failed,
+        ):
+            trainer.fit()
+    assert trainer.global_steps == 1
+    assert h.rollout[0] in str(failed.value)  # names the replica it lost
