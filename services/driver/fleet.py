@@ -18,6 +18,7 @@ The replica list lives in the run's :class:`~rlfleet.driver.clients.Workers`
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import queue
@@ -53,9 +54,11 @@ class RolloutFleet:
         version: the policy's current weight version.
         scheduler: the registry to take membership from; None: fixed replicas.
         heal_wait_s: when every replica has failed mid-generation, how long
-            :meth:`generate` waits for one to register again (0: it fails at once). Only
-            where generation runs on the thread that also pushes weights (synchronous
-            runs): adopting the newcomer pushes it the current weights.
+            :meth:`generate` waits for one to register again (0: it fails at once).
+        adopt_here: whether :meth:`generate` may adopt a newcomer itself (it runs on
+            the thread that pushes weights: synchronous runs). False (pipelined): it
+            sets :attr:`starved` and waits for the thread that pushes weights to call
+            :meth:`refresh` (:meth:`feed_if_starved`).
     """
 
     def __init__(
@@ -66,12 +69,15 @@ class RolloutFleet:
         version: Callable[[], int],
         scheduler: SchedulerClient | None = None,
         heal_wait_s: float = 0.0,
+        adopt_here: bool = True,
     ) -> None:
         self.workers = workers
         self.push = push
         self.version = version
         self.scheduler = scheduler
         self.heal_wait_s = heal_wait_s
+        self.adopt_here = adopt_here
+        self.starved = False  # generate() waits for replicas (adopt_here False)
         self._lock = threading.Lock()
         self._registered: set[str] = set()  # addresses the registry has listed
 
@@ -166,6 +172,8 @@ class RolloutFleet:
                 target=ctx.run, args=(run, job, replica, indices), daemon=True, name=f"gen-{job}"
             ).start()
 
+        if not self.replicas and not self._heal(set()):  # emptied by a failed push
+            raise RuntimeError("no rollout replica left to generate with")
         for replica, lo, hi in self.shards(len(prompts)):
             launch(replica, list(range(lo, hi)))
         running = len(jobs)
@@ -221,11 +229,24 @@ class RolloutFleet:
 
     # ------------------------------------------------------------------ membership
 
+    @property
+    def can_heal(self) -> bool:
+        """Whether the fleet may be left empty for a while: replacements are waited
+        for (``heal_wait_s``) and found in the registry."""
+        return self.heal_wait_s > 0 and self.scheduler is not None
+
+    def remove(self, replicas: Sequence[RolloutReplica]) -> None:
+        """Take ``replicas`` out of the fleet, even if that empties it (only where it
+        :attr:`can_heal`: generation then waits for replacements)."""
+        gone = {id(r) for r in replicas}
+        with self._lock:
+            self.workers.rollouts = [r for r in self.workers.rollouts if id(r) not in gone]
+
     def _heal(self, failed: set[int]) -> list[RolloutReplica]:
         """Every replica failed: wait up to ``heal_wait_s`` for the registry to list one
         again (a launcher restarting them, or a replacement), adopt it with the current
         weights and return the replicas then; [] when none came."""
-        if self.heal_wait_s <= 0 or self.scheduler is None:
+        if not self.can_heal:
             return []
         with self._lock:  # the failed ones leave the set, even if it empties
             self.workers.rollouts = [r for r in self.workers.rollouts if id(r) not in failed]
@@ -233,13 +254,30 @@ class RolloutFleet:
             "every rollout replica failed: waiting up to %.0fs for one to register again",
             self.heal_wait_s,
         )
-        try:
-            self.refresh_waiting()
-        except RuntimeError:
-            return []
+        if self.adopt_here:
+            try:
+                self.refresh_waiting()
+            except RuntimeError:
+                return []
+        else:
+            self.starved = True  # the weight-pushing thread adopts (feed_if_starved)
+            deadline = time.monotonic() + self.heal_wait_s
+            try:
+                while not self.replicas and time.monotonic() < deadline:
+                    time.sleep(0.2)
+            finally:
+                self.starved = False
         replicas = [r for r in self.replicas if id(r) not in failed]
-        logger.warning("rollout replicas back: %s", [r.replica_id for r in replicas])
+        if replicas:
+            logger.warning("rollout replicas back: %s", [r.replica_id for r in replicas])
         return replicas
+
+    def feed_if_starved(self) -> None:
+        """On the thread that pushes weights, while :meth:`generate` waits for replicas
+        on another (pipelined runs): adopt what the registry lists now."""
+        if self.starved:
+            with contextlib.suppress(RuntimeError):  # none yet: asked again
+                self.refresh()
 
     def refresh_waiting(self) -> None:
         """:meth:`refresh`; while no replica is left, again every half second for up to

@@ -408,8 +408,10 @@ class PPOTrainer:
             version=lambda: self._policy_version,
             scheduler=self._scheduler,
             # Synchronous runs generate on the thread that pushes weights, so a replica
-            # that comes back mid-generation can be given them there.
-            heal_wait_s=0.0 if self.pipelined else self.config.rollout.replica_wait_s,
+            # that comes back mid-generation is given them there; pipelined runs have
+            # the main thread adopt it while the producer waits (_pipeline).
+            heal_wait_s=self.config.rollout.replica_wait_s,
+            adopt_here=not self.pipelined,
         )
         if self.external_rollouts:
             sources = self._trajectory_sources
@@ -783,7 +785,17 @@ class PPOTrainer:
                 self.metrics.weight_sync_failures.inc()
                 failed = [r for r in remote if r.replica_id in outcome.errors]
                 if len(failed) == len(replicas):
-                    raise RuntimeError(f"weight push of version {version} failed: {outcome.errors}")
+                    if not self._fleet.can_heal:
+                        raise RuntimeError(
+                            f"weight push of version {version} failed: {outcome.errors}"
+                        )
+                    # Every replica gone: none serves stale weights; the next generation
+                    # waits for replacements (rollout.replica_wait_s), adopted at this
+                    # version.
+                    logger.warning("weight push of version %d reached no replica (%s): "
+                                   "waiting for replacements", version, outcome.errors)  # fmt: skip
+                    self._fleet.remove(failed)
+                    failed = []
                 # Those replicas would serve stale weights: out of the fleet (a
                 # replacement that registers is adopted with the current weights).
                 for r in failed:
@@ -1307,8 +1319,13 @@ class PPOTrainer:
             while self.global_steps < last:
                 t0 = time.perf_counter()
                 if self.global_steps >= first:
-                    self._fleet.refresh()
-                item = out.get()
+                    self._fleet.refresh_waiting()  # none left: rollout.replica_wait_s
+                while True:
+                    try:
+                        item = out.get(timeout=0.5)
+                        break
+                    except queue.Empty:  # the producer may wait for replicas to adopt
+                        self._fleet.feed_if_starved()
                 if isinstance(item, BaseException):
                     raise item
                 wait = time.perf_counter() - t0

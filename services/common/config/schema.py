@@ -592,10 +592,10 @@ class RolloutConfig(_Section):
     replica_wait_s: float = Field(
         default=120.0,
         ge=0,
-        description="rlfleet option: when every replica of a synchronous run has failed "
-        "mid-generation, how long to wait for one to register again (a launcher "
-        "restarting them) before the step fails; the newcomer gets the current weights "
-        "and the unfinished prompts. 0: fail at once. Pipelined runs fail at once",
+        description="rlfleet option: when every replica has failed mid-generation (or "
+        "none is registered at a step's start), how long to wait for one to register "
+        "again (a launcher restarting them) before the step fails; the newcomer gets the "
+        "current weights and the unfinished prompts. 0: fail at once",
     )
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
