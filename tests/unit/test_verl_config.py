@@ -511,20 +511,20 @@ def test_lora_keys_map_onto_the_actor() -> None:
     assert cfg.actor.target_modules == ["q_proj", "v_proj"]
 
 
-def test_lora_with_vllm_is_refused_in_one_line() -> None:
-    err = _error(
-        None,
-        [
-            *QUICKSTART,
-            *CPU,
-            "actor_rollout_ref.model.lora_rank=8",
-            "actor_rollout_ref.rollout.name=vllm",
-            "trainer.device=cuda",
-        ],
-    )
+def test_lora_with_vllm_is_accepted_and_with_megatron_refused_in_one_line() -> None:
+    lora_vllm = [
+        *QUICKSTART,
+        *CPU,
+        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.rollout.name=vllm",
+        "trainer.device=cuda",
+    ]
+    cfg = config_from_dict(None, lora_vllm)
+    assert (cfg.actor.lora_rank, cfg.rollout.engine) == (8, "vllm")
+    err = _error(None, [*lora_vllm, "actor_rollout_ref.actor.strategy=megatron"])
     lines = [str(i) for i in err.issues if i.path == "actor.lora_rank"]
     assert len(lines) == 1 and "\n" not in lines[0]
-    assert "vllm" in lines[0] and "8" in lines[0]
+    assert "megatron" in lines[0] and "8" in lines[0]
 
 
 def test_fully_async_partial_rollout_maps_onto_the_pipeline() -> None:
