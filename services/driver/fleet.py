@@ -264,13 +264,25 @@ class RolloutFleet:
             deadline = time.monotonic() + self.heal_wait_s
             try:
                 while not self.replicas and time.monotonic() < deadline:
-                    time.sleep(0.2)
+                    time.sleep(0.5)
+                    if not self.replicas and self._registered_alive():
+                        # One is back and waits for the main thread, which may be in a
+                        # long training call: the wait is for replicas, not for it.
+                        deadline = max(deadline, time.monotonic() + 1.0)
             finally:
                 self.starved = False
         replicas = [r for r in self.replicas if id(r) not in failed]
         if replicas:
             logger.warning("rollout replicas back: %s", [r.replica_id for r in replicas])
         return replicas
+
+    def _registered_alive(self) -> bool:
+        """Whether the registry lists a rollout replica alive (a read: any thread)."""
+        assert self.scheduler is not None
+        try:
+            return bool(self.scheduler.list_services("rollout", alive_only=True))
+        except RlfleetError:
+            return False
 
     def feed_if_starved(self) -> None:
         """On the thread that pushes weights, while :meth:`generate` waits for replicas
