@@ -248,8 +248,7 @@ class RolloutFleet:
         weights and return the replicas then; [] when none came."""
         if not self.can_heal:
             return []
-        with self._lock:  # the failed ones leave the set, even if it empties
-            self.workers.rollouts = [r for r in self.workers.rollouts if id(r) not in failed]
+        self.remove([r for r in self.replicas if id(r) in failed])
         logger.warning(
             "every rollout replica failed: waiting up to %.0fs for one to register again",
             self.heal_wait_s,

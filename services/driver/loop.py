@@ -982,9 +982,7 @@ class PPOTrainer:
         if "health" in extra:
             self.health.load_state_dict(extra["health"].get("monitor", {}))
             self.guard.load_state_dict(extra["health"].get("guard", {}))
-        version = int(self._w.trainer.status()["weight_version"])
-        self._restored_version = version + self._version_offset  # before any renumbering
-        self._sync_weights(version)
+        self._push_restored()
         return info.path
 
     # ------------------------------------------------------------------ trainer recovery
@@ -1121,10 +1119,15 @@ class PPOTrainer:
         self.global_steps = start["global_steps"]
         self.health.load_state_dict(start["health"])
         self.guard.load_state_dict(start["guard"])
+        self._push_restored()
+        return "the initial model (no checkpoint yet)"
+
+    def _push_restored(self) -> None:
+        """Push the weights a restore put on the trainer; note their version in this
+        driver's numbering before the push renumbers it (``keep_after_restore``)."""
         version = int(self._w.trainer.status()["weight_version"])
         self._restored_version = version + self._version_offset
         self._sync_weights(version)
-        return "the initial model (no checkpoint yet)"
 
     # ------------------------------------------------------------------ the loop
 

@@ -217,6 +217,11 @@ def _actor_gone(ray: Any, error: BaseException) -> bool:
     return False
 
 
+def _where(svc: _Service) -> str:
+    """``svc``'s node, for log lines."""
+    return f"node {svc.info.get('ip')} ({str(svc.info.get('node_id', ''))[:12]})"
+
+
 def _keep_port(svc: _Service) -> None:
     """Make ``svc``'s next start listen on the port it has now (every client's address
     of it stays valid)."""
@@ -768,7 +773,7 @@ class RayCluster:
             deregister_address(self.scheduler_address, address)
 
     def _lost(self, ray: Any, svc: _Service, error: BaseException) -> None:
-        where = f"node {svc.info.get('ip')} ({str(svc.info.get('node_id', ''))[:12]})"
+        where = _where(svc)
         self.events["lost"] += 1
         with self._lock:
             if svc in self._services:
@@ -962,9 +967,8 @@ class RayCluster:
                     if new in self._services:
                         self._services.remove(new)
             if _actor_gone(ray, e):  # its node died under the restart: place it anew
-                where = f"node {svc.info.get('ip')} ({str(svc.info.get('node_id', ''))[:12]})"
                 if svc.kind == "trainer" and self.config.trainer.recovery.enable:
-                    self._replace_trainer(ray, group, where, e)
+                    self._replace_trainer(ray, group, _where(svc), e)
                 else:
                     self._lost(ray, svc, e)
                 return

@@ -118,13 +118,20 @@ class GenerationRequest:
         return i if self.seed_indices is None else int(self.seed_indices[i])
 
 
-def prompt_seed(seed: int, index: int) -> int:
-    """A prompt's own seed from its request's ``seed`` and its seed index (engines that
-    take one seed per prompt, such as vLLM)."""
-    x = (seed * 0x9E3779B97F4A7C15 + index + 1) % (1 << 64)
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % (1 << 64)
-    return (x ^ (x >> 31)) % (1 << 63)
+_M64 = (1 << 64) - 1
+
+
+def mix_seed(*values: int) -> int:
+    """A 63-bit seed from integers (SplitMix64-style; not a per-token path): a prompt's
+    own seed from its request's and its seed index (vLLM takes one per prompt), a
+    conversation turn's (multi-turn rollouts)."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = ((h ^ (v & _M64)) * 0xBF58476D1CE4E5B9) & _M64
+        h ^= h >> 31
+        h = (h * 0x94D049BB133111EB) & _M64
+        h ^= h >> 29
+    return h & ((1 << 63) - 1)
 
 
 @dataclass(slots=True)

@@ -461,16 +461,16 @@ class HFEngine:
     ) -> None:
         """A LoRA update (:func:`rlfleet.weightsync.lora.check_lora_update`), into base
         weights this engine still holds."""
-        if self._weights_dropped and all(is_lora_name(n) for n in specs):
+        want = str(self._dtype).removeprefix("torch.")
+        model = {name: (want, shape) for name, shape in self._shapes.items()}
+        check_lora_update(specs, model, complete=complete)
+        if self._weights_dropped:
             raise InvalidArgument(
                 "a LoRA update merges into the base weights, which sleep(level=2) dropped: "
                 "send a full update first",
                 field="weights",
                 code="WEIGHTS_DROPPED",
             )
-        want = str(self._dtype).removeprefix("torch.")
-        model = {name: (want, shape) for name, shape in self._shapes.items()}
-        check_lora_update(specs, model, complete=complete)
 
     def _apply_lora(self, named_tensors: Mapping[str, Any]) -> None:
         """Set every adapted weight to ``W0 + lora_B @ lora_A`` and every module adapted

@@ -60,7 +60,13 @@ from rlfleet.common.errors import (
     RlfleetError,
     Unavailable,
 )
-from rlfleet.rollout.engine import FinishReason, GenerationRequest, SampleOutput, SamplingParams
+from rlfleet.rollout.engine import (
+    FinishReason,
+    GenerationRequest,
+    SampleOutput,
+    SamplingParams,
+    mix_seed,
+)
 
 if TYPE_CHECKING:
     from rlfleet.rollout.core import RolloutCore
@@ -81,7 +87,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_M64 = (1 << 64) - 1
 #: Waiting for a tool past its time-out, before the runner gives up on it itself
 #: (remote clients have their own deadline; this catches anything that hangs).
 _GRACE_S = 5.0
@@ -501,17 +506,6 @@ class _ToolRunner:
 # ------------------------------------------------------------------ conversations
 
 
-def _mix(*values: int) -> int:
-    """A 63-bit seed from integers (SplitMix64-style; not a per-token path)."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = ((h ^ (v & _M64)) * 0xBF58476D1CE4E5B9) & _M64
-        h ^= h >> 31
-        h = (h * 0x94D049BB133111EB) & _M64
-        h ^= h >> 29
-    return h & ((1 << 63) - 1)
-
-
 @dataclass
 class _Conversation:
     prompt_index: int
@@ -711,7 +705,7 @@ class MultiTurn:
                     params,
                     n=1,
                     max_tokens=per_turn,
-                    seed=_mix(
+                    seed=mix_seed(
                         base_seed, request.seed_index(c.prompt_index), c.sample_index, c.turns
                     ),
                 )

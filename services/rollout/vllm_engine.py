@@ -45,7 +45,7 @@ from rlfleet.rollout.engine import (
     GenerationRequest,
     SampleCallback,
     SampleOutput,
-    prompt_seed,
+    mix_seed,
     validate_requests,
 )
 from rlfleet.weightsync.lora import (
@@ -280,7 +280,7 @@ class VLLMEngine:
                 if p.seed is None:
                     params.append(shared)
                 else:
-                    seed = prompt_seed(p.seed, req.seed_index(i))
+                    seed = mix_seed(p.seed, req.seed_index(i))
                     params.append(vllm.SamplingParams(**kw, seed=seed))
                 owner.append((r, i))
         with self._lock:

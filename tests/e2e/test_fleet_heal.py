@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 from runlib import arithmetic, grpo_config, loader_order
 
-from rlfleet.common.config import config_from_dict
+from rlfleet.common.config import Config, config_from_dict
 from rlfleet.common.errors import RlfleetError
 from rlfleet.driver.clients import remote_workers
 from rlfleet.driver.loop import PPOTrainer, StepRecord
@@ -25,22 +26,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 STEPS = 4
 
 
+def _config(model: Path, tmp_path: Path, **sections: dict[str, Any]) -> Config:
+    data = arithmetic(tmp_path / "data", n=64)
+    return config_from_dict(grpo_config(model, data, tmp_path / "run", **sections))
+
+
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 def test_the_run_waits_for_its_replicas_when_every_one_dies(
     tiny_model_dir: Path, tmp_path: Path, pipelined: bool
 ) -> None:
-    data = arithmetic(tmp_path / "data", n=64)
-    run_dir = tmp_path / "run"
-    raw = grpo_config(
+    config = _config(
         tiny_model_dir,
-        data,
-        run_dir,
+        tmp_path,
         rollout={"replicas": 2, "replica_wait_s": 120},
         trainer={"total_training_steps": STEPS, "pipeline": {"enable": pipelined}},
         services={"max_restarts": 2, "restart_backoff_s": 0.2},
     )
-    config = config_from_dict(raw)
-    with LocalCluster(config, run_dir, heartbeat_interval_s=0.5, grace_s=10) as cluster:
+    with LocalCluster(config, tmp_path / "run", heartbeat_interval_s=0.5, grace_s=10) as cluster:
         h = cluster.start(timeout_s=180)
         first = {n: cluster.pids[n] for n in ("rollout-0", "rollout-1")}
 
@@ -68,18 +70,14 @@ def test_the_run_waits_for_its_replicas_when_every_one_dies(
 def test_without_a_wait_the_step_fails_naming_the_replicas(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    data = arithmetic(tmp_path / "data", n=64)
-    run_dir = tmp_path / "run"
-    raw = grpo_config(
+    config = _config(
         tiny_model_dir,
-        data,
-        run_dir,
+        tmp_path,
         rollout={"replicas": 1, "replica_wait_s": 0},
         trainer={"total_training_steps": STEPS},
         services={"max_restarts": 0},
     )
-    config = config_from_dict(raw)
-    with LocalCluster(config, run_dir, heartbeat_interval_s=0.5, grace_s=10) as cluster:
+    with LocalCluster(config, tmp_path / "run", heartbeat_interval_s=0.5, grace_s=10) as cluster:
         h = cluster.start(timeout_s=180)
 
         def on_step(record: StepRecord) -> None:

@@ -6,7 +6,7 @@ full batch, nothing left behind."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +74,7 @@ def _raw(model: Path, data: Path, run_dir: Path) -> dict[str, Any]:
 def test_ppo_steps_with_every_role_on_its_own_node(
     ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from rlfleet.driver.clients import remote_workers
-    from rlfleet.driver.loop import PPOTrainer, StepRecord
+    from rlfleet.driver.loop import StepRecord
     from rlfleet.launch.ray_cluster import RayCluster
     from rlfleet.scheduler.client import RemoteSchedulerClient
 
@@ -98,13 +97,7 @@ def test_ppo_steps_with_every_role_on_its_own_node(
             roles = {e.spec.role for e in client.list_services(alive_only=True)}
         assert roles == {"rollout", "reward", "trainer"}
 
-        with PPOTrainer(
-            config,
-            role_worker_mapping=remote_workers(handle.trainer, handle.rollout, handle.reward),
-            scheduler=handle.scheduler,
-            on_step=records.append,
-        ) as trainer:
-            trainer.fit()
+        _fit(config, cluster, handle, records.append)
     assert [r.step for r in records] == [1, 2]
     # The full batch each step (the driver refuses a step with samples missing).
     assert all(len(r.indices) == config.data.train_batch_size for r in records)
@@ -117,6 +110,23 @@ def test_ppo_steps_with_every_role_on_its_own_node(
     assert ray.util.placement_group_table() == {} or all(
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
     )
+
+
+def _fit(config: Any, cluster: Any, handle: Any, on_step: Callable[[Any], None]) -> list[Any]:
+    """A PPO run on ``cluster``'s services, as `rlfleet train` drives it (membership from
+    its scheduler, its fleet metrics, its way to kill a frozen trainer)."""
+    from rlfleet.driver.clients import remote_workers
+    from rlfleet.driver.loop import PPOTrainer
+
+    with PPOTrainer(
+        config,
+        role_worker_mapping=remote_workers(handle.trainer, handle.rollout, handle.reward),
+        scheduler=handle.scheduler,
+        on_step=on_step,
+        fleet_metrics=cluster.fleet_metrics,
+        kill_trainer=cluster.kill_trainer,
+    ) as trainer:
+        return trainer.fit()
 
 
 def _wait(what: str, ok: Any, timeout_s: float = 120.0) -> None:
@@ -141,8 +151,7 @@ def test_scale_rollout_one_two_one_mid_run(
 ) -> None:
     """`rlfleet scale rollout N`'s request (the scheduler's SetScale) is followed by the
     Ray launcher during a run: 1 -> 2 -> 1 replicas, every step with the full batch."""
-    from rlfleet.driver.clients import remote_workers
-    from rlfleet.driver.loop import PPOTrainer, StepRecord
+    from rlfleet.driver.loop import StepRecord
     from rlfleet.launch.ray_cluster import RayCluster
     from rlfleet.scheduler.client import RemoteSchedulerClient
 
@@ -170,14 +179,7 @@ def test_scale_rollout_one_two_one_mid_run(
                 client.set_scale("rollout", 1)
                 _wait("1 replica", lambda: len(_alive_rollouts(scheduler)) == 1)
 
-        with PPOTrainer(
-            config,
-            role_worker_mapping=remote_workers(handle.trainer, handle.rollout, handle.reward),
-            scheduler=scheduler,
-            on_step=on_step,
-            fleet_metrics=cluster.fleet_metrics,
-        ) as trainer:
-            trainer.fit()
+        _fit(config, cluster, handle, on_step)
         client.close()
     # (stop() waits for the supervisor to finish stopping the replica it removed)
     assert cluster.events["scaled_up"] == 1 and cluster.events["scaled_down"] == 1
@@ -196,8 +198,7 @@ def test_the_autoscaler_adds_a_replica_actor_during_a_run(
     for a second replica (generation is most of every step here); the Ray launcher
     starts it as an actor in the rollout pool and the run trains on both."""
     from rlfleet.common.http import http_get
-    from rlfleet.driver.clients import remote_workers
-    from rlfleet.driver.loop import PPOTrainer, StepRecord
+    from rlfleet.driver.loop import StepRecord
     from rlfleet.launch.ray_cluster import RayCluster
 
     data = tmp_path / "data"
@@ -230,14 +231,7 @@ def test_the_autoscaler_adds_a_replica_actor_during_a_run(
                 )
             seen[record.step] = _alive_rollouts(scheduler)
 
-        with PPOTrainer(
-            config,
-            role_worker_mapping=remote_workers(handle.trainer, handle.rollout, handle.reward),
-            scheduler=scheduler,
-            on_step=on_step,
-            fleet_metrics=cluster.fleet_metrics,
-        ) as trainer:
-            records = trainer.fit()
+        records = _fit(config, cluster, handle, on_step)
         assert cluster.events["scaled_up"] == 1 and cluster.rollout_replicas() == [
             "rollout-0",
             "rollout-1",
@@ -265,8 +259,7 @@ def test_the_scheduler_and_a_trainer_rank_die_and_the_run_goes_on(
     import signal
     import time
 
-    from rlfleet.driver.clients import remote_workers
-    from rlfleet.driver.loop import PPOTrainer, StepRecord
+    from rlfleet.driver.loop import StepRecord
     from rlfleet.launch.ray_cluster import RayCluster
     from rlfleet.scheduler.client import RemoteSchedulerClient
 
@@ -294,14 +287,7 @@ def test_the_scheduler_and_a_trainer_rank_die_and_the_run_goes_on(
                 os.kill(first["trainer-1"], signal.SIGKILL)
 
         t0 = time.monotonic()
-        with PPOTrainer(
-            config,
-            role_worker_mapping=remote_workers(handle.trainer, handle.rollout, handle.reward),
-            scheduler=scheduler,
-            on_step=on_step,
-            fleet_metrics=cluster.fleet_metrics,
-        ) as trainer:
-            records = trainer.fit()
+        records = _fit(config, cluster, handle, on_step)
         assert time.monotonic() - t0 < 500
         assert cluster.restarts == {"scheduler": 1, "trainer": 1}
         now = cluster.pids
@@ -325,8 +311,7 @@ def test_a_replicas_node_removed_mid_run_is_replaced_and_no_sample_is_lost(
 ) -> None:
     import threading
 
-    from rlfleet.driver.clients import remote_workers
-    from rlfleet.driver.loop import PPOTrainer, StepRecord
+    from rlfleet.driver.loop import StepRecord
     from rlfleet.launch.ray_cluster import RayCluster
 
     spare = ray_nodes.add_node(num_cpus=1, node_ip_address=LOOPBACK)  # room for the replacement
@@ -360,14 +345,7 @@ def test_a_replicas_node_removed_mid_run_is_replaced_and_no_sample_is_lost(
             if record.step == 2:
                 _wait("a replacement", lambda: cluster.events["replaced"] >= 1, 180)
 
-        with PPOTrainer(
-            config,
-            role_worker_mapping=remote_workers(handle.trainer, handle.rollout, handle.reward),
-            scheduler=handle.scheduler,
-            on_step=on_step,
-            fleet_metrics=cluster.fleet_metrics,
-        ) as trainer:
-            trainer.fit()
+        _fit(config, cluster, handle, on_step)
         replacement = cluster.nodes()[victim]
         assert replacement["node_id"] != removed["node"]
         assert cluster.events["lost"] >= 1
@@ -386,8 +364,7 @@ def test_a_frozen_trainer_is_killed_through_its_actor_and_restarted(
     actor; the supervisor restarts it there and the run finishes."""
     import signal
 
-    from rlfleet.driver.clients import remote_workers
-    from rlfleet.driver.loop import PPOTrainer, StepRecord
+    from rlfleet.driver.loop import StepRecord
     from rlfleet.launch.ray_cluster import RayCluster
 
     data = tmp_path / "data"
@@ -410,14 +387,7 @@ def test_a_frozen_trainer_is_killed_through_its_actor_and_restarted(
             if record.step == 1 and cluster.pids["trainer"] == first:
                 os.kill(first, signal.SIGSTOP)
 
-        with PPOTrainer(
-            config,
-            role_worker_mapping=remote_workers(handle.trainer, handle.rollout, handle.reward),
-            scheduler=handle.scheduler,
-            on_step=on_step,
-            kill_trainer=cluster.kill_trainer,
-        ) as trainer:
-            records = trainer.fit()
+        records = _fit(config, cluster, handle, on_step)
         assert cluster.events["killed"] == 1 and cluster.restarts == {"trainer": 1}
         assert cluster.pids["trainer"] != first
     assert [r.step for r in records] == [1, 2, 3]
@@ -432,8 +402,7 @@ def test_the_trainers_node_removed_mid_run_moves_the_trainer(
     pool (Ray moves the bundle to a spare node) on a new address; the launcher
     registers it, the driver finds it in the registry, restores the step-2 checkpoint
     into it and finishes the run."""
-    from rlfleet.driver.clients import remote_workers
-    from rlfleet.driver.loop import PPOTrainer, StepRecord
+    from rlfleet.driver.loop import StepRecord
     from rlfleet.launch.ray_cluster import RayCluster
     from rlfleet.scheduler.client import RemoteSchedulerClient
 
@@ -458,14 +427,7 @@ def test_the_trainers_node_removed_mid_run_moves_the_trainer(
             if record.step == 2 and cluster.events["replaced"] == 0:  # step 3 finds it gone
                 ray_nodes.remove_node(node)
 
-        with PPOTrainer(
-            config,
-            role_worker_mapping=remote_workers(handle.trainer, handle.rollout, handle.reward),
-            scheduler=handle.scheduler,
-            on_step=on_step,
-            fleet_metrics=cluster.fleet_metrics,
-        ) as trainer:
-            records = trainer.fit()
+        records = _fit(config, cluster, handle, on_step)
         moved = cluster.nodes()["trainer"]
         assert moved["node_id"] != trainer_node
         assert cluster.handle is not None  # its trainer: the new address (the port may repeat)
