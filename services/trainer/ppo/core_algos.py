@@ -1071,18 +1071,22 @@ class _LabelLogprob(torch.autograd.Function):
         logits, labels, lse = ctx.saved_tensors
         cdt = lse.dtype
         inv_temp = ctx.inv_temp
-        grad_logits = torch.empty_like(logits)
         n = logits.shape[0]
+        whole = n <= ctx.chunk_rows and logits.dtype == cdt  # the chunk is the gradient
+        grad_logits = None if whole else torch.empty_like(logits)
         for start in range(0, n, ctx.chunk_rows):
             end = min(start + ctx.chunk_rows, n)
             g = grad_out[start:end].to(cdt).unsqueeze(-1)
             if inv_temp != 1.0:
                 g = g * inv_temp  # d(l / T) / dl = 1 / T
-            # d/dl (l_y - logsumexp(l)) = onehot(y) - softmax(l)
+            # d/dl (l_y - logsumexp(l)) = onehot(y) - softmax(l), in place in one
+            # fresh chunk-sized tensor (the subtraction's result).
             chunk = _scaled_chunk(logits[start:end], cdt, inv_temp)
-            grad = torch.exp(chunk - lse[start:end].unsqueeze(-1)) * -g
+            grad = torch.sub(chunk, lse[start:end].unsqueeze(-1)).exp_().mul_(-g)
             grad.scatter_add_(-1, labels[start:end].unsqueeze(-1), g)
-            grad_logits[start:end] = grad.to(logits.dtype)
+            if grad_logits is None:
+                return grad, None, None, None
+            grad_logits[start:end] = grad
         return grad_logits, None, None, None
 
 
