@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlfleet.common import tracing
+from rlfleet.common.allocator import use_one_arena
 from rlfleet.common.auth import SHARED_TOKEN_ENV, CredentialError
 from rlfleet.common.config import ConfigError, RewardConfig, load_config
 from rlfleet.common.rpc import (
@@ -252,6 +253,7 @@ def _stop_when_stdin_closes() -> None:
 
 def serve_main(args: argparse.Namespace) -> int:
     """Run the reward service until SIGTERM / SIGINT. Returns the exit code."""
+    use_one_arena()  # before any thread starts (rlfleet.common.allocator)
     child = args.process_index is not None
     where = f" [process {args.process_index}]" if child else ""
     logging.basicConfig(

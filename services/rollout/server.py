@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 
 from rlfleet.common import tracing
+from rlfleet.common.allocator import use_one_arena
 from rlfleet.common.auth import CredentialError
 from rlfleet.common.config import ConfigError
 from rlfleet.common.errors import RlfleetError, Unavailable
@@ -423,6 +424,7 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def serve_main(args: argparse.Namespace) -> int:
+    use_one_arena()  # before any thread starts (rlfleet.common.allocator)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

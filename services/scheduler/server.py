@@ -42,6 +42,7 @@ from typing import Any
 
 import grpc
 
+from rlfleet.common.allocator import use_one_arena
 from rlfleet.common.auth import CredentialError
 from rlfleet.common.http import HttpEndpoint, serve_http
 from rlfleet.common.rpc import (
@@ -352,6 +353,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve_main(args: argparse.Namespace) -> int:
     """Run the scheduler until SIGTERM / SIGINT. Returns the exit code."""
+    use_one_arena()  # before any thread starts (rlfleet.common.allocator)
     logging.basicConfig(
         level=str(args.log_level).upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 
+from rlfleet.common.allocator import use_one_arena
 from rlfleet.common.auth import CredentialError
 from rlfleet.common.config import ConfigError, ToolsConfig, load_config
 from rlfleet.common.rpc import (
@@ -73,6 +74,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_main(args: argparse.Namespace) -> int:
+    use_one_arena()  # before any thread starts (rlfleet.common.allocator)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

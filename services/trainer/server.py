@@ -78,6 +78,9 @@ def _registered_replicas(scheduler: str | None) -> Callable[[], set[str]] | None
 
 def serve_main(args: argparse.Namespace) -> int:
     """Run the trainer service until stopped; returns the exit code."""
+    from rlfleet.common.allocator import use_one_arena
+
+    use_one_arena()  # before any thread starts (rlfleet.common.allocator)
     import torch.distributed as dist
 
     from rlfleet.common import tracing

@@ -1072,7 +1072,7 @@ class _LabelLogprob(torch.autograd.Function):
         cdt = lse.dtype
         inv_temp = ctx.inv_temp
         n = logits.shape[0]
-        whole = n <= ctx.chunk_rows and logits.dtype == cdt  # the chunk is the gradient
+        whole = 0 < n <= ctx.chunk_rows and logits.dtype == cdt  # the chunk is the gradient
         grad_logits = None if whole else torch.empty_like(logits)
         for start in range(0, n, ctx.chunk_rows):
             end = min(start + ctx.chunk_rows, n)
@@ -1087,6 +1087,7 @@ class _LabelLogprob(torch.autograd.Function):
             if grad_logits is None:
                 return grad, None, None, None
             grad_logits[start:end] = grad
+        assert grad_logits is not None  # None only when one chunk returned above
         return grad_logits, None, None, None
 
 
