@@ -182,6 +182,7 @@ class RemoteRolloutClient:
             prompts=messages,
             sampling=serde.sampling_to_proto(params, detokenize=detokenize),
             min_weight_version=min_weight_version,
+            pack_results=True,
         )
         stream = self._generate_stub.Generate(request, timeout=self._generate_timeout_s)
         watchdog = None
@@ -199,6 +200,8 @@ class RemoteRolloutClient:
                 if watchdog is not None:
                     watchdog.progress()
                 yield serde.result_from_proto(msg)
+                for packed in msg.more:  # samples that finished with it (pack_results)
+                    yield serde.result_from_proto(packed)
         except grpc.RpcError as e:
             if watchdog is not None and watchdog.verdict is not None:
                 raise watchdog.error(self.address) from e

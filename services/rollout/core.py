@@ -128,6 +128,36 @@ class GenerationHandle:
         finally:
             self.cancel()
 
+    def batches(self, max_samples: int) -> Iterator[list[SampleOutput]]:
+        """The samples as :meth:`__iter__` gives them, grouped: each list holds the
+        next sample (waited for) and those already finished behind it, at most
+        ``max_samples``; what comes after an error is not reached (it is raised
+        once the samples before it went out)."""
+        if max_samples < 1:
+            raise ValueError(f"max_samples must be >= 1, got {max_samples}")
+        try:
+            pending: SampleOutput | BaseException | _Done | None = None
+            while True:
+                item = self._out.get() if pending is None else pending
+                pending = None
+                if isinstance(item, _Done):
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                group = [item]
+                while len(group) < max_samples:
+                    try:
+                        nxt = self._out.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not isinstance(nxt, SampleOutput):
+                        pending = nxt  # the end or an error: after this group
+                        break
+                    group.append(nxt)
+                yield group
+        finally:
+            self.cancel()
+
     def result(self) -> list[SampleOutput]:
         """All samples, ordered by (prompt_index, sample_index)."""
         return sorted(self, key=lambda s: (s.prompt_index, s.sample_index))

@@ -15,9 +15,16 @@ from rlfleet.common import tracing
 from rlfleet.common.errors import FailedPrecondition, InvalidArgument
 from rlfleet.rollout import serde
 from rlfleet.rollout.core import RolloutCore
+from rlfleet.rollout.engine import SampleOutput
 from rlfleet.rollout.trajectories import TrajectoryStore
 from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc
 from rlfleet.weightsync import wire
+
+#: With ``pack_results``: samples per ``GenerateResult`` message at most, and tokens
+#: (a packed message of 2**18 tokens with log-probs and versions is about 5 MB, well
+#: inside the 64 MiB message limit).
+_PACK_SAMPLES = 256
+_PACK_TOKENS = 1 << 18
 
 __all__ = ["Detokenizer", "RolloutServicer"]
 
@@ -87,12 +94,34 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             handle.cancel()
         ids = [p.id for p in request.prompts]
         replica = self.core.replica_id
-        for sample in handle:
+
+        def result(sample: SampleOutput) -> rollout_pb2.GenerateResult:
             if detok and self._detokenize is not None:
                 sample.text = self._detokenize(sample.token_ids)
-            yield serde.result_to_proto(
+            return serde.result_to_proto(
                 sample, prompt_id=ids[sample.prompt_index], replica_id=replica
             )
+
+        if not request.pack_results:
+            for sample in handle:
+                yield result(sample)
+            return
+        # Samples that finished together go out in one message: each message costs
+        # the stream about 0.1 ms on each side, a third of a tiny model's decode step.
+        for group in handle.batches(_PACK_SAMPLES):
+            message: rollout_pb2.GenerateResult | None = None
+            tokens = 0
+            for sample in group:
+                if message is not None and tokens + len(sample.token_ids) > _PACK_TOKENS:
+                    yield message
+                    message = None
+                if message is None:
+                    message, tokens = result(sample), 0
+                else:
+                    message.more.append(result(sample))
+                tokens += len(sample.token_ids)
+            if message is not None:
+                yield message
 
     def UpdateWeights(
         self, request_iterator: Iterator[rollout_pb2.WeightChunk], context: grpc.ServicerContext

@@ -70,19 +70,21 @@ class Prompt(_message.Message):
     def __init__(self, id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., seed_index: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompts", "sampling", "min_weight_version")
+    __slots__ = ("request_id", "prompts", "sampling", "min_weight_version", "pack_results")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PACK_RESULTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: SamplingParams
     min_weight_version: int
-    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
+    pack_results: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., pack_results: _Optional[bool] = ...) -> None: ...
 
 class GenerateResult(_message.Message):
-    __slots__ = ("prompt_id", "prompt_index", "sample_index", "token_ids", "logprobs", "text", "finish_reason", "weight_version", "replica_id", "loss_mask", "token_weight_versions")
+    __slots__ = ("prompt_id", "prompt_index", "sample_index", "token_ids", "logprobs", "text", "finish_reason", "weight_version", "replica_id", "loss_mask", "token_weight_versions", "more")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +96,7 @@ class GenerateResult(_message.Message):
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     TOKEN_WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     prompt_index: int
     sample_index: int
@@ -105,7 +108,8 @@ class GenerateResult(_message.Message):
     replica_id: str
     loss_mask: _containers.RepeatedScalarFieldContainer[bool]
     token_weight_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., token_weight_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[GenerateResult]
+    def __init__(self, prompt_id: _Optional[str] = ..., prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., token_weight_versions: _Optional[_Iterable[int]] = ..., more: _Optional[_Iterable[_Union[GenerateResult, _Mapping]]] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("version", "chunk")

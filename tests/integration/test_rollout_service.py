@@ -165,6 +165,47 @@ def test_results_carry_prompt_ids_and_replica(served) -> None:
     channel.close()
 
 
+def test_packed_results_carry_the_same_samples(served) -> None:
+    """``pack_results``: samples that finished together come in one message (the
+    first at the top, the rest in ``more``), the same samples as one per message;
+    without it, one sample per message, ``more`` empty. The client reads both."""
+    _, address, _ = served
+    channel = grpc.insecure_channel(address)
+    stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+
+    def request(pack: bool) -> rollout_pb2.GenerateRequest:
+        return rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(id=f"p{i}", token_ids=p) for i, p in enumerate(PROMPTS)],
+            sampling=rollout_pb2.SamplingParams(
+                n=8, temperature=1.0, max_tokens=6, seed=11, ignore_eos=True, logprobs=True
+            ),
+            pack_results=pack,
+        )
+
+    def flat(messages: list[rollout_pb2.GenerateResult]) -> list[tuple]:
+        out = []
+        for m in messages:
+            for r in [m, *m.more]:
+                out.append((r.prompt_id, r.sample_index, list(r.token_ids), len(r.logprobs)))
+        return sorted(out)
+
+    single = list(stub.Generate(request(False), timeout=60))
+    packed = list(stub.Generate(request(True), timeout=60))
+    samples = len(PROMPTS) * 8
+    assert len(single) == samples and all(not m.more for m in single)
+    assert len(packed) < samples  # every sample finishes in the same decode step
+    assert all(not r.more for m in packed for r in m.more)
+    assert flat(packed) == flat(single)
+    assert all(n == 6 for *_, n in flat(packed))
+    with RemoteRolloutClient(address) as client:
+        got = client.generate(
+            PROMPTS, SamplingParams(n=8, temperature=1.0, max_tokens=6, seed=11, ignore_eos=True)
+        )
+        remote = sorted((f"p{s.prompt_index}", s.sample_index, s.token_ids) for s in got)
+    assert remote == [(pid, k, ids) for pid, k, ids, _ in flat(single)]
+    channel.close()
+
+
 def test_stop_ids_through_the_service(served) -> None:
     _, address, _ = served
     with RemoteRolloutClient(address) as client:
