@@ -321,8 +321,8 @@ def _scan_bits(flat: Any) -> tuple[bool, bool]:
 
 class Progress:
     """Bytes made available so far, in order, by a thread of this process (TCP's
-    receive thread), for a thread that
-    follows them: it is woken when the count grows, no polling."""
+    receive thread), for a thread that follows them: it is woken when the count
+    grows, no polling."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -528,8 +528,8 @@ class StreamVerifier:
                 self._nonfinite.add(i)
 
     def finish(self, timeout_s: float) -> bool:
-        """Wait for the threads (at most ``timeout_s``); False if one still runs. An
-        error they met is in :attr:`error`."""
+        """Wait for the thread (at most ``timeout_s``); False if it still runs. An
+        error it met is in :attr:`error`."""
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
