@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -46,6 +45,7 @@ from rlfleet.rollout.engine import (
     SampleOutput,
     SamplingParams,
 )
+from rlfleet.rollout.handle import DONE, SampleStream
 from rlfleet.rollout.metrics import RolloutMetrics
 from rlfleet.rollout.multiturn import ConversationHandle, MultiTurn
 from rlfleet.weightsync.receiver import BulkReceiver, WeightReceiver
@@ -81,86 +81,18 @@ class RolloutStatusInfo:
     requests_cancelled: int = 0
 
 
-class _Done:
-    pass
-
-
-_DONE = _Done()
-
-
-class GenerationHandle:
-    """A submitted request: iterate it for its samples as they finish.
-
-    Iteration raises the error the batch failed with, if any. Stopping early (or
-    :meth:`cancel`) drops the request if it has not started yet and stops it
-    between two decode steps if it has; iteration then ends after the samples that
-    finished before (no error: the caller is the one who gave up).
-    """
+class GenerationHandle(SampleStream):
+    """A submitted request: iterate it for its samples as they finish
+    (:class:`~rlfleet.rollout.handle.SampleStream`). Cancelling drops the request if
+    it has not started yet and stops it between two decode steps if it has."""
 
     def __init__(self, request: GenerationRequest, min_weight_version: int) -> None:
+        super().__init__()
         self.request = request
         self.min_weight_version = min_weight_version
         self.samples = len(request.prompts) * request.params.n
         self.submitted = time.perf_counter()
         self.first_sample: float | None = None
-        self._out: queue.SimpleQueue[SampleOutput | BaseException | _Done] = queue.SimpleQueue()
-        self._cancelled = threading.Event()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    def _put(self, item: SampleOutput | BaseException | _Done) -> None:
-        self._out.put(item)
-
-    def __iter__(self) -> Iterator[SampleOutput]:
-        try:
-            while True:
-                item = self._out.get()
-                if isinstance(item, _Done):
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            self.cancel()
-
-    def batches(self, max_samples: int) -> Iterator[list[SampleOutput]]:
-        """The samples as :meth:`__iter__` gives them, grouped: each list holds the
-        next sample (waited for) and those already finished behind it, at most
-        ``max_samples``; what comes after an error is not reached (it is raised
-        once the samples before it went out)."""
-        if max_samples < 1:
-            raise ValueError(f"max_samples must be >= 1, got {max_samples}")
-        try:
-            pending: SampleOutput | BaseException | _Done | None = None
-            while True:
-                item = self._out.get() if pending is None else pending
-                pending = None
-                if isinstance(item, _Done):
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                group = [item]
-                while len(group) < max_samples:
-                    try:
-                        nxt = self._out.get_nowait()
-                    except queue.Empty:
-                        break
-                    if not isinstance(nxt, SampleOutput):
-                        pending = nxt  # the end or an error: after this group
-                        break
-                    group.append(nxt)
-                yield group
-        finally:
-            self.cancel()
-
-    def result(self) -> list[SampleOutput]:
-        """All samples, ordered by (prompt_index, sample_index)."""
-        return sorted(self, key=lambda s: (s.prompt_index, s.sample_index))
 
 
 class RolloutCore:
@@ -323,7 +255,7 @@ class RolloutCore:
                     self._queued -= h.samples
                     self._cancelled_total += 1
                     self.metrics.requests.labels("cancelled").inc()
-                    h._put(_DONE)
+                    h._put(DONE)
                     continue
                 batch.append(h)
                 rows += h.samples
@@ -396,7 +328,7 @@ class RolloutCore:
             else:
                 self.metrics.request_latency.observe(time.perf_counter() - h.submitted)
                 self.metrics.requests.labels("ok").inc()
-            h._put(_DONE)
+            h._put(DONE)
 
     def _fail(self, h: GenerationHandle, error: BaseException, already: int = 0) -> None:
         with self._cond:

@@ -44,12 +44,11 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import queue
 import re
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -67,6 +66,7 @@ from rlfleet.rollout.engine import (
     SamplingParams,
     mix_seed,
 )
+from rlfleet.rollout.handle import DONE, SampleStream
 
 if TYPE_CHECKING:
     from rlfleet.rollout.core import RolloutCore
@@ -555,31 +555,19 @@ class _Conversation:
         )
 
 
-class _Done:
-    pass
-
-
-_DONE = _Done()
-
-
-class ConversationHandle:
+class ConversationHandle(SampleStream):
     """A submitted multi-turn request: iterate it for its samples as they finish;
     :meth:`cancel` stops it at the next round (the running round's generation is
     cancelled too). Same use as :class:`~rlfleet.rollout.core.GenerationHandle`."""
 
     def __init__(self, samples: int) -> None:
+        super().__init__()
         self.samples = samples
-        self._out: queue.SimpleQueue[SampleOutput | BaseException | _Done] = queue.SimpleQueue()
-        self._cancelled = threading.Event()
         self._lock = threading.Lock()
         self._round: list[Any] = []
 
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
     def cancel(self) -> None:
-        self._cancelled.set()
+        super().cancel()
         with self._lock:
             running = list(self._round)
         for h in running:
@@ -591,25 +579,6 @@ class ConversationHandle:
         if self.cancelled:
             for h in handles:
                 h.cancel()
-
-    def _put(self, item: SampleOutput | BaseException | _Done) -> None:
-        self._out.put(item)
-
-    def __iter__(self) -> Iterator[SampleOutput]:
-        try:
-            while True:
-                item = self._out.get()
-                if isinstance(item, _Done):
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            self.cancel()
-
-    def result(self) -> list[SampleOutput]:
-        """All samples, ordered by (prompt_index, sample_index)."""
-        return sorted(self, key=lambda s: (s.prompt_index, s.sample_index))
 
 
 class MultiTurn:
@@ -676,7 +645,7 @@ class MultiTurn:
         except BaseException as e:
             handle._put(e)
         finally:
-            handle._put(_DONE)
+            handle._put(DONE)
 
     def _conversations(
         self,

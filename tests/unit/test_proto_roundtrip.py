@@ -74,14 +74,23 @@ def fill_well_known(msg: Message) -> None:
         msg.extend([1.0, "x", {"k": None}])  # type: ignore[attr-defined]
 
 
-def fill(msg: Message, variant: int, depth: int = 0) -> None:
+def _recursive(field: Any, seen: frozenset[str]) -> bool:
+    """A message field whose type is already on the path (``GenerateResult.more``):
+    filled and expected one level deep only."""
+    return field.type == F.TYPE_MESSAGE and field.message_type.full_name in seen
+
+
+def fill(msg: Message, variant: int, depth: int = 0, seen: frozenset[str] = frozenset()) -> None:
     """Set every field; in each oneof, member number ``variant % len(members)``."""
     desc = msg.DESCRIPTOR
     if desc.full_name in WELL_KNOWN:
         fill_well_known(msg)
         return
     assert depth < 8, f"recursion too deep at {desc.full_name}"
+    inner = seen | {desc.full_name}
     for field in desc.fields:
+        if _recursive(field, seen):
+            continue
         oneof = field.containing_oneof
         chosen = (
             oneof is None
@@ -99,17 +108,17 @@ def fill(msg: Message, variant: int, depth: int = 0) -> None:
             for salt in range(2):
                 key = scalar(key_f, salt)
                 if val_f.type == F.TYPE_MESSAGE:
-                    fill(value[key], variant, depth + 1)
+                    fill(value[key], variant, depth + 1, inner)
                 else:
                     value[key] = scalar(val_f, salt)
         elif _is_repeated(field):
             for salt in range(2):
                 if field.type == F.TYPE_MESSAGE:
-                    fill(value.add(), variant + salt, depth + 1)
+                    fill(value.add(), variant + salt, depth + 1, inner)
                 else:
                     value.append(scalar(field, salt))
         elif field.type == F.TYPE_MESSAGE:
-            fill(value, variant, depth + 1)
+            fill(value, variant, depth + 1, inner)
         else:
             setattr(msg, field.name, scalar(field, variant))
 
@@ -152,12 +161,17 @@ def set_fields(msg: Message, prefix: str = "") -> set[str]:
     return out
 
 
-def all_field_paths(desc: Descriptor, prefix: str = "", depth: int = 0) -> set[str]:
+def all_field_paths(
+    desc: Descriptor, prefix: str = "", depth: int = 0, seen: frozenset[str] = frozenset()
+) -> set[str]:
     """Every field path a fully filled message of this type should have."""
     if desc.full_name in WELL_KNOWN:
         return {prefix + "<wkt>"}
+    inner = seen | {desc.full_name}
     out: set[str] = set()
     for field in desc.fields:
+        if _recursive(field, seen):
+            continue
         path = prefix + field.name
         out.add(path)
         if field.type != F.TYPE_MESSAGE:
@@ -165,9 +179,9 @@ def all_field_paths(desc: Descriptor, prefix: str = "", depth: int = 0) -> set[s
         if _is_map(field):
             val = field.message_type.fields_by_name["value"]
             if val.type == F.TYPE_MESSAGE:
-                out |= all_field_paths(val.message_type, path + "[].", depth + 1)
+                out |= all_field_paths(val.message_type, path + "[].", depth + 1, inner)
         else:
-            out |= all_field_paths(field.message_type, path + ".", depth + 1)
+            out |= all_field_paths(field.message_type, path + ".", depth + 1, inner)
     return out
 
 

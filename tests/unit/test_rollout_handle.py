@@ -6,8 +6,9 @@ import threading
 
 import pytest
 
-from rlfleet.rollout.core import _DONE, GenerationHandle
+from rlfleet.rollout.core import GenerationHandle
 from rlfleet.rollout.engine import FinishReason, GenerationRequest, SampleOutput, SamplingParams
+from rlfleet.rollout.handle import DONE
 
 
 def _handle(rows: int) -> GenerationHandle:
@@ -28,7 +29,7 @@ def test_ready_samples_group_up_to_the_cap() -> None:
     h = _handle(5)
     for i in range(5):
         h._put(_sample(i))
-    h._put(_DONE)
+    h._put(DONE)
     groups = [[s.prompt_index for s in g] for g in h.batches(2)]
     assert groups == [[0, 1], [2, 3], [4]]
     assert h.cancelled  # iteration over: the request is released
@@ -54,7 +55,7 @@ def test_waits_for_the_first_then_takes_what_is_ready() -> None:
     h._put(_sample(1))
     h._put(_sample(2))
     assert [s.prompt_index for s in next(it)] == [1, 2]
-    h._put(_DONE)
+    h._put(DONE)
     assert list(it) == []
 
 
