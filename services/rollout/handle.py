@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import TypeAlias
 
 from rlfleet.rollout.engine import SampleOutput
@@ -50,18 +50,14 @@ class SampleStream:
         self._out.put(item)
 
     def __iter__(self) -> Iterator[SampleOutput]:
+        groups = self.batches(1)
         try:
-            while True:
-                item = self._out.get()
-                if isinstance(item, _Done):
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+            for [sample] in groups:
+                yield sample
         finally:
-            self.cancel()
+            groups.close()  # cancels: the caller stopped or the stream ended
 
-    def batches(self, max_samples: int) -> Iterator[list[SampleOutput]]:
+    def batches(self, max_samples: int) -> Generator[list[SampleOutput], None, None]:
         """The samples as iteration gives them, grouped: each list holds the next
         sample (waited for) and those already finished behind it, at most
         ``max_samples``; an error is raised once the samples before it went out."""

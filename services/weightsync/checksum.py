@@ -22,7 +22,6 @@ which releases the GIL (the extension's ``extend`` keeps it for anything but
 from __future__ import annotations
 
 import bisect
-import ctypes
 import queue
 import threading
 import time
@@ -30,10 +29,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
 from rlfleet.common.codec.batch import TensorSpec
+from rlfleet.common.crc32c import CRC_RELEASES_GIL, copy_crc, crc32c_extend
 
 __all__ = [
     "CRC_RELEASES_GIL",
@@ -61,9 +60,6 @@ _POLL_MAX_S = 0.002
 _WAIT_S = 1.0
 # Elements per pass of the exact value scan (a scratch block of 4-32 MiB).
 _VALUE_BLOCK = 1 << 22
-# Receiver copying out of shared memory: bytes copied, then checksummed, at a time
-# (small enough to stay in this core's cache in between).
-_COPY_BLOCK = 1 << 18
 
 
 def tensor_bytes(t: Any) -> memoryview:
@@ -85,42 +81,6 @@ def tensor_bytes(t: Any) -> memoryview:
 def as_u8(data: memoryview) -> np.ndarray:
     """A uint8 array over ``data`` (google_crc32c takes arrays, not memoryviews)."""
     return np.frombuffer(data, dtype=np.uint8)
-
-
-def _load_crc32c_extend() -> tuple[Callable[[int, np.ndarray], int], bool]:
-    """``crc32c_extend(crc, uint8 array)`` and whether it releases the GIL.
-
-    google-crc32c's ``extend`` holds the GIL for anything but a ``bytes`` object
-    (it guards against a buffer changing under it), so a checksum thread would
-    stall the thread moving bytes. The same C function, ``crc32c_extend`` of the
-    library its extension links, called through ``ctypes`` runs without the GIL.
-    A changing buffer is harmless here: any difference between what the two ends
-    checksummed is a mismatch that rejects the update. Checked against the
-    extension on a known value; if the library cannot be loaded, the extension's
-    ``extend``."""
-    fallback = google_crc32c.extend
-    try:
-        from google_crc32c import _crc32c
-
-        fn = ctypes.CDLL(_crc32c.__file__).crc32c_extend
-    except (ImportError, OSError, AttributeError):
-        return fallback, False
-    fn.restype = ctypes.c_uint32
-    fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-
-    def extend(crc: int, data: np.ndarray) -> int:
-        # ``data`` is a C-contiguous uint8 array, alive for the call (the caller's).
-        return int(fn(crc, data.ctypes.data, data.nbytes))
-
-    probe = np.frombuffer(b"123456789", dtype=np.uint8)
-    if extend(0, probe) != 0xE3069283 or extend(0, probe) != int(fallback(0, probe)):
-        return fallback, False
-    return extend, True
-
-
-#: CRC-32C extend over a uint8 array; ``CRC_RELEASES_GIL`` says whether it runs
-#: without the GIL (so that a thread can checksum while another moves bytes).
-crc32c_extend, CRC_RELEASES_GIL = _load_crc32c_extend()
 
 
 def tensor_crcs(named_tensors: Mapping[str, Any], specs: Sequence[TensorSpec]) -> list[int]:
@@ -417,7 +377,7 @@ class StreamVerifier:
     the end.
 
     With ``copy_to``, the same thread first copies each range there from ``buffer``
-    as it lands, a block of :data:`_COPY_BLOCK` at a time, checksumming each block
+    as it lands (:func:`~rlfleet.common.crc32c.copy_crc`), checksumming each block
     right after copying it (from this core's cache), and scans the copy: the
     receiver then verifies, and uses, bytes that no one else can write (``buffer``
     being memory a sender maps), copied while the sender is still writing. (A copy
@@ -490,7 +450,7 @@ class StreamVerifier:
             if src is None:
                 self.crcs[i] = crc32c_extend(self.crcs[i], buf[pos:stop])
             else:
-                self.crcs[i] = _copy_crc(src, buf, pos, stop, self.crcs[i])
+                self.crcs[i] = copy_crc(src[pos:stop], buf[pos:stop], self.crcs[i])
             pos = stop
             i += 1
         self.fed = max(self.fed, end)
@@ -560,16 +520,6 @@ class StreamVerifier:
             tuple(self.specs[i].name for i in sorted(self._nonfinite)),
             self._nonzero,
         )
-
-
-def _copy_crc(src: np.ndarray, dst: np.ndarray, start: int, stop: int, crc: int) -> int:
-    """Copy ``src[start:stop]`` into ``dst`` at the same place, extending ``crc`` with
-    each :data:`_COPY_BLOCK` right after copying it (read back from cache)."""
-    for a in range(start, stop, _COPY_BLOCK):
-        b = min(stop, a + _COPY_BLOCK)
-        np.copyto(dst[a:b], src[a:b])
-        crc = crc32c_extend(crc, dst[a:b])
-    return crc
 
 
 def _itemsize(dtype: str) -> int:

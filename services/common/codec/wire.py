@@ -42,7 +42,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, cast
 
-import google_crc32c
 import numpy as np
 from google.protobuf.message import DecodeError
 
@@ -62,6 +61,7 @@ from rlfleet.common.codec.batch import (
     expected_nbytes,
     split_batch,
 )
+from rlfleet.common.crc32c import BLOCK, copy_crc, crc32c_extend
 from rlfleet.v1 import common_pb2
 
 __all__ = [
@@ -425,24 +425,7 @@ def _crc32c(views: Sequence[memoryview | bytes]) -> int:
     (google-crc32c); about 2.5x faster than zlib's crc32 on this path."""
     crc = 0
     for v in views:
-        # The C extension takes bytes or arrays but not memoryviews: wrap, no copy.
-        crc = google_crc32c.extend(crc, v if isinstance(v, bytes) else np.frombuffer(v, np.uint8))
-    return crc
-
-
-#: Bytes copied and then checksummed at a time: a block is still in the core's cache
-#: when its CRC-32C is computed, so each byte is read from memory once (checksumming
-#: a whole 4 MB piece after copying it reads it twice, about 1.8x the time).
-_BLOCK = 1 << 18
-
-
-def _copy_crc(src: U8Array, dst: U8Array, crc: int) -> int:
-    """Copy ``src`` into ``dst`` (same length) block by block, extending ``crc`` with
-    each block just written."""
-    for start in range(0, len(src), _BLOCK):
-        block = dst[start : start + _BLOCK]
-        np.copyto(block, src[start : start + _BLOCK])
-        crc = google_crc32c.extend(crc, block)
+        crc = crc32c_extend(crc, np.frombuffer(v, np.uint8))  # a view, no copy
     return crc
 
 
@@ -575,7 +558,8 @@ def iter_chunk_bytes(
     message (same plan, same checksums), at most ``max_chunk_bytes`` long.
 
     Tensor bytes are copied once, straight from the tensor into the chunk, and
-    checksummed block by block right after they are copied (see ``_BLOCK``). Send the
+    checksummed block by block right after they are copied (see
+    :data:`~rlfleet.common.crc32c.BLOCK`). Send the
     items through gRPC with :func:`serialize_chunk` (identity on bytes) as the
     request serializer; receive with :func:`parse_chunk` as the deserializer.
     """
@@ -612,10 +596,10 @@ def iter_chunk_bytes(
         for p, prefix in zip(pc.pieces, prefixes, strict=True):
             out.write(prefix)
             data = _piece_data(p)
-            for start in range(0, p.length, _BLOCK):
-                block = data[start : start + _BLOCK]
+            for start in range(0, p.length, BLOCK):
+                block = data[start : start + BLOCK]
                 out.write(block.data)
-                crc = google_crc32c.extend(crc, block)  # while the block is in cache
+                crc = crc32c_extend(crc, block)  # while the block is in cache
         views = [_piece_data(p).data for p in pc.pieces] if digest == "data" else []
         out.write(tail(crc, stream_digest.add(seq, crc, views)))
         out.truncate()
@@ -911,7 +895,7 @@ class ChunkAssembler:
         places = [self._place(p, where) for p in view.pieces]
         crc = 0
         for p, dst in zip(view.pieces, places, strict=True):
-            crc = _copy_crc(np.frombuffer(p.data, dtype=np.uint8), dst, crc)
+            crc = copy_crc(np.frombuffer(p.data, dtype=np.uint8), dst, crc)
         if crc != view.crc32c:
             raise CodecError(
                 f"{where}: crc32c of piece data is {crc:#010x}, the chunk says {view.crc32c:#010x}"
