@@ -16,40 +16,42 @@ import numpy as np
 __all__ = ["BLOCK", "CRC_RELEASES_GIL", "copy_crc", "crc32c_extend"]
 
 
-def _load_crc32c_extend() -> tuple[Callable[[int, np.ndarray], int], bool]:
-    """``crc32c_extend(crc, uint8 array)`` and whether it releases the GIL.
+def _load_crc32c_raw() -> Callable[[int, int, int], int] | None:
+    """google-crc32c's C ``crc32c_extend(crc, address, length)``, called through
+    ``ctypes`` so that it runs without the GIL, or None where it cannot be loaded.
 
-    google-crc32c's ``extend`` holds the GIL for anything but a ``bytes`` object
-    (it guards against a buffer changing under it), so a checksum thread would
-    stall the thread moving bytes. The same C function, ``crc32c_extend`` of the
-    library its extension links, called through ``ctypes`` runs without the GIL.
-    A changing buffer is harmless here: any difference between what the two ends
-    checksummed is a mismatch that rejects the update. Checked against the
-    extension on a known value; if the library cannot be loaded, the extension's
-    ``extend``."""
-    fallback = google_crc32c.extend
+    The extension's own ``extend`` holds the GIL for anything but a ``bytes`` object
+    (it guards against a buffer changing under it), so a checksum thread would stall
+    the thread moving bytes. A changing buffer is harmless here: any difference
+    between what the two ends checksummed is a mismatch that rejects the data.
+    Checked against the extension on a known value."""
     try:
         from google_crc32c import _crc32c
 
         fn = ctypes.CDLL(_crc32c.__file__).crc32c_extend
     except (ImportError, OSError, AttributeError):
-        return fallback, False
+        return None
     fn.restype = ctypes.c_uint32
     fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-
-    def extend(crc: int, data: np.ndarray) -> int:
-        # ``data`` is a C-contiguous uint8 array, alive for the call (the caller's).
-        return int(fn(crc, data.ctypes.data, data.nbytes))
-
-    probe = np.frombuffer(b"123456789", dtype=np.uint8)
-    if extend(0, probe) != 0xE3069283 or extend(0, probe) != int(fallback(0, probe)):
-        return fallback, False
-    return extend, True
+    probe = b"123456789"
+    address = ctypes.cast(ctypes.c_char_p(probe), ctypes.c_void_p).value
+    if fn(0, address, len(probe)) != 0xE3069283 or fn(0, address, 9) != google_crc32c.value(probe):
+        return None
+    return fn
 
 
-#: CRC-32C extend over a uint8 array; ``CRC_RELEASES_GIL`` says whether it runs
-#: without the GIL (so that a thread can checksum while another moves bytes).
-crc32c_extend, CRC_RELEASES_GIL = _load_crc32c_extend()
+_crc_raw = _load_crc32c_raw()
+
+#: Whether :func:`crc32c_extend` runs without the GIL (so that a thread can
+#: checksum while another moves bytes).
+CRC_RELEASES_GIL = _crc_raw is not None
+
+
+def crc32c_extend(crc: int, data: np.ndarray) -> int:
+    """``crc`` extended with the bytes of ``data``, a C-contiguous uint8 array."""
+    if _crc_raw is None:
+        return int(google_crc32c.extend(crc, data))
+    return int(_crc_raw(crc, data.ctypes.data, data.nbytes))
 
 
 #: Bytes copied and then checksummed at a time: a block is still in the core's cache
@@ -59,10 +61,23 @@ BLOCK = 1 << 18
 
 
 def copy_crc(src: np.ndarray, dst: np.ndarray, crc: int) -> int:
-    """Copy ``src`` into ``dst`` (uint8, same length) a :data:`BLOCK` at a time,
-    extending ``crc`` with each block right after writing it."""
-    for start in range(0, len(src), BLOCK):
-        block = dst[start : start + BLOCK]
-        np.copyto(block, src[start : start + BLOCK])
-        crc = crc32c_extend(crc, block)
-    return crc
+    """Copy ``src`` into ``dst`` (C-contiguous uint8, same length) a :data:`BLOCK`
+    at a time, extending ``crc`` with each block right after writing it.
+
+    Both steps are C calls on raw addresses that release the GIL (``ctypes``), with
+    no array view made per block: another thread (an encoder running ahead, gRPC's)
+    runs meanwhile, and a 256 KiB block costs two calls."""
+    if len(src) != len(dst):
+        raise ValueError(f"copy_crc: src has {len(src)} bytes, dst {len(dst)}")
+    if _crc_raw is None:
+        for start in range(0, len(src), BLOCK):
+            block = dst[start : start + BLOCK]
+            np.copyto(block, src[start : start + BLOCK])
+            crc = int(google_crc32c.extend(crc, block))
+        return crc
+    s, d, n = src.ctypes.data, dst.ctypes.data, len(src)
+    for start in range(0, n, BLOCK):
+        size = min(BLOCK, n - start)
+        ctypes.memmove(d + start, s + start, size)
+        crc = _crc_raw(crc, d + start, size)
+    return int(crc)

@@ -61,7 +61,8 @@ from rlfleet.common.codec.batch import (
     expected_nbytes,
     split_batch,
 )
-from rlfleet.common.crc32c import BLOCK, copy_crc, crc32c_extend
+from rlfleet.common.crc32c import copy_crc, crc32c_extend
+from rlfleet.common.readahead import read_ahead
 from rlfleet.v1 import common_pb2
 
 __all__ = [
@@ -552,6 +553,7 @@ def iter_chunk_bytes(
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     stream_id: str | None = None,
     digest: Digest = "chunks",
+    ahead: bool = True,
 ) -> Iterator[bytes]:
     """The chunks of :func:`iter_chunks`, already serialized: each item is
     byte-identical to ``chunk.SerializeToString(deterministic=True)`` of the matching
@@ -562,8 +564,22 @@ def iter_chunk_bytes(
     :data:`~rlfleet.common.crc32c.BLOCK`). Send the
     items through gRPC with :func:`serialize_chunk` (identity on bytes) as the
     request serializer; receive with :func:`parse_chunk` as the deserializer.
+
+    With ``ahead`` (the default) and more than one chunk, a thread builds the next
+    chunk while the caller sends or decodes this one
+    (:func:`~rlfleet.common.readahead.read_ahead`, one chunk ahead): the tensors
+    must not change until the iterator is exhausted or closed.
     """
     sid, meta_d, plan, total = _prepare(batch, meta, max_chunk_bytes, stream_id, digest)
+    chunks = _chunk_bytes(sid, meta_d, plan, total, digest)
+    if ahead and len(plan) > 1:
+        chunks = read_ahead(chunks, 1, name="codec-encode")
+    yield from chunks
+
+
+def _chunk_bytes(
+    sid: str, meta_d: dict[str, str], plan: list[_PlannedChunk], total: int, digest: Digest
+) -> Iterator[bytes]:
     stream_digest = _StreamDigest(plan, meta_d, digest)
     for seq, pc in enumerate(plan):
         last = seq == len(plan) - 1
@@ -590,17 +606,25 @@ def iter_chunk_bytes(
         # A BytesIO over a bytes object it alone holds writes in place and hands that
         # object back from getvalue(): the chunk is built where gRPC will read it,
         # with no join copy (CPython; elsewhere getvalue() copies, still correct).
+        # The framing goes first, leaving a hole for each piece's data; then the data
+        # is copied into the holes through one writable view (np.copyto, which lets
+        # other threads run) and checksummed block by block while in cache.
         out = io.BytesIO(_new_bytes(size + len(room)))
         out.write(head)
-        crc = 0
+        holes = []
         for p, prefix in zip(pc.pieces, prefixes, strict=True):
             out.write(prefix)
-            data = _piece_data(p)
-            for start in range(0, p.length, BLOCK):
-                block = data[start : start + BLOCK]
-                out.write(block.data)
-                crc = crc32c_extend(crc, block)  # while the block is in cache
+            holes.append(out.tell())
+            out.seek(p.length, io.SEEK_CUR)
+        data_end = out.tell()
+        crc = 0
+        with out.getbuffer() as buf:
+            dst = np.frombuffer(buf, dtype=np.uint8)
+            for p, at in zip(pc.pieces, holes, strict=True):
+                crc = copy_crc(_piece_data(p), dst[at : at + p.length], crc)
+            del dst  # the view must go before the buffer is released
         views = [_piece_data(p).data for p in pc.pieces] if digest == "data" else []
+        out.seek(data_end)
         out.write(tail(crc, stream_digest.add(seq, crc, views)))
         out.truncate()
         yield out.getvalue()
