@@ -93,6 +93,7 @@ __all__ = [
     "TLSConfig",
     "Watchdog",
     "add_security_arguments",
+    "add_service",
     "call_options",
     "check_health",
     "client_security_from_env",
@@ -1054,6 +1055,44 @@ class Server:
         tb: TracebackType | None,
     ) -> None:
         self.stop(grace_s=0.0 if exc is not None else DEFAULT_GRACE_S)
+
+
+def add_service(
+    server: Any,
+    service: Any,
+    servicer: Any,
+    *,
+    parsers: Mapping[str, Callable[[bytes], Any]] | None = None,
+    serializers: Mapping[str, Callable[[Any], bytes]] | None = None,
+) -> None:
+    """Register ``servicer`` for ``service`` (a protobuf ``ServiceDescriptor``) as
+    the generated ``add_XServicer_to_server`` would, except that the messages named
+    in ``parsers`` (request types, by full name) and ``serializers`` (response
+    types) go through the given functions instead of protobuf's: a chunk stream is
+    parsed without copying its tensor bytes, and answers already serialized pass
+    through."""
+    from google.protobuf import symbol_database
+
+    db = symbol_database.Default()
+    parsers = parsers or {}
+    serializers = serializers or {}
+    factories = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {}
+    for m in service.methods:
+        in_name, out_name = m.input_type.full_name, m.output_type.full_name
+        parse = parsers.get(in_name) or db.GetSymbol(in_name).FromString
+        serialize = serializers.get(out_name) or db.GetSymbol(out_name).SerializeToString
+        handlers[m.name] = factories[(m.client_streaming, m.server_streaming)](
+            getattr(servicer, m.name), request_deserializer=parse, response_serializer=serialize
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
 
 
 def create_server(

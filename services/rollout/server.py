@@ -57,9 +57,9 @@ from rlfleet.rollout.openai_server import (
     register_store_metrics,
     start_openai_server,
 )
-from rlfleet.rollout.servicer import Detokenizer, RolloutServicer
+from rlfleet.rollout.servicer import Detokenizer, RolloutServicer, add_to_server
 from rlfleet.rollout.trajectories import TrajectoryStore
-from rlfleet.v1 import rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from rlfleet.v1 import scheduler_pb2, scheduler_pb2_grpc
 from rlfleet.weightsync.receiver import DEFAULT_MAX_VERSION_STEP, SERVED
 
 __all__ = [
@@ -145,7 +145,7 @@ def start_rollout_server(
     ``trajectories``: the OpenAI endpoint's store, read by Get/PopTrajectories."""
     servicer = RolloutServicer(core, detokenize, trajectories)
     return create_server(
-        [(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer)],
+        [(add_to_server, servicer)],
         host=host,
         port=port,
         auth_token=auth_token,

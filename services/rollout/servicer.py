@@ -8,11 +8,13 @@ by the server's interceptor (``rlfleet.common.rpc``); corrupt weight bytes map t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 
 from rlfleet.common import tracing
 from rlfleet.common.errors import FailedPrecondition, InvalidArgument
+from rlfleet.common.rpc import add_service
 from rlfleet.rollout import serde
 from rlfleet.rollout.core import RolloutCore
 from rlfleet.rollout.engine import SampleOutput
@@ -26,7 +28,7 @@ from rlfleet.weightsync import wire
 _PACK_SAMPLES = 256
 _PACK_TOKENS = 1 << 18
 
-__all__ = ["Detokenizer", "RolloutServicer"]
+__all__ = ["Detokenizer", "RolloutServicer", "add_to_server"]
 
 #: token ids -> text (the model's tokenizer ``decode``).
 Detokenizer = Callable[[Sequence[int]], str]
@@ -124,7 +126,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 yield message
 
     def UpdateWeights(
-        self, request_iterator: Iterator[rollout_pb2.WeightChunk], context: grpc.ServicerContext
+        self, request_iterator: Iterator[wire.WeightChunkView], context: grpc.ServicerContext
     ) -> rollout_pb2.UpdateWeightsResponse:
         result = self.core.update_weights_from_chunks(
             (c.version, c.chunk) for c in request_iterator
@@ -207,3 +209,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             trajectories=[serde.trajectory_to_proto(t) for t in taken],
             replica_id=self.core.replica_id,
         )
+
+
+def add_to_server(servicer: RolloutServicer, server: Any) -> None:
+    """Register ``servicer`` (what ``rollout_pb2_grpc.add_RolloutServiceServicer_to_server``
+    does), with ``UpdateWeights`` chunks parsed without copying their tensor bytes
+    (:func:`~rlfleet.weightsync.wire.parse_weight_chunk`): the gRPC weight path copies
+    each byte once, into the engine's staging."""
+    add_service(
+        server,
+        rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
+        servicer,
+        parsers={"rlfleet.v1.WeightChunk": wire.parse_weight_chunk},
+    )

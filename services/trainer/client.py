@@ -35,8 +35,8 @@ from rlfleet.trainer.serde import (
     decode_result,
     push_outcome_from_proto,
     status_from_proto,
+    train_step_envelope,
     train_step_from_proto,
-    train_step_request_bytes,
 )
 from rlfleet.v1 import trainer_pb2, trainer_pb2_grpc
 from rlfleet.weightsync.wire import transport_codes
@@ -311,10 +311,7 @@ class RemoteTrainerClient:
             request_serializer=serialize_chunk,  # bytes pass through
             response_deserializer=trainer_pb2.TrainStepResponse.FromString,
         )
-        requests = (
-            train_step_request_bytes(chunk, on_policy=on_policy)
-            for chunk in iter_chunk_bytes(batch)
-        )
+        requests = iter_chunk_bytes(batch, envelope=train_step_envelope(on_policy=on_policy))
         return train_step_from_proto(self._call(call, requests))
 
     def sft_step(self, batch: Batch) -> UpdateResult:

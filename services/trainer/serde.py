@@ -7,7 +7,7 @@ the sender serializes each ``TensorBatchChunk`` straight from the tensors
 every byte on each set and get) are never built for them. A streaming operation's
 answer carries its metrics as JSON in the ``metrics`` meta entry. ``TrainStep``'s
 ``TrainStepRequest`` wraps each chunk; it is written and read around the chunk bytes
-the same way (:func:`train_step_request_bytes`, :func:`parse_train_step_request`).
+the same way (:func:`train_step_envelope`, :func:`parse_train_step_request`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from rlfleet.common.codec.batch import CodecError
 from rlfleet.common.codec.wire import (
     ChunkAssembler,
     ChunkView,
+    Envelope,
     StreamTooLarge,
-    encode_varint,
     iter_chunk_bytes,
     parse_chunk,
 )
@@ -43,8 +43,8 @@ __all__ = [
     "push_outcome_to_proto",
     "status_from_proto",
     "status_to_proto",
+    "train_step_envelope",
     "train_step_from_proto",
-    "train_step_request_bytes",
     "train_step_to_proto",
 ]
 
@@ -102,10 +102,10 @@ _TRAIN_STEP_CHUNK = 1  # TrainStepRequest.chunk
 _ON_POLICY = b"\x10\x01"  # TrainStepRequest.on_policy = true (field 2, varint)
 
 
-def train_step_request_bytes(chunk: bytes, *, on_policy: bool) -> bytes:
-    """A serialized ``TrainStepRequest`` around serialized chunk bytes."""
-    head = bytes([_TRAIN_STEP_CHUNK << 3 | 2]) + encode_varint(len(chunk))
-    return b"".join((head, chunk, _ON_POLICY if on_policy else b""))
+def train_step_envelope(*, on_policy: bool) -> Envelope:
+    """Codec chunks framed as ``TrainStepRequest``s in place (the chunk as field 1,
+    the flag after it), so that no chunk is copied again to frame it."""
+    return Envelope(field=_TRAIN_STEP_CHUNK, suffix=_ON_POLICY if on_policy else b"")
 
 
 def parse_train_step_request(data: bytes | memoryview) -> TrainStepPart:

@@ -22,6 +22,7 @@ import grpc
 from rlfleet.common import tracing
 from rlfleet.common.codec.wire import parse_chunk, serialize_chunk
 from rlfleet.common.errors import PermissionDenied
+from rlfleet.common.rpc import add_service
 from rlfleet.trainer import checkpoint
 from rlfleet.trainer.core import TrainerCore
 from rlfleet.trainer.push import push_to_targets, refused_push_targets
@@ -201,38 +202,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return status_to_proto(self.core.status())
 
 
-_SERVICE = "rlfleet.v1.TrainerService"
-
-
 def add_to_server(servicer: TrainerServicer, server: Any) -> None:
     """Register ``servicer`` (what ``trainer_pb2_grpc.add_TrainerServiceServicer_to_server``
     does), with batch streams on the wire path: chunks are parsed without copying
     their tensor bytes, and answers go out as the bytes :func:`encode_result` built."""
-    from google.protobuf import symbol_database
-
-    factories = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    db = symbol_database.Default()
-    handlers = {}
-    for m in trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].methods:
-        in_name, out_name = m.input_type.full_name, m.output_type.full_name
-        if in_name == "rlfleet.v1.TensorBatchChunk":
-            deserialize: Any = parse_chunk
-        elif in_name == "rlfleet.v1.TrainStepRequest":
-            deserialize = parse_train_step_request
-        else:
-            deserialize = db.GetSymbol(in_name).FromString
-        if out_name == "rlfleet.v1.TensorBatchChunk":
-            serialize: Any = serialize_chunk
-        else:
-            serialize = db.GetSymbol(out_name).SerializeToString
-        handlers[m.name] = factories[(m.client_streaming, m.server_streaming)](
-            getattr(servicer, m.name),
-            request_deserializer=deserialize,
-            response_serializer=serialize,
-        )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
+    add_service(
+        server,
+        trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"],
+        servicer,
+        parsers={
+            "rlfleet.v1.TensorBatchChunk": parse_chunk,
+            "rlfleet.v1.TrainStepRequest": parse_train_step_request,
+        },
+        serializers={"rlfleet.v1.TensorBatchChunk": serialize_chunk},
+    )

@@ -360,9 +360,8 @@ def stream_weights(
         request_serializer=serialize_chunk,
         response_deserializer=rollout_pb2.UpdateWeightsResponse.FromString,
     )
-    chunks = (
-        wire.weight_chunk_bytes(version, c)
-        for c in iter_chunk_bytes(dict(named_tensors), max_chunk_bytes=max_chunk_bytes)
+    chunks = iter_chunk_bytes(
+        dict(named_tensors), max_chunk_bytes=max_chunk_bytes, envelope=wire.weight_envelope(version)
     )
     try:
         return wire.update_from_proto(update(chunks, timeout=timeout_s), "grpc")

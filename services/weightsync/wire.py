@@ -40,7 +40,16 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rlfleet.common.codec.batch import CodecError, TensorSpec
-from rlfleet.common.codec.wire import ChunkAssembler, ChunkLike, StreamTooLarge, encode_varint
+from rlfleet.common.codec.wire import (
+    ChunkAssembler,
+    ChunkLike,
+    ChunkView,
+    Envelope,
+    StreamTooLarge,
+    encode_varint,
+    parse_chunk,
+    proto_fields,
+)
 from rlfleet.common.errors import DataLoss, InvalidArgument, ResourceExhausted
 from rlfleet.v1 import common_pb2, rollout_pb2
 
@@ -58,6 +67,7 @@ __all__ = [
     "TransferOffer",
     "TransferPlan",
     "UpdateResult",
+    "WeightChunkView",
     "WeightStreamReceiver",
     "WeightTransportMode",
     "abort_from_proto",
@@ -67,6 +77,7 @@ __all__ = [
     "dtype_name",
     "offer_from_proto",
     "offer_to_proto",
+    "parse_weight_chunk",
     "plan_from_proto",
     "plan_to_proto",
     "spec_nbytes",
@@ -75,7 +86,7 @@ __all__ = [
     "transports_for",
     "update_from_proto",
     "update_to_proto",
-    "weight_chunk_bytes",
+    "weight_envelope",
 ]
 
 # ----------------------------------------------------------------------- transports
@@ -329,11 +340,42 @@ class WeightStreamReceiver:
         return meta.get(META_FINAL) == "1"
 
 
-def weight_chunk_bytes(version: int, chunk: bytes) -> bytes:
-    """A serialized ``TensorBatchChunk`` framed as ``WeightChunk{version = 1,
-    chunk = 2}`` by hand, so that the chunk is not parsed and copied again."""
-    head = (b"\x08" + encode_varint(version)) if version else b""
-    return head + b"\x12" + encode_varint(len(chunk)) + chunk
+def weight_envelope(version: int) -> Envelope:
+    """Codec chunks framed as ``WeightChunk{version = 1, chunk = 2}`` in place
+    (:class:`~rlfleet.common.codec.wire.Envelope`), so that no chunk is copied again
+    to frame it."""
+    return Envelope(field=2, prefix=(b"\x08" + encode_varint(version)) if version else b"")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightChunkView:
+    """A parsed ``WeightChunk``: its version and its chunk, whose tensor bytes are
+    views into the received message (see :func:`parse_weight_chunk`)."""
+
+    version: int
+    chunk: ChunkView
+
+
+def parse_weight_chunk(data: bytes | memoryview) -> WeightChunkView:
+    """A ``WeightChunk`` (any valid encoding) with its chunk parsed by
+    :func:`~rlfleet.common.codec.wire.parse_chunk`, the tensor bytes not copied (the
+    rollout service's request deserializer for ``UpdateWeights``). Raises
+    ``CodecError`` on malformed bytes."""
+    buf = memoryview(data)
+    chunk: ChunkView | None = None
+    rest: list[memoryview] = []
+    for number, wire_type, start, pos, stop in proto_fields(buf, 0, len(buf)):
+        if number == 2 and wire_type == 2:
+            chunk = parse_chunk(buf[pos:stop])  # the last one wins, as protobuf merges
+        else:
+            rest.append(buf[start:stop])
+    try:
+        head = rollout_pb2.WeightChunk.FromString(b"".join(rest))
+    except Exception as e:  # DecodeError
+        raise CodecError(f"malformed WeightChunk: {e}") from e
+    if chunk is None:
+        raise CodecError("WeightChunk without a chunk", field="chunk")
+    return WeightChunkView(head.version, chunk)
 
 
 # ------------------------------------------------------------------- the bulk plane

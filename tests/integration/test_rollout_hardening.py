@@ -475,3 +475,23 @@ def test_a_silent_connection_is_dropped_after_the_token_deadline(tiny_model_dir:
         finally:
             silent.close()
             channel.close()
+
+
+def test_malformed_weight_chunks_are_refused_by_the_zero_copy_parser(served) -> None:
+    """``UpdateWeights`` parses its requests with ``parse_weight_chunk`` (views, no
+    protobuf copy): a truncated message and one without a chunk are refused with
+    INVALID_ARGUMENT, and the replica keeps its weights."""
+    core, address, _engine = served
+    channel, _ = _stub(address)
+    update = channel.stream_unary(
+        "/rlfleet.v1.RolloutService/UpdateWeights",
+        request_serializer=lambda b: b,
+        response_deserializer=rollout_pb2.UpdateWeightsResponse.FromString,
+    )
+    for bad, says in [(b"\x08\x01\x12\x40abc", "past the end"), (b"\x08\x01", "without a chunk")]:
+        with pytest.raises(grpc.RpcError) as e:
+            update(iter([bad]), timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert says in e.value.details()
+    channel.close()
+    assert core.status().weight_version == 0

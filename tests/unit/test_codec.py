@@ -762,3 +762,53 @@ def test_import_and_numpy_path_without_torch() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+@pytest.mark.parametrize("elements", [1, 20, 30, 4_000, 40_000, 300_000])
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_an_envelope_frames_each_chunk_in_place(elements: int, on_policy: bool) -> None:
+    """Chunks built inside ``TrainStepRequest`` and ``WeightChunk`` envelopes parse as
+    those messages with protobuf itself (the padded length varint included), and the
+    chunk inside is byte for byte the chunk built without an envelope. The sizes put
+    chunk lengths on both sides of varint width boundaries (128, 16384)."""
+    from rlfleet.trainer.serde import parse_train_step_request, train_step_envelope
+    from rlfleet.v1 import rollout_pb2, trainer_pb2
+    from rlfleet.weightsync.wire import weight_envelope
+
+    batch = {"x": torch.arange(elements, dtype=torch.int32), "y": torch.ones(elements // 3)}
+    plain = list(wire.iter_chunk_bytes(batch, max_chunk_bytes=100_000, stream_id="s"))
+    framed = list(
+        wire.iter_chunk_bytes(
+            batch,
+            max_chunk_bytes=100_000,
+            stream_id="s",
+            envelope=train_step_envelope(on_policy=on_policy),
+        )
+    )
+    weights = list(
+        wire.iter_chunk_bytes(
+            batch, max_chunk_bytes=100_000, stream_id="s", envelope=weight_envelope(7)
+        )
+    )
+    assert len(plain) == len(framed) == len(weights)
+    for chunk, step, weight in zip(plain, framed, weights, strict=True):
+        assert chunk in step and chunk in weight  # the same bytes, framed
+        msg = trainer_pb2.TrainStepRequest.FromString(step)
+        assert msg.chunk == common_pb2.TensorBatchChunk.FromString(chunk)
+        assert msg.on_policy is on_policy
+        part = parse_train_step_request(step)
+        assert part.on_policy is on_policy
+        assert part.chunk.crc32c == wire.parse_chunk(chunk).crc32c
+        w = rollout_pb2.WeightChunk.FromString(weight)
+        assert w.version == 7 and w.chunk == msg.chunk
+    parts = [parse_train_step_request(step).chunk for step in framed]
+    values, _ = wire.assemble_chunks(parts)
+    assert all(torch.equal(values[k], v) for k, v in batch.items())
+
+
+def test_a_padded_varint_has_the_width_asked_for() -> None:
+    assert wire._padded_varint(5, 1) == b"\x05"
+    assert wire._padded_varint(5, 3) == b"\x85\x80\x00"
+    assert wire._padded_varint(300, 2) == wire.encode_varint(300)
+    with pytest.raises(ValueError, match="width 1 cannot hold"):
+        wire._padded_varint(300, 1)

@@ -71,6 +71,7 @@ __all__ = [
     "ChunkLike",
     "ChunkView",
     "Digest",
+    "Envelope",
     "PieceView",
     "StreamTooLarge",
     "assemble_chunks",
@@ -546,6 +547,38 @@ def iter_chunks(
         yield msg
 
 
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """A message around each chunk of :func:`iter_chunk_bytes`, built in the same
+    buffer (no copy of the chunk to frame it): every item becomes ``prefix``, then
+    the chunk as the length-delimited field ``field``, then ``suffix``. ``prefix`` and
+    ``suffix`` are serialized fields of the outer message (``WeightChunk.version``,
+    ``TrainStepRequest.on_policy``).
+
+    The field's length is written as a varint of a fixed width, the width of the
+    chunk's largest possible length, since the exact length is known only after the
+    tensor bytes are copied into place (the CRC-32C varint is 1 to 5 bytes long).
+    Protobuf parsers accept such a varint (a non-minimal encoding is valid); the
+    chunk inside stays byte-identical to its own serialization."""
+
+    field: int
+    prefix: bytes = b""
+    suffix: bytes = b""
+
+
+def _padded_varint(n: int, width: int) -> bytes:
+    """``n`` as a varint of exactly ``width`` bytes (continuation bits on all but the
+    last; ``width`` at least the minimal length)."""
+    out = bytearray()
+    for _ in range(width - 1):
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    if n > 0x7F:
+        raise ValueError(f"varint of width {width} cannot hold the value")
+    out.append(n)
+    return bytes(out)
+
+
 def iter_chunk_bytes(
     batch: Mapping[str, Any],
     meta: Mapping[str, str] | None = None,
@@ -554,6 +587,7 @@ def iter_chunk_bytes(
     stream_id: str | None = None,
     digest: Digest = "chunks",
     ahead: bool = True,
+    envelope: Envelope | None = None,
 ) -> Iterator[bytes]:
     """The chunks of :func:`iter_chunks`, already serialized: each item is
     byte-identical to ``chunk.SerializeToString(deterministic=True)`` of the matching
@@ -569,16 +603,24 @@ def iter_chunk_bytes(
     chunk while the caller sends or decodes this one
     (:func:`~rlfleet.common.readahead.read_ahead`, one chunk ahead): the tensors
     must not change until the iterator is exhausted or closed.
+
+    With an ``envelope``, each item is that message around the chunk (see
+    :class:`Envelope`); ``max_chunk_bytes`` still bounds the chunk itself.
     """
     sid, meta_d, plan, total = _prepare(batch, meta, max_chunk_bytes, stream_id, digest)
-    chunks = _chunk_bytes(sid, meta_d, plan, total, digest)
+    chunks = _chunk_bytes(sid, meta_d, plan, total, digest, envelope)
     if ahead and len(plan) > 1:
         chunks = read_ahead(chunks, 1, name="codec-encode")
     yield from chunks
 
 
 def _chunk_bytes(
-    sid: str, meta_d: dict[str, str], plan: list[_PlannedChunk], total: int, digest: Digest
+    sid: str,
+    meta_d: dict[str, str],
+    plan: list[_PlannedChunk],
+    total: int,
+    digest: Digest,
+    envelope: Envelope | None,
 ) -> Iterator[bytes]:
     stream_digest = _StreamDigest(plan, meta_d, digest)
     for seq, pc in enumerate(plan):
@@ -609,7 +651,13 @@ def _chunk_bytes(
         # The framing goes first, leaving a hole for each piece's data; then the data
         # is copied into the holes through one writable view (np.copyto, which lets
         # other threads run) and checksummed block by block while in cache.
-        out = io.BytesIO(_new_bytes(size + len(room)))
+        width = _varint_len(size + len(room))
+        outer = b""
+        if envelope is not None:
+            outer = envelope.prefix + encode_varint(envelope.field << 3 | 2) + b"\0" * width
+        suffix = envelope.suffix if envelope is not None else b""
+        out = io.BytesIO(_new_bytes(len(outer) + size + len(room) + len(suffix)))
+        out.write(outer)
         out.write(head)
         holes = []
         for p, prefix in zip(pc.pieces, prefixes, strict=True):
@@ -626,6 +674,13 @@ def _chunk_bytes(
         views = [_piece_data(p).data for p in pc.pieces] if digest == "data" else []
         out.seek(data_end)
         out.write(tail(crc, stream_digest.add(seq, crc, views)))
+        if envelope is not None:
+            chunk_len = out.tell() - len(outer)
+            out.write(suffix)
+            end = out.tell()
+            out.seek(len(outer) - width)
+            out.write(_padded_varint(chunk_len, width))
+            out.seek(end)
         out.truncate()
         yield out.getvalue()
 
