@@ -6,16 +6,16 @@
     moving the bytes once), in the same run. The codec paths: decoding into the same
     kind of preallocated buffers (``ChunkAssembler(out=...)``, the target's path),
     into fresh buffers (the default ``assemble_chunks``), with ``digest="data"``, and
-    through protobuf objects. The encoder builds the next chunk in a thread of its
-    own while this one is decoded (``iter_chunk_bytes(ahead=True)``, the default);
-    ``..._no_read_ahead`` is the same path in one thread. ``two_copies_two_crcs`` is
-    the one-thread floor of any checksummed gRPC path: each block copied into a 4 MB
-    staging buffer (the message gRPC needs) and out into the destination, with
-    CRC-32C on both sides while the block is in cache -- what the codec must do at
-    least. ``copy_two_threads`` is the copy baseline split over two threads, for
-    scale: the codec uses two cores, and so would a copy;
+    through protobuf objects. ``..._read_ahead``: the encoder builds the next chunk
+    in a thread of its own while this one is decoded (``iter_chunk_bytes(ahead=True)``,
+    not the default), with ``copy_two_threads`` (the copy split over two threads)
+    as its fair baseline. ``two_copies_two_crcs`` is the one-thread floor of any
+    checksummed gRPC path: each block copied into a 4 MB staging buffer (the message
+    gRPC needs) and out into the destination, with CRC-32C on both sides while the
+    block is in cache -- what the codec must do at least;
 (b) a large transfer over a loopback gRPC stream of codec chunks, reassembled on
-    the server, against the same bytes over a raw TCP socket.
+    the server, against the same bytes over a raw TCP socket; with and without the
+    encoder's read-ahead thread.
 
     python bench/codec.py                      # 256 MB state dict, 1 GiB transfers
     python bench/codec.py --size-mb 64 --transfer-mb 64 --repeats 3   # quick
@@ -159,7 +159,7 @@ def bench_encode_decode(sd: dict[str, torch.Tensor], repeats: int, chunk: int) -
     def copy_two_threads() -> None:
         # The same copy split over two threads (np.copyto lets go of the GIL): what
         # the memory of a 2-core box gives two streams, for scale; the codec's
-        # encoder runs ahead in a thread of its own, so it uses two cores too.
+        # encoder that runs ahead (``ahead=True``) uses two cores too.
         def run(part: list[tuple[np.ndarray, np.ndarray]]) -> None:
             for src, dst in part:
                 np.copyto(dst, src)
@@ -187,7 +187,7 @@ def bench_encode_decode(sd: dict[str, torch.Tensor], repeats: int, chunk: int) -
                     np.copyto(out, staging[b : b + m])
                     crc = google_crc32c.extend(crc, out)
 
-    def codec_into(ahead: bool = True) -> dict[str, Any]:
+    def codec_into(ahead: bool = False) -> dict[str, Any]:
         asm = codec.ChunkAssembler(out=dest)
         for c in codec.iter_chunk_bytes(sd, max_chunk_bytes=chunk, ahead=ahead):
             asm.add(c)
@@ -198,7 +198,7 @@ def bench_encode_decode(sd: dict[str, torch.Tensor], repeats: int, chunk: int) -
         "copy_two_threads": copy_two_threads,
         "two_copies_two_crcs": two_copies_two_crcs,
         "codec_wire_into_buffers": codec_into,
-        "codec_wire_into_buffers_no_read_ahead": lambda: codec_into(ahead=False),
+        "codec_wire_into_buffers_read_ahead": lambda: codec_into(ahead=True),
         "codec_wire": lambda: codec.assemble_chunks(
             codec.iter_chunk_bytes(sd, max_chunk_bytes=chunk)
         ),
@@ -224,11 +224,11 @@ def bench_encode_decode(sd: dict[str, torch.Tensor], repeats: int, chunk: int) -
         "MBps": mbps,
         "best_MBps": {k: round(size / 1e6 / v, 1) for k, v in best.items()},
         "codec_into_vs_copy": ratio,
-        "codec_into_vs_copy_two_threads": round(
-            mbps["codec_wire_into_buffers"] / mbps["copy_two_threads"], 3
+        "codec_into_read_ahead_vs_copy": round(
+            mbps["codec_wire_into_buffers_read_ahead"] / base, 3
         ),
-        "codec_into_no_read_ahead_vs_copy": round(
-            mbps["codec_wire_into_buffers_no_read_ahead"] / base, 3
+        "codec_into_read_ahead_vs_copy_two_threads": round(
+            mbps["codec_wire_into_buffers_read_ahead"] / mbps["copy_two_threads"], 3
         ),
         "floor_vs_copy": round(mbps["two_copies_two_crcs"] / base, 3),
         "codec_into_vs_floor": round(
@@ -384,6 +384,12 @@ def bench_transfer(
             "grpc_wire": lambda: replies.append(
                 push_wire(codec.iter_chunk_bytes(batch, max_chunk_bytes=chunk), timeout=TIMEOUT_S)
             ),
+            "grpc_wire_read_ahead": lambda: replies.append(
+                push_wire(
+                    codec.iter_chunk_bytes(batch, max_chunk_bytes=chunk, ahead=True),
+                    timeout=TIMEOUT_S,
+                )
+            ),
             "grpc_proto_objects": lambda: replies.append(
                 push_proto(codec.iter_chunks(batch, max_chunk_bytes=chunk), timeout=TIMEOUT_S)
             ),
@@ -408,6 +414,7 @@ def bench_transfer(
         "MBps": mbps,
         "best_MBps": {k: round(size / 1e6 / v, 1) for k, v in best.items()},
         "grpc_vs_tcp": round(mbps["grpc_wire"] / mbps["tcp"], 3),
+        "grpc_read_ahead_vs_tcp": round(mbps["grpc_wire_read_ahead"] / mbps["tcp"], 3),
         "grpc_proto_objects_vs_tcp": round(mbps["grpc_proto_objects"] / mbps["tcp"], 3),
     }
 
@@ -432,6 +439,7 @@ def main() -> None:
         "--transfer-mb", type=float, default=1024, help="bytes moved in (b), MiB; 0 skips (b)"
     )
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--transfer-repeats", type=int, default=3, help="at most this many for (b)")
     ap.add_argument("--chunk-bytes", type=int, default=codec.DEFAULT_MAX_CHUNK_BYTES)
     args = ap.parse_args()
     load_start = [round(x, 2) for x in os.getloadavg()]
@@ -444,7 +452,10 @@ def main() -> None:
     if args.transfer_mb > 0:
         log(f"(b) {args.transfer_mb:g} MiB over gRPC vs TCP")
         b = bench_transfer(
-            sd, int(args.transfer_mb * 2**20), max(1, min(args.repeats, 3)), args.chunk_bytes
+            sd,
+            int(args.transfer_mb * 2**20),
+            max(1, min(args.repeats, args.transfer_repeats)),
+            args.chunk_bytes,
         )
     out: dict[str, Any] = {
         "benchmark": "codec",

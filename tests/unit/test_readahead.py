@@ -85,11 +85,9 @@ def test_chunks_built_ahead_are_the_chunks_built_in_line() -> None:
         "h": torch.randn(70_000).to(torch.bfloat16),
         "ids": torch.arange(5_000),
     }
-    ahead = list(wire.iter_chunk_bytes(batch, {"m": "1"}, max_chunk_bytes=200_000, stream_id="s"))
-    inline = list(
-        wire.iter_chunk_bytes(
-            batch, {"m": "1"}, max_chunk_bytes=200_000, stream_id="s", ahead=False
-        )
+    inline = list(wire.iter_chunk_bytes(batch, {"m": "1"}, max_chunk_bytes=200_000, stream_id="s"))
+    ahead = list(
+        wire.iter_chunk_bytes(batch, {"m": "1"}, max_chunk_bytes=200_000, stream_id="s", ahead=True)
     )
     assert len(ahead) > 5
     assert ahead == inline
