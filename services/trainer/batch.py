@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 _INT_KEYS = ("input_ids", "responses", "position_ids")
+_ID_DTYPES = (torch.int64, torch.int32)
 _TOKEN_KEYS = ("input_ids", "responses")
 _MASK_KEYS = ("attention_mask", "response_mask")
 _SEQ_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -214,8 +215,13 @@ def validate_ppo_batch(
                     code="SHAPE_MISMATCH",
                 )
     for key in _INT_KEYS:
-        if key in batch and batch[key].is_floating_point():
-            raise InvalidArgument("must hold integer ids", field=key, value=_shape(batch[key]))
+        if key in batch and batch[key].dtype not in _ID_DTYPES:
+            dtype = str(batch[key].dtype).removeprefix("torch.")
+            raise InvalidArgument(
+                f"must hold int64 or int32 ids (what an embedding takes), got {dtype}",
+                field=key,
+                value=dtype,
+            )
     resp_len: int | None = None
     if "responses" in batch:
         resp = _check_tensor(batch, "responses")

@@ -390,3 +390,55 @@ def test_nan_advantage_on_padding_is_refused(
     )
     assert isinstance(err, InvalidArgument) and err.field == "advantages", err
     assert err.code == "NOT_FINITE" and err.sample_index == 0
+
+
+_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.bool,
+)
+
+
+def test_any_dtype_on_any_key_is_accepted_or_refused_by_name(core: TrainerCore) -> None:
+    """Every tensor of a full PPO batch, cast to each dtype, through every operation
+    that takes a batch: the operation runs, or it raises InvalidArgument naming that
+    key -- never an error from inside the model (``make fuzz`` found token ids of
+    dtype bool reaching the embedding as INTERNAL)."""
+
+    def full() -> dict[str, Any]:
+        batch = _scored(31)
+        g = torch.Generator().manual_seed(5)
+        for key in ("old_log_probs", "values", "advantages", "returns"):
+            batch[key] = torch.randn(4, 5, generator=g) * 0.1
+        batch["token_level_scores"] = torch.zeros(4, 5)
+        batch["token_level_rewards"] = torch.zeros(4, 5)
+        batch["response_mask"] = batch["attention_mask"][:, -5:].clone()
+        return batch
+
+    ops = {
+        "compute_log_prob": core.compute_log_prob,
+        "compute_values": core.compute_values,
+        "compute_advantage": core.compute_advantage,
+        "update_critic": core.update_critic,
+        "update_actor": core.update_actor,
+    }
+    keys = sorted(k for k, v in full().items() if isinstance(v, torch.Tensor))
+    assert {"input_ids", "responses", "attention_mask", "advantages"} <= set(keys)
+    refused_ids = []
+    for key in keys:
+        for dtype in _DTYPES:
+            for name, op in ops.items():
+                batch = full()
+                batch[key] = batch[key].to(dtype)
+                try:
+                    op(batch)
+                except InvalidArgument as e:
+                    assert e.field == key, (key, dtype, name, e.field, e.message)
+                    if key == "input_ids" and dtype in (torch.bool, torch.int16):
+                        refused_ids.append(dtype)
+    assert set(refused_ids) == {torch.bool, torch.int16}
