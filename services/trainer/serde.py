@@ -24,7 +24,6 @@ from rlfleet.common.codec.wire import (
     Envelope,
     StreamTooLarge,
     iter_chunk_bytes,
-    parse_chunk,
 )
 from rlfleet.common.errors import InvalidArgument, ResourceExhausted
 from rlfleet.trainer.core import TrainStepResult
@@ -111,20 +110,7 @@ def train_step_envelope(*, on_policy: bool) -> Envelope:
 def parse_train_step_request(data: bytes | memoryview) -> TrainStepPart:
     """A ``TrainStepRequest`` (any valid encoding) with its chunk parsed by
     :func:`parse_chunk`. Raises ``CodecError`` on malformed bytes."""
-    buf = memoryview(data)
-    chunk: ChunkView | None = None
-    rest: list[memoryview] = []
-    for number, wire_type, start, pos, stop in codec_wire.proto_fields(buf, 0, len(buf)):
-        if number == _TRAIN_STEP_CHUNK and wire_type == 2:
-            chunk = parse_chunk(buf[pos:stop])  # the last one wins, as protobuf merges
-        else:
-            rest.append(buf[start:stop])
-    try:
-        flags = trainer_pb2.TrainStepRequest.FromString(b"".join(rest))
-    except Exception as e:  # DecodeError
-        raise CodecError(f"malformed TrainStepRequest: {e}") from e
-    if chunk is None:
-        raise CodecError("TrainStepRequest without a chunk", field="chunk")
+    chunk, flags = codec_wire.parse_envelope(data, _TRAIN_STEP_CHUNK, trainer_pb2.TrainStepRequest)
     return TrainStepPart(chunk, flags.on_policy)
 
 

@@ -47,8 +47,7 @@ from rlfleet.common.codec.wire import (
     Envelope,
     StreamTooLarge,
     encode_varint,
-    parse_chunk,
-    proto_fields,
+    parse_envelope,
 )
 from rlfleet.common.errors import DataLoss, InvalidArgument, ResourceExhausted
 from rlfleet.v1 import common_pb2, rollout_pb2
@@ -361,20 +360,7 @@ def parse_weight_chunk(data: bytes | memoryview) -> WeightChunkView:
     :func:`~rlfleet.common.codec.wire.parse_chunk`, the tensor bytes not copied (the
     rollout service's request deserializer for ``UpdateWeights``). Raises
     ``CodecError`` on malformed bytes."""
-    buf = memoryview(data)
-    chunk: ChunkView | None = None
-    rest: list[memoryview] = []
-    for number, wire_type, start, pos, stop in proto_fields(buf, 0, len(buf)):
-        if number == 2 and wire_type == 2:
-            chunk = parse_chunk(buf[pos:stop])  # the last one wins, as protobuf merges
-        else:
-            rest.append(buf[start:stop])
-    try:
-        head = rollout_pb2.WeightChunk.FromString(b"".join(rest))
-    except Exception as e:  # DecodeError
-        raise CodecError(f"malformed WeightChunk: {e}") from e
-    if chunk is None:
-        raise CodecError("WeightChunk without a chunk", field="chunk")
+    chunk, head = parse_envelope(data, 2, rollout_pb2.WeightChunk)
     return WeightChunkView(head.version, chunk)
 
 

@@ -40,10 +40,10 @@ import sys
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias, cast
+from typing import Any, Literal, TypeAlias, TypeVar, cast
 
 import numpy as np
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from rlfleet.common.codec.batch import (
     Batch,
@@ -81,6 +81,7 @@ __all__ = [
     "iter_chunk_bytes",
     "iter_chunks",
     "parse_chunk",
+    "parse_envelope",
     "proto_fields",
     "serialize_chunk",
 ]
@@ -88,6 +89,8 @@ __all__ = [
 Digest = Literal["chunks", "data"]
 
 #: Below gRPC's default 4 MiB receive limit, with room for the framing.
+M = TypeVar("M", bound=Message)
+
 DEFAULT_MAX_CHUNK_BYTES = 4_000_000
 
 # What the assembler charges against ``max_bytes`` for each chunk and each piece
@@ -564,6 +567,30 @@ class Envelope:
     field: int
     prefix: bytes = b""
     suffix: bytes = b""
+
+
+def parse_envelope(data: bytes | memoryview, field: int, outer: type[M]) -> tuple[ChunkView, M]:
+    """The other side of :class:`Envelope`: the chunk in length-delimited field
+    ``field`` of ``data`` parsed by :func:`parse_chunk` (tensor bytes as views), and
+    the rest of the message parsed by protobuf as ``outer``. Accepts any valid
+    encoding (fields in any order; the last chunk field wins, as protobuf merges).
+    Raises :class:`CodecError` on malformed bytes or a message without a chunk."""
+    buf = memoryview(data)
+    chunk: ChunkView | None = None
+    rest: list[memoryview] = []
+    for number, wire_type, start, pos, stop in proto_fields(buf, 0, len(buf)):
+        if number == field and wire_type == 2:
+            chunk = parse_chunk(buf[pos:stop])
+        else:
+            rest.append(buf[start:stop])
+    name = outer.DESCRIPTOR.name
+    try:
+        head = outer.FromString(b"".join(rest))
+    except DecodeError as e:
+        raise CodecError(f"malformed {name}: {e}") from e
+    if chunk is None:
+        raise CodecError(f"{name} without a chunk", field="chunk")
+    return chunk, head
 
 
 def _padded_varint(n: int, width: int) -> bytes:
