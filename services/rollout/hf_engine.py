@@ -318,8 +318,20 @@ class HFEngine:
             tok, lp = _sample(logits.float(), batch, t)
             newly = batch.record(t, tok, lp)
             live = ~batch.finished
-            # The step's one device sync: how many rows finished, how many go on.
-            n_new, n_live = torch.stack((newly.sum(), live.sum())).tolist()
+            # The step's one device sync: how many rows finished, how many go on, and
+            # how many log-probs are not finite (only weights that overflow make them).
+            n_new, n_live, n_bad = torch.stack(
+                (newly.sum(), live.sum(), lp.isfinite().logical_not_().sum())
+            ).tolist()
+            if n_bad:
+                raise FailedPrecondition(
+                    f"the model's logits are not finite at decode step {t} ({n_bad} of "
+                    f"{len(batch.rows)} rows) under weight version {self._version}: the "
+                    "weights overflow; push sound weights",
+                    field="weights",
+                    value=self._version,
+                    code="NON_FINITE_LOGITS",
+                )
             if n_new:
                 self._emit(rows, batch, newly, t, results, on_sample, switches)
             # Between decode steps: a caller that gave up frees the engine here.
@@ -1042,7 +1054,9 @@ def _sample(logits: torch.Tensor, b: _Batch, step: int) -> tuple[torch.Tensor, t
             _uniform(b.key_lo, b.key_hi, step)[:, None] * total,
             torch.nextafter(total, torch.zeros_like(total)),
         )
-        tok = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+        # Clamped: a row whose weights are all NaN (broken weights) finds no token;
+        # its log-prob is NaN and the step refuses it (``_run_group``).
+        tok = torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
         if not b.all_sampled:
             tok = torch.where(b.greedy, logits.argmax(-1), tok)
     else:

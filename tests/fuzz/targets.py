@@ -159,9 +159,12 @@ def _weight_stream(
     from rlfleet.weightsync.wire import bucket_meta
 
     meta = bucket_meta(version, bucket, final=final, tensors=n or len(tensors))
+    # Chunks of 256 KiB, or larger where a hostile name (up to a million characters
+    # and more) would leave a piece header no room for data.
+    longest = max((len(k.encode()) for k in tensors), default=0)
     return [
         rollout_pb2.WeightChunk(version=version, chunk=c)
-        for c in iter_chunks(tensors, meta, max_chunk_bytes=1 << 18)
+        for c in iter_chunks(tensors, meta, max_chunk_bytes=max(1 << 18, 2 * longest + 4096))
     ]
 
 
@@ -441,7 +444,9 @@ def _chunks(
 ) -> list[common_pb2.TensorBatchChunk]:
     from rlfleet.common.codec.wire import iter_chunks
 
-    return list(iter_chunks(batch, max_chunk_bytes=max_chunk_bytes))
+    # Larger chunks where a hostile key would leave a piece header no room for data.
+    longest = max((len(str(k).encode()) for k in batch), default=0)
+    return list(iter_chunks(batch, max_chunk_bytes=max(max_chunk_bytes, 2 * longest + 4096)))
 
 
 def _hostile_batch(rng: random.Random) -> tuple[str, dict[str, Any]]:

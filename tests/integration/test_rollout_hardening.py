@@ -495,3 +495,28 @@ def test_malformed_weight_chunks_are_refused_by_the_zero_copy_parser(served) -> 
         assert says in e.value.details()
     channel.close()
     assert core.status().weight_version == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_weights_that_overflow_fail_generation_by_name_not_internally(
+    served, temperature: float
+) -> None:
+    """Finite weights so large that the logits overflow (a 3e38-filled matrix) pass
+    the push's value check, which only refuses NaN, Inf and all zeros; generation
+    then answers FAILED_PRECONDITION (NON_FINITE_LOGITS) naming the weight version --
+    not INTERNAL from an index past the vocabulary (sampled, found by ``make fuzz``)
+    nor NaN log-probs (greedy) -- and sound weights pushed afterwards serve again."""
+    _core, address, engine = served
+    sound = _perturbed(engine.inner, 12)
+    w = _perturbed(engine.inner, 11)
+    w["model.layers.1.mlp.up_proj.weight"].fill_(3.0e38)
+    assert send_update(address, w, 1, transports=("tcp",)).version == 1
+    params = SamplingParams(temperature=temperature, max_tokens=4, logprobs=True)
+    with RemoteRolloutClient(address) as client, pytest.raises(RlfleetError) as e:
+        list(client.generate(PROMPTS, params))
+    assert e.value.status == "FAILED_PRECONDITION", e.value
+    assert e.value.code == "NON_FINITE_LOGITS" and "weight version 1" in e.value.message
+    assert send_update(address, sound, 2, transports=("tcp",)).version == 2
+    with RemoteRolloutClient(address) as client:
+        samples = list(client.generate(PROMPTS, params))
+    assert samples and all(math.isfinite(x) for s in samples for x in s.logprobs)
