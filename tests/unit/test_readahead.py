@@ -32,8 +32,11 @@ def test_the_producer_runs_at_most_depth_plus_one_ahead() -> None:
 
     it = read_ahead(source(), 2, name="ra-bound")
     assert next(it) == 0
-    time.sleep(0.2)  # plenty of time for an unbounded producer to run to the end
     # Item 0 taken, items 1 and 2 waiting in the queue, item 3 made and blocked.
+    deadline = time.monotonic() + 10
+    while len(made) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # time for an unbounded producer to run on
     assert len(made) == 4
     it.close()
 
