@@ -32,6 +32,7 @@ spawns worker processes).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -289,6 +290,7 @@ class VLLMEngine:
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
             version = self._version
         results: list[list[SampleOutput]] = [[] for _ in requests]
+        emitted: list[tuple[int, SampleOutput]] = []
         for (r, i), out in zip(owner, outputs, strict=True):
             want_lp = requests[r].params.logprobs
             for k, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
@@ -310,8 +312,22 @@ class VLLMEngine:
                     weight_version=version,
                 )
                 results[r].append(sample)
-                if on_sample is not None:
-                    on_sample(r, sample)
+                emitted.append((r, sample))
+        # Only weights that overflow make a sampled token's log-prob NaN or infinite
+        # (as the HF engine checks at each decode step); seen where log-probs are asked.
+        bad = sum(1 for _, smp in emitted if smp.logprobs and not math.isfinite(sum(smp.logprobs)))
+        if bad:
+            raise FailedPrecondition(
+                f"the model's logits are not finite ({bad} of {len(emitted)} samples have "
+                f"NaN or infinite log-probs) under weight version {version}: the weights "
+                "overflow; push sound weights",
+                field="weights",
+                value=version,
+                code="NON_FINITE_LOGITS",
+            )
+        if on_sample is not None:
+            for r, sample in emitted:
+                on_sample(r, sample)
         return results
 
     def _generate_kept(

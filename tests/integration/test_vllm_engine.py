@@ -284,3 +284,20 @@ def test_sleep_without_sleep_mode(engine: VLLMEngine) -> None:
         engine.generate([GenerationRequest(PROMPTS, GREEDY)])
     engine.wake_up()
     assert token_ids(engine.generate([GenerationRequest(PROMPTS, GREEDY)])[0]) == token_ids(before)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_weights_that_overflow_fail_generation_by_name(
+    engine: VLLMEngine, hf: HFEngine, original: dict[str, torch.Tensor], temperature: float
+) -> None:
+    """As on the HF engine: finite weights that overflow the forward pass pass the
+    update's value check, and generation then fails with FAILED_PRECONDITION
+    (NON_FINITE_LOGITS) naming the weight version, not with NaN log-probs."""
+    huge = perturbed(hf, seed=9)
+    huge["model.layers.1.mlp.up_proj.weight"].fill_(3.0e38)
+    version = engine.info().weight_version + 1
+    engine.update_weights(huge, version)
+    params = SamplingParams(temperature=temperature, max_tokens=4, seed=1, logprobs=True)
+    with pytest.raises(FailedPrecondition) as e:
+        engine.generate([GenerationRequest(PROMPTS, params)])
+    assert e.value.code == "NON_FINITE_LOGITS" and f"weight version {version}" in e.value.message
