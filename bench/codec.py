@@ -6,16 +6,12 @@
     moving the bytes once), in the same run. The codec paths: decoding into the same
     kind of preallocated buffers (``ChunkAssembler(out=...)``, the target's path),
     into fresh buffers (the default ``assemble_chunks``), with ``digest="data"``, and
-    through protobuf objects. ``..._read_ahead``: the encoder builds the next chunk
-    in a thread of its own while this one is decoded (``iter_chunk_bytes(ahead=True)``,
-    not the default), with ``copy_two_threads`` (the copy split over two threads)
-    as its fair baseline. ``two_copies_two_crcs`` is the one-thread floor of any
+    through protobuf objects. ``two_copies_two_crcs`` is the one-thread floor of any
     checksummed gRPC path: each block copied into a 4 MB staging buffer (the message
     gRPC needs) and out into the destination, with CRC-32C on both sides while the
     block is in cache -- what the codec must do at least;
 (b) a large transfer over a loopback gRPC stream of codec chunks, reassembled on
-    the server, against the same bytes over a raw TCP socket; with and without the
-    encoder's read-ahead thread.
+    the server, against the same bytes over a raw TCP socket.
 
     python bench/codec.py                      # 256 MB state dict, 1 GiB transfers
     python bench/codec.py --size-mb 64 --transfer-mb 64 --repeats 3   # quick
@@ -41,7 +37,6 @@ import socket
 import statistics
 import struct
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -154,21 +149,6 @@ def bench_encode_decode(sd: dict[str, torch.Tensor], repeats: int, chunk: int) -
         for src, dst in pairs:
             np.copyto(dst, src)
 
-    half = len(pairs) // 2
-
-    def copy_two_threads() -> None:
-        # The same copy split over two threads (np.copyto lets go of the GIL): what
-        # the memory of a 2-core box gives two streams, for scale; the codec's
-        # encoder that runs ahead (``ahead=True``) uses two cores too.
-        def run(part: list[tuple[np.ndarray, np.ndarray]]) -> None:
-            for src, dst in part:
-                np.copyto(dst, src)
-
-        other = threading.Thread(target=run, args=(pairs[:half],))
-        other.start()
-        run(pairs[half:])
-        other.join()
-
     staging = np.zeros(chunk, dtype=np.uint8)
     block = 1 << 18
 
@@ -187,18 +167,16 @@ def bench_encode_decode(sd: dict[str, torch.Tensor], repeats: int, chunk: int) -
                     np.copyto(out, staging[b : b + m])
                     crc = google_crc32c.extend(crc, out)
 
-    def codec_into(ahead: bool = False) -> dict[str, Any]:
+    def codec_into() -> dict[str, Any]:
         asm = codec.ChunkAssembler(out=dest)
-        for c in codec.iter_chunk_bytes(sd, max_chunk_bytes=chunk, ahead=ahead):
+        for c in codec.iter_chunk_bytes(sd, max_chunk_bytes=chunk):
             asm.add(c)
         return asm.result()[0]
 
     methods = {
         "copy_into_buffers": copy_into,
-        "copy_two_threads": copy_two_threads,
         "two_copies_two_crcs": two_copies_two_crcs,
         "codec_wire_into_buffers": codec_into,
-        "codec_wire_into_buffers_read_ahead": lambda: codec_into(ahead=True),
         "codec_wire": lambda: codec.assemble_chunks(
             codec.iter_chunk_bytes(sd, max_chunk_bytes=chunk)
         ),
@@ -224,12 +202,6 @@ def bench_encode_decode(sd: dict[str, torch.Tensor], repeats: int, chunk: int) -
         "MBps": mbps,
         "best_MBps": {k: round(size / 1e6 / v, 1) for k, v in best.items()},
         "codec_into_vs_copy": ratio,
-        "codec_into_read_ahead_vs_copy": round(
-            mbps["codec_wire_into_buffers_read_ahead"] / base, 3
-        ),
-        "codec_into_read_ahead_vs_copy_two_threads": round(
-            mbps["codec_wire_into_buffers_read_ahead"] / mbps["copy_two_threads"], 3
-        ),
         "floor_vs_copy": round(mbps["two_copies_two_crcs"] / base, 3),
         "codec_into_vs_floor": round(
             mbps["codec_wire_into_buffers"] / mbps["two_copies_two_crcs"], 3
@@ -384,12 +356,6 @@ def bench_transfer(
             "grpc_wire": lambda: replies.append(
                 push_wire(codec.iter_chunk_bytes(batch, max_chunk_bytes=chunk), timeout=TIMEOUT_S)
             ),
-            "grpc_wire_read_ahead": lambda: replies.append(
-                push_wire(
-                    codec.iter_chunk_bytes(batch, max_chunk_bytes=chunk, ahead=True),
-                    timeout=TIMEOUT_S,
-                )
-            ),
             "grpc_proto_objects": lambda: replies.append(
                 push_proto(codec.iter_chunks(batch, max_chunk_bytes=chunk), timeout=TIMEOUT_S)
             ),
@@ -414,7 +380,6 @@ def bench_transfer(
         "MBps": mbps,
         "best_MBps": {k: round(size / 1e6 / v, 1) for k, v in best.items()},
         "grpc_vs_tcp": round(mbps["grpc_wire"] / mbps["tcp"], 3),
-        "grpc_read_ahead_vs_tcp": round(mbps["grpc_wire_read_ahead"] / mbps["tcp"], 3),
         "grpc_proto_objects_vs_tcp": round(mbps["grpc_proto_objects"] / mbps["tcp"], 3),
     }
 

@@ -65,8 +65,8 @@ def copy_crc(src: np.ndarray, dst: np.ndarray, crc: int) -> int:
     at a time, extending ``crc`` with each block right after writing it.
 
     Both steps are C calls on raw addresses that release the GIL (``ctypes``), with
-    no array view made per block: another thread (an encoder running ahead, gRPC's)
-    runs meanwhile, and a 256 KiB block costs two calls."""
+    no array view made per block: other threads (gRPC's, a receiver's) run
+    meanwhile, and a 256 KiB block costs two calls."""
     for name, a in (("src", src), ("dst", dst)):
         if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
             raise ValueError(f"copy_crc: {name} must be a contiguous 1-D uint8 array")

@@ -1054,8 +1054,8 @@ def _sample(logits: torch.Tensor, b: _Batch, step: int) -> tuple[torch.Tensor, t
             _uniform(b.key_lo, b.key_hi, step)[:, None] * total,
             torch.nextafter(total, torch.zeros_like(total)),
         )
-        # Clamped: a row whose weights are all NaN (broken weights) finds no token;
-        # its log-prob is NaN and the step refuses it (``_run_group``).
+        # Clamped: a row whose sampling weights are NaN (broken model weights) finds no
+        # token; its log-prob is NaN and the step refuses it (``_run_group``).
         tok = torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
         if not b.all_sampled:
             tok = torch.where(b.greedy, logits.argmax(-1), tok)

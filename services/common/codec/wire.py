@@ -62,7 +62,6 @@ from rlfleet.common.codec.batch import (
     split_batch,
 )
 from rlfleet.common.crc32c import copy_crc, crc32c_extend
-from rlfleet.common.readahead import read_ahead
 from rlfleet.v1 import common_pb2
 
 __all__ = [
@@ -88,9 +87,9 @@ __all__ = [
 
 Digest = Literal["chunks", "data"]
 
-#: Below gRPC's default 4 MiB receive limit, with room for the framing.
 M = TypeVar("M", bound=Message)
 
+#: Below gRPC's default 4 MiB receive limit, with room for the framing.
 DEFAULT_MAX_CHUNK_BYTES = 4_000_000
 
 # What the assembler charges against ``max_bytes`` for each chunk and each piece
@@ -613,7 +612,6 @@ def iter_chunk_bytes(
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     stream_id: str | None = None,
     digest: Digest = "chunks",
-    ahead: bool = False,
     envelope: Envelope | None = None,
 ) -> Iterator[bytes]:
     """The chunks of :func:`iter_chunks`, already serialized: each item is
@@ -626,22 +624,11 @@ def iter_chunk_bytes(
     items through gRPC with :func:`serialize_chunk` (identity on bytes) as the
     request serializer; receive with :func:`parse_chunk` as the deserializer.
 
-    With ``ahead`` and more than one chunk, a thread builds the next chunk while the
-    caller decodes or sends this one (:func:`~rlfleet.common.readahead.read_ahead`,
-    one chunk ahead); the tensors must not change until the iterator is exhausted
-    or closed. Off by default: it speeds up an encode and decode in one process
-    (0.38 -> 0.52x a one-thread copy of 268 MB, ``bench/codec.py``) but not a gRPC
-    stream to another process on 2 cores, where the sender's extra thread competes
-    with gRPC's and the receiver's (512 MiB, three runs of nine: 1,579 -> 1,517 MB/s).
-
     With an ``envelope``, each item is that message around the chunk (see
     :class:`Envelope`); ``max_chunk_bytes`` still bounds the chunk itself.
     """
     sid, meta_d, plan, total = _prepare(batch, meta, max_chunk_bytes, stream_id, digest)
-    chunks = _chunk_bytes(sid, meta_d, plan, total, digest, envelope)
-    if ahead and len(plan) > 1:
-        chunks = read_ahead(chunks, 1, name="codec-encode")
-    yield from chunks
+    yield from _chunk_bytes(sid, meta_d, plan, total, digest, envelope)
 
 
 def _chunk_bytes(
@@ -679,7 +666,7 @@ def _chunk_bytes(
         # object back from getvalue(): the chunk is built where gRPC will read it,
         # with no join copy (CPython; elsewhere getvalue() copies, still correct).
         # The framing goes first, leaving a hole for each piece's data; then the data
-        # is copied into the holes through one writable view (np.copyto, which lets
+        # is copied into the holes through one writable view (``copy_crc``, which lets
         # other threads run) and checksummed block by block while in cache.
         width = _varint_len(size + len(room))
         outer = b""
