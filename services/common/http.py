@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from rlfleet.common.auth import Authenticator
-from rlfleet.common.rpc import Security, TLSConfig, current_security
+from rlfleet.common.rpc import Security, current_security
 
 __all__ = [
     "MAX_CONNECTIONS",
@@ -59,17 +59,6 @@ def metrics_route(registry: Any) -> Route:
         return 200, CONTENT_TYPE_LATEST, bytes(generate_latest(registry))
 
     return page
-
-
-def _server_context(tls: TLSConfig) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(str(tls.cert), str(tls.key))
-    if tls.ca is not None:
-        ctx.load_verify_locations(str(tls.ca))
-    if tls.require_client_cert:
-        ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
 
 
 class _Server(ThreadingHTTPServer):
@@ -260,7 +249,7 @@ def _security_parts(
             authenticator = security.credentials.authenticator()
         tls = security.server_tls()
         if tls is not None:
-            context = _server_context(tls)
+            context = tls.ssl_server_context()
     return authenticator, context
 
 

@@ -51,6 +51,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -219,6 +220,50 @@ class TLSConfig:
             private_key=_read(self.key) if self.key is not None else None,
             certificate_chain=_read(self.cert) if self.cert is not None else None,
         )
+
+    def ssl_server_context(self) -> ssl.SSLContext:
+        """A ``ssl`` server context from the files (TLS 1.2 at least; client
+        certificates verified against ``ca``, and required when
+        ``require_client_cert``), for the endpoints that are not gRPC: the HTTP pages
+        and the bulk weight plane's TCP listeners."""
+        if self.cert is None or self.key is None:
+            raise ValueError(
+                f"TLSConfig for a server needs cert and key, got cert={self.cert!r} "
+                f"key={self.key!r}"
+            )
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(str(self.cert), str(self.key))
+        if self.ca is not None:
+            ctx.load_verify_locations(str(self.ca))
+        if self.require_client_cert:
+            if self.ca is None:
+                raise ValueError("TLSConfig.require_client_cert=True needs ca to verify clients")
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def ssl_client_context(self) -> ssl.SSLContext:
+        """A ``ssl`` client context from the files: the server verified against ``ca``
+        (the system roots without it) and its name, this side's certificate presented
+        when it has one (mTLS). Connect with :meth:`server_name` as the host name."""
+        if (self.cert is None) != (self.key is None):
+            raise ValueError(
+                f"TLSConfig client certificate needs both cert and key, got "
+                f"cert={self.cert!r} key={self.key!r}"
+            )
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.ca is not None:
+            ctx.load_verify_locations(str(self.ca))
+        else:
+            ctx.load_default_certs()
+        if self.cert is not None and self.key is not None:
+            ctx.load_cert_chain(str(self.cert), str(self.key))
+        return ctx
+
+    def server_name(self, host: str) -> str:
+        """The name a client verifies the server at ``host`` against."""
+        return self.server_name_override or host
 
 
 def _read(path: str | Path) -> bytes:

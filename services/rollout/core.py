@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -104,6 +105,7 @@ class RolloutCore:
         max_batch_samples: rows (prompts x n) per engine batch at most; a larger
             request runs alone.
         bulk_host: interface the bulk TCP transport listens on.
+        bulk_tls: server context of the bulk TCP transport (None: plain TCP).
         transfer_timeout_s: an open bulk transfer not committed within this expires.
         limits: what one request may ask for (``GenerateLimits()``: the defaults).
         max_version_step: a weight update may raise the version by this much at
@@ -120,6 +122,7 @@ class RolloutCore:
         replica_id: str = "rollout-0",
         max_batch_samples: int = 256,
         bulk_host: str = "127.0.0.1",
+        bulk_tls: ssl.SSLContext | None = None,
         transfer_timeout_s: float = 300.0,
         metrics: RolloutMetrics | None = None,
         limits: GenerateLimits | None = None,
@@ -144,6 +147,7 @@ class RolloutCore:
             self._weights,
             engine,
             host=bulk_host,
+            tls=bulk_tls,
             timeout_s=transfer_timeout_s,
             token_timeout_s=bulk_token_timeout_s,
         )

@@ -436,8 +436,10 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        init_service_security(args, what="rlfleet serve rollout", host=args.host)
-    except CredentialError as e:
+        security = init_service_security(args, what="rlfleet serve rollout", host=args.host)
+        server_tls = security.server_tls()
+        bulk_tls = server_tls.ssl_server_context() if server_tls is not None else None
+    except (CredentialError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     taken = taken_ports(
@@ -513,6 +515,7 @@ def serve_main(args: argparse.Namespace) -> int:
         replica_id=args.replica_id or "",
         max_batch_samples=args.max_batch_samples,
         bulk_host=args.host if args.host not in ("0.0.0.0", "::") else advertise,
+        bulk_tls=bulk_tls,
         metrics=metrics,
         limits=limits,
         max_version_step=args.max_version_step,

@@ -88,6 +88,7 @@ import contextlib
 import logging
 import secrets
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -343,6 +344,9 @@ class BulkReceiver:
             TCP; without it the segment is checked and the engine copies from it.
             None: when the engine runs on the CPU (where the HF engine adopts; on a
             GPU the copy to the device is the one that counts).
+        tls: a server context for the TCP listeners (the replica's certificate):
+            senders must connect with TLS (and, under mTLS, a client certificate);
+            None: plain TCP (a cluster without TLS).
     """
 
     def __init__(
@@ -354,7 +358,9 @@ class BulkReceiver:
         timeout_s: float = 300.0,
         token_timeout_s: float = TOKEN_TIMEOUT_S,
         private_shm: bool | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        self._tls = tls
         self._private_shm = engine.info().device == "cpu" if private_shm is None else private_shm
         self._receiver = receiver
         self._token_timeout_s = token_timeout_s
@@ -926,6 +932,7 @@ class BulkReceiver:
                 token_timeout_s=self._token_timeout_s,
                 stop=t.stop,
                 label=t.id,
+                tls=self._tls,
             )
             if conn is None:
                 t.error = f"no connection presented the token within {self._timeout_s}s"

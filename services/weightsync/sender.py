@@ -42,8 +42,10 @@ seconds and GB/s.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -61,7 +63,7 @@ from rlfleet.common.codec.wire import (
     serialize_chunk,
 )
 from rlfleet.common.errors import RlfleetError
-from rlfleet.common.rpc import create_channel, to_rlfleet_error
+from rlfleet.common.rpc import TLSConfig, create_channel, current_security, to_rlfleet_error
 from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc
 from rlfleet.weightsync import wire
 from rlfleet.weightsync.checksum import SourceCrcs
@@ -115,6 +117,21 @@ def make_offer(
         final=final,
         update_id=update_id,
     )
+
+
+def _tls_client() -> tuple[ssl.SSLContext, str | None] | None:
+    """The TLS client context (and the name to verify replicas by) of this process's
+    security, for the TCP transport; None where the process has no TLS."""
+    security = current_security()
+    tls = security.client_tls() if security is not None else None
+    if tls is None:
+        return None
+    return _client_context(tls), tls.server_name_override
+
+
+@functools.lru_cache(maxsize=4)
+def _client_context(tls: TLSConfig) -> ssl.SSLContext:
+    return tls.ssl_client_context()
 
 
 def _error(e: grpc.RpcError) -> RlfleetError:
@@ -265,8 +282,15 @@ class BulkUpdate:
             self.update_id = plan.update_id or self.update_id
             try:
                 if plan.transport == "tcp":
+                    tls = _tls_client()
                     sums = send_tcp(
-                        plan, named_tensors, offer.tensors, timeout_s=self._timeout_s, crcs=crcs
+                        plan,
+                        named_tensors,
+                        offer.tensors,
+                        timeout_s=self._timeout_s,
+                        crcs=crcs,
+                        tls=tls[0] if tls is not None else None,
+                        server_name=tls[1] if tls is not None else None,
                     )
                 else:
                     sums = send_shm(plan, named_tensors, offer.tensors, crcs=crcs)

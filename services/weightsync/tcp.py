@@ -16,15 +16,25 @@ its first bytes: a wrong token, a close or silence drops that connection alone,
 and the first with the right token is the data connection (the listener and every
 other connection close then). A stranger that connects and stalls cannot hold the
 real sender up; one that connects after the sender is refused.
+
+**TLS.** Where the cluster runs with TLS, so does this transport: the listener
+wraps each connection in the replica's server context (client certificates
+required under mTLS) and the sender verifies the replica's certificate and
+presents its own, so the token and the model never cross the network in clear.
+The handshake counts against the same ``token_timeout_s``. TLS has no ``sendmsg``:
+the sender writes each block with ``sendall``, and the receiver reads a record
+(16 KiB) per ``recv_into``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import logging
 import selectors
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -64,6 +74,8 @@ _BLOCK = 16 << 20
 # Sender: seconds to connect (a reachable endpoint answers in milliseconds; an
 # unreachable one should not hold the push up for the whole transfer time-out).
 _CONNECT_TIMEOUT_S = 10.0
+# Sender: bytes the receiver may send back before it closes (read and dropped).
+_DRAIN_BYTES = 1 << 20
 # Listener: longest wait between looks at the transfer's stop flag.
 _ACCEPT_POLL_S = 0.25
 
@@ -82,6 +94,8 @@ def send_tcp(
     *,
     timeout_s: float = 600.0,
     crcs: SourceCrcs | None = None,
+    tls: ssl.SSLContext | None = None,
+    server_name: str | None = None,
 ) -> list[int]:
     """Connect to the plan's endpoint, present the token, stream the bytes in order.
 
@@ -89,6 +103,13 @@ def send_tcp(
         crcs: the bucket's checksums, shared by every replica it goes to; None: this
             transfer's own. When this transfer claims them, a :class:`CrcThread`
             checksums each block right after it is sent.
+        tls: a client context: the connection is TLS, the replica's certificate
+            verified against ``server_name`` (None: the endpoint's host).
+
+    Raises:
+        TcpUnreachable: nothing listens at the endpoint (nothing was sent).
+        ssl.SSLError: the TLS handshake failed (a certificate that does not verify,
+            or a listener without TLS); nothing of the token or the data was sent.
 
     Returns:
         The CRC-32C of each tensor, in ``specs`` order (for the commit).
@@ -104,16 +125,26 @@ def send_tcp(
             )
         except OSError as e:
             raise TcpUnreachable(f"cannot connect to {plan.endpoint}: {e}") from e
-        with sock:
+        try:
             sock.settimeout(timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:  # the plain socket is detached into the TLS one
+                sock = tls.wrap_socket(sock, server_hostname=server_name or host.strip("[]"))
+            send = _send_all if tls is None else _send_each
             for batch in _batches(arrays, plan.token.encode()):
-                _send_all(sock, [b for _, b in batch])
+                send(sock, [b for _, b in batch])
                 if follower is not None:
                     follower.put([(i, b) for i, b in batch if i >= 0])
+            # Over TLS this drops the TLS layer (no close_notify: the receiver counts
+            # the bytes it expects and checksums them, so a cut is caught anyway).
             sock.shutdown(socket.SHUT_WR)
-            # Wait for the receiver to close: it has everything once it does.
-            sock.recv(1)
+            # Wait for the receiver to close: it has everything once it does (what it
+            # may still send, such as TLS records, is read and dropped, a bounded amount).
+            drained = 0
+            while drained <= _DRAIN_BYTES and (part := sock.recv(1 << 16)):
+                drained += len(part)
+        finally:
+            sock.close()
         if follower is not None:
             checksums.publish(follower.result())
             follower = None
@@ -157,6 +188,12 @@ def _send_all(sock: socket.socket, buffers: list[Any]) -> None:
             views[first] = views[first][sent:]
 
 
+def _send_each(sock: socket.socket, buffers: list[Any]) -> None:
+    """``sendall`` of each buffer in turn (a TLS socket has no ``sendmsg``)."""
+    for b in buffers:
+        sock.sendall(b)
+
+
 # --------------------------------------------------------------------- receiver side
 
 
@@ -180,6 +217,15 @@ def endpoint_of(listener: socket.socket) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+@dataclasses.dataclass
+class _Waiting:
+    """A connection that has not presented the token yet."""
+
+    due: float  # ``time.monotonic()`` by which it must have
+    got: bytearray = dataclasses.field(default_factory=bytearray)  # the token so far
+    handshaking: bool = False  # TLS: the handshake is not done yet
+
+
 def accept_sender(
     listener: socket.socket,
     token: str,
@@ -188,15 +234,17 @@ def accept_sender(
     token_timeout_s: float,
     stop: threading.Event,
     label: str,
+    tls: ssl.SSLContext | None = None,
 ) -> socket.socket | None:
     """Accept connections until one presents ``token`` as its first bytes and return
     it (blocking, with the rest of the token read); None if ``stop`` is set or
     ``deadline`` (``time.monotonic()``) passes first. Connections wait concurrently,
     each for ``token_timeout_s`` at most: one that sends a wrong token, closes, or
-    stays silent is dropped alone."""
+    stays silent is dropped alone. With ``tls`` (a server context) each connection
+    completes a TLS handshake first, within the same time, and the token is read
+    through it; one that fails the handshake is dropped alone."""
     expected = token.encode()
-    # Each waiting connection: the bytes it sent so far and when it must be done.
-    waiting: dict[socket.socket, tuple[bytearray, float]] = {}
+    waiting: dict[socket.socket, _Waiting] = {}
     listener.setblocking(False)
     with selectors.DefaultSelector() as sel:
         sel.register(listener, selectors.EVENT_READ)
@@ -205,23 +253,29 @@ def accept_sender(
                 now = time.monotonic()
                 if now >= deadline:
                     return None
-                for conn, (_, due) in list(waiting.items()):
-                    if now >= due:
+                for conn, w in list(waiting.items()):
+                    if now >= w.due:
                         logger.warning(
                             "transfer %s: connection without the token within %.1fs dropped",
                             label,
                             token_timeout_s,
                         )
                         _drop_conn(sel, waiting, conn)
-                wake = min([deadline, *(due for _, due in waiting.values())])
+                wake = min([deadline, *(w.due for w in waiting.values())])
                 events = sel.select(min(_ACCEPT_POLL_S, max(0.0, wake - now)))
                 for key, _ in events:
                     if key.fileobj is listener:
-                        _accept_one(listener, sel, waiting, token_timeout_s, label)
+                        _accept_one(listener, sel, waiting, token_timeout_s, label, tls)
                         continue
                     peer = key.fileobj
                     assert isinstance(peer, socket.socket)
-                    state = _read_token(peer, waiting[peer][0], expected, label)
+                    w = waiting[peer]
+                    state = _handshake(peer, label) if w.handshaking else "token"
+                    if state == "done":
+                        w.handshaking = False
+                        state = "token"
+                    if state == "token":  # (the TLS layer may hold it already)
+                        state = _read_token(peer, w.got, expected, label)
                     if state == "token":
                         del waiting[peer]
                         sel.unregister(peer)
@@ -238,9 +292,10 @@ def accept_sender(
 def _accept_one(
     listener: socket.socket,
     sel: selectors.BaseSelector,
-    waiting: dict[socket.socket, tuple[bytearray, float]],
+    waiting: dict[socket.socket, _Waiting],
     token_timeout_s: float,
     label: str,
+    tls: ssl.SSLContext | None,
 ) -> None:
     try:
         conn, _ = listener.accept()
@@ -255,8 +310,30 @@ def _accept_one(
         conn.close()
         return
     conn.setblocking(False)
-    waiting[conn] = (bytearray(), time.monotonic() + token_timeout_s)
+    if tls is not None:
+        try:
+            conn = tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError) as e:
+            logger.warning("transfer %s: connection dropped before TLS: %s", label, e)
+            conn.close()
+            return
+    waiting[conn] = _Waiting(due=time.monotonic() + token_timeout_s, handshaking=tls is not None)
     sel.register(conn, selectors.EVENT_READ)
+
+
+def _handshake(conn: socket.socket, label: str) -> Literal["done", "wait", "drop"]:
+    """Advance a non-blocking server-side TLS handshake."""
+    assert isinstance(conn, ssl.SSLSocket)
+    try:
+        conn.do_handshake()
+    except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+        # (Wanting to write: the kernel's send buffer is full mid-handshake, which a
+        # few KiB of handshake cannot make happen but a stalled peer: its time runs.)
+        return "wait"
+    except (OSError, ValueError) as e:
+        logger.warning("transfer %s: TLS handshake failed: %s", label, e)
+        return "drop"
+    return "done"
 
 
 def _read_token(
@@ -265,18 +342,17 @@ def _read_token(
     """Read more of what ``conn`` sent of its first ``len(token)`` bytes (into
     ``got``): ``"token"`` once they are the token, ``"wait"`` while they may still
     be, ``"drop"`` for a wrong token, a close or an error."""
-    try:
-        part = conn.recv(len(token) - len(got))
-    except (BlockingIOError, InterruptedError):
-        return "wait"
-    except OSError as e:
-        logger.warning("transfer %s: connection failed before its token: %s", label, e)
-        return "drop"
-    if not part:
-        return "drop"
-    got += part
-    if len(got) < len(token):
-        return "wait"
+    while len(got) < len(token):
+        try:
+            part = conn.recv(len(token) - len(got))
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return "wait"
+        except OSError as e:
+            logger.warning("transfer %s: connection failed before its token: %s", label, e)
+            return "drop"
+        if not part:
+            return "drop"
+        got += part
     if hmac.compare_digest(bytes(got), token):
         return "token"
     logger.warning("transfer %s: connection with a wrong token dropped", label)
@@ -285,7 +361,7 @@ def _read_token(
 
 def _drop_conn(
     sel: selectors.BaseSelector,
-    waiting: dict[socket.socket, tuple[bytearray, float]],
+    waiting: dict[socket.socket, _Waiting],
     conn: socket.socket,
 ) -> None:
     waiting.pop(conn, None)

@@ -345,7 +345,8 @@ def test_rlfleet_train_with_mtls_and_auth(
 ) -> None:
     """`rlfleet train`'s path with security.tls on (mTLS) besides the default auth:
     every service serves TLS and requires client certificates, the driver trains
-    through them; plaintext and certificate-less clients are refused."""
+    through them; plaintext and certificate-less clients are refused. Weights go
+    over the bulk plane's TCP transport, which is TLS too."""
     import shutil
     import urllib.request
 
@@ -368,9 +369,12 @@ def test_rlfleet_train_with_mtls_and_auth(
             "server_name": "rlfleet",  # clients verify this name, in every certificate
         }
     }
+    raw.setdefault("rollout", {})["weight_transport"] = "tcp"  # type: ignore[index]
     seen: dict[str, object] = {}
+    pushes: list[float] = []
 
     def probe(record: StepRecord) -> None:
+        pushes.append(record.metrics.get("weight_sync/transport/tcp", 0.0))
         if seen:
             return
         from rlfleet.common.rpc import Security, current_security
@@ -400,6 +404,7 @@ def test_rlfleet_train_with_mtls_and_auth(
 
     summary = train(config_from_dict(raw), on_step=probe)
     assert summary["global_steps"] == 2
+    assert pushes == [1.0, 1.0]  # one replica, pushed over (TLS) TCP after each step
     assert seen["mine"] is True and seen["plain"] is False and seen["no_cert"] is False
     assert {g["labels"]["role"] for g in seen["sd"]} >= {"rollout"}  # type: ignore[union-attr]
     assert seen["http"] != "answered"

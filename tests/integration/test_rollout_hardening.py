@@ -7,8 +7,10 @@ refused, and a stranger on the bulk TCP listener does not hold up the real sende
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import socket
+import ssl
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,7 +23,8 @@ torch = pytest.importorskip("torch")
 
 from rlfleet.common.codec.wire import iter_chunks  # noqa: E402
 from rlfleet.common.errors import InvalidArgument, RlfleetError  # noqa: E402
-from rlfleet.common.rpc import to_rlfleet_error  # noqa: E402
+from rlfleet.common.rpc import Security, TLSConfig, to_rlfleet_error, using_security  # noqa: E402
+from rlfleet.common.secrets_cli import make_tls  # noqa: E402
 from rlfleet.rollout.client import RemoteRolloutClient  # noqa: E402
 from rlfleet.rollout.core import RolloutCore  # noqa: E402
 from rlfleet.rollout.engine import (  # noqa: E402
@@ -475,6 +478,135 @@ def test_a_silent_connection_is_dropped_after_the_token_deadline(tiny_model_dir:
         finally:
             silent.close()
             channel.close()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    try:
+        return make_tls(tmp_path_factory.mktemp("tls"), [])
+    except OSError as e:
+        pytest.skip(f"cannot make certificates: {e}")
+
+
+class _Relay:
+    """A TCP relay on 127.0.0.1 between a sender and ``target``: everything the
+    sender writes is kept in ``seen`` (what anyone on the network could read)."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self._target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(30)
+        self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self.seen = bytearray()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with self._listener, contextlib.suppress(OSError):
+            client, _ = self._listener.accept()
+            with client, socket.create_connection(self._target, timeout=30) as server:
+                back = threading.Thread(target=self._pipe, args=(server, client, None))
+                back.start()
+                self._pipe(client, server, self.seen)
+                back.join(30)
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, keep: bytearray | None) -> None:
+        with contextlib.suppress(OSError):
+            src.settimeout(30)
+            while data := src.recv(1 << 16):
+                if keep is not None:
+                    keep += data
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+
+    def join(self) -> None:
+        self._thread.join(60)
+
+
+def test_with_tls_the_bulk_tcp_plane_is_encrypted_and_needs_a_client_certificate(
+    tls_files: dict[str, Path], tiny_model_dir: Path
+) -> None:
+    """A replica whose cluster runs mTLS serves the bulk TCP plane over TLS: a sender
+    that writes the token in clear and one without a client certificate are dropped;
+    the real sender's push goes through a relay that sees neither the token nor any
+    of the weights' bytes, and the replica serves the pushed weights."""
+    tls = TLSConfig(
+        cert=tls_files["cert"],
+        key=tls_files["key"],
+        ca=tls_files["ca"],
+        require_client_cert=True,
+        server_name_override="rlfleet",
+    )
+    engine = HFEngine(tiny_model_dir)
+    core = RolloutCore(engine, bulk_tls=tls.ssl_server_context(), bulk_token_timeout_s=120.0)
+    w = _perturbed(engine, 13)
+    with _serve(core) as address:
+        channel, stub, offer, plan = _open_tcp(address, w, 4)
+        try:
+            clear = _connect(plan.endpoint)
+            clear.sendall(plan.token.encode())
+            with contextlib.suppress(ConnectionResetError):  # not a TLS hello: dropped
+                assert clear.recv(1) == b""
+            clear.close()
+            anonymous = TLSConfig(ca=tls_files["ca"]).ssl_client_context()
+            with pytest.raises((ssl.SSLError, ConnectionError)):
+                send_tcp(plan, w, offer.tensors, timeout_s=60, tls=anonymous, server_name="rlfleet")
+            relay = _Relay(plan.endpoint)
+            via_relay = dataclasses.replace(plan, endpoint=relay.endpoint)
+            crcs = send_tcp(
+                via_relay, w, offer.tensors, timeout_s=60,
+                tls=tls.ssl_client_context(), server_name="rlfleet",
+            )  # fmt: skip
+            relay.join()
+            result = stub.CommitWeightTransfer(
+                rollout_pb2.WeightTransferCommit(transfer_id=plan.transfer_id, crc32c=crcs),
+                timeout=60,
+            )
+            assert result.version == 4
+        finally:
+            channel.close()
+        seen = bytes(relay.seen)
+        assert len(seen) > offer.total_bytes  # every byte went through the relay
+        assert plan.token.encode() not in seen
+        for t in list(w.values())[:4]:
+            piece = t.contiguous().view(torch.uint8).reshape(-1)[:64].numpy().tobytes()
+            assert piece not in seen
+        assert _greedy(address) == _greedy_with(tiny_model_dir, w, 4)
+
+
+def test_a_push_under_the_process_tls_uses_tls_on_the_tcp_plane(
+    tls_files: dict[str, Path], tiny_model_dir: Path
+) -> None:
+    """``send_update`` forced onto TCP takes the process's TLS (as the trainer does
+    under ``security.tls``): the replica, which only speaks TLS there, applies it."""
+    tls = TLSConfig(
+        cert=tls_files["cert"], key=tls_files["key"], ca=tls_files["ca"],
+        require_client_cert=True, server_name_override="rlfleet",
+    )  # fmt: skip
+    engine = HFEngine(tiny_model_dir)
+    core = RolloutCore(engine, bulk_tls=tls.ssl_server_context())
+    w = _perturbed(engine, 14)
+    with _serve(core) as address:
+        # The replica's gRPC server was started without TLS; the client side of the
+        # process security is what the bulk sender reads.
+        client_only = Security(
+            tls=dataclasses.replace(tls, require_client_cert=False), insecure=True
+        )
+        with using_security(client_only):
+            result = send_update(
+                grpc.insecure_channel(address), w, 5, transports=("tcp",), timeout_s=60
+            )
+        assert result.transport == "tcp" and result.version == 5
+        assert _greedy(address) == _greedy_with(tiny_model_dir, w, 5)
+
+
+def _greedy_with(model_dir: Path, w: dict[str, torch.Tensor], version: int) -> list[list[int]]:
+    expected = HFEngine(model_dir)
+    expected.update_weights(w, version)
+    [out] = expected.generate([GenerationRequest(PROMPTS, GREEDY)])
+    return [s.token_ids for s in out]
 
 
 def test_malformed_weight_chunks_are_refused_by_the_zero_copy_parser(served) -> None:
