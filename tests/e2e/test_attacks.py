@@ -266,3 +266,44 @@ def test_the_driver_cannot_be_made_to_leak_or_misplace_files(
     ):
         assert _code(request) == grpc.StatusCode.INVALID_ARGUMENT
     assert not outside.exists()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm"])
+def test_a_stolen_trainer_token_cannot_poison_or_stall_a_replica(
+    cluster: tuple[ClusterHandle, dict[str, str]], tiny_model_dir: Path, transport: str
+) -> None:
+    """With the trainer's own token (the role allowed to push), NaN weights, all-zero
+    weights and a version at 2^63 (which would make every later real push STALE)
+    are refused over each transport, and the replica keeps serving what it had."""
+    from transformers import AutoModelForCausalLM
+
+    from rlfleet.common.errors import InvalidArgument
+    from rlfleet.weightsync.sender import send_update
+
+    h, tokens = cluster
+    replica = h.rollout[0]
+    status = _as(replica, tokens["observer"], rollout_pb2_grpc.RolloutServiceStub)
+
+    def version() -> int:
+        reply = status.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=10)
+        return int(reply.weight_version)
+
+    before = version()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    sound = {n: p.detach().clone() for n, p in model.named_parameters()}
+    nan = {n: t.clone() for n, t in sound.items()}
+    next(iter(nan.values())).view(-1)[3] = float("nan")
+    zeros = {n: t.new_zeros(t.shape) for n, t in sound.items()}
+    attempts = [
+        (nan, before + 1, "NON_FINITE_WEIGHTS"),
+        (zeros, before + 1, "ZERO_WEIGHTS"),
+        (sound, 2**63, "VERSION_JUMP"),
+    ]
+    for weights, at, code in attempts:
+        with pytest.raises(InvalidArgument) as info:
+            send_update(
+                replica, weights, at, transports=(transport,), auth_token=tokens["trainer"],
+                timeout_s=60,
+            )  # fmt: skip
+        assert info.value.code == code
+    assert version() == before
