@@ -13,8 +13,10 @@ Registry semantics:
   is DEAD, the caller holds its lease, or the caller is the driver: nobody takes
   over a live replica's entry. Heartbeat and deregister need the lease too.
 * Entries are bounded (:data:`MAX_SERVICES`, field lengths, devices,
-  capabilities: :func:`check_spec`); a service role may register only its own kind,
-  and no one registers a scheduler.
+  capabilities: :func:`check_spec`), and so is the whole (:data:`MAX_REGISTRY_BYTES`,
+  so that it always lists in one answer; :data:`MAX_PER_HOST` entries per host for a
+  service role's credential); a service role may register only its own kind, and no
+  one registers a scheduler.
 * ``heartbeat`` refreshes liveness and records the load (queue depth, tokens/s,
   weight version). A service whose last sign of life is older than
   ``missed_heartbeats x heartbeat_interval_s`` is DEAD; a heartbeat revives it. An
@@ -177,6 +179,29 @@ MAX_CAPABILITIES = 64
 MAX_TEXT_CHARS = 256
 """Longest address, node, service id, capability key."""
 MAX_CAPABILITY_CHARS = 1024
+MAX_REGISTRY_BYTES = 16 << 20
+"""What every entry says about itself, in all (:func:`spec_bytes`): a full registry
+still lists in one ``ListServices`` answer, far below the 64 MiB message limit."""
+MAX_PER_HOST = 256
+"""Entries a service role may hold on one host (the host of their addresses)."""
+
+
+def spec_bytes(spec: ServiceSpec) -> int:
+    """About the bytes ``spec`` takes in a ``ListServices`` answer (an upper bound of
+    its text plus a fixed allowance per field)."""
+    return (
+        128
+        + len(spec.address)
+        + len(spec.metrics_address)
+        + len(spec.node)
+        + len(spec.service_id)
+        + sum(len(d.name) + 32 for d in spec.devices)
+        + sum(len(k) + len(v) + 8 for k, v in spec.capabilities.items())
+    )
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0].strip("[]")
 
 
 def _check_text(value: str, field_name: str, limit: int = MAX_TEXT_CHARS) -> None:
@@ -330,6 +355,7 @@ class Registry:
                     field="info",
                     value=spec.address,
                 )
+            self._check_room(spec, caller, replaced=set(taken))
             for old_id in same_address:
                 if old_id != service_id:
                     logger.info("%s at %s replaced by a new registration", old_id, spec.address)
@@ -341,6 +367,31 @@ class Registry:
             self._records[service_id] = record
             logger.info("registered %s (%s at %s)", service_id, spec.role, spec.address)
             return self._entry(record, now)
+
+    def _check_room(self, spec: ServiceSpec, caller: str | None, replaced: set[str]) -> None:
+        """ResourceExhausted when ``spec`` would take the registry past
+        :data:`MAX_REGISTRY_BYTES`, or a service role past :data:`MAX_PER_HOST`
+        entries on its host (``replaced``: the entries this registration replaces)."""
+        others = [r.spec for i, r in self._records.items() if i not in replaced]
+        total = sum(spec_bytes(o) for o in others) + spec_bytes(spec)
+        if total > MAX_REGISTRY_BYTES:
+            raise ResourceExhausted(
+                f"the registry's entries would take {total} bytes, at most "
+                f"{MAX_REGISTRY_BYTES} (this one: {spec_bytes(spec)})",
+                field="info",
+                value=spec.address,
+            )
+        if caller in _PRIVILEGED:
+            return
+        host = _host(spec.address)
+        on_host = sum(1 for o in others if _host(o.address) == host)
+        if on_host >= MAX_PER_HOST:
+            raise ResourceExhausted(
+                f"{on_host} services are registered on {host}, at most {MAX_PER_HOST} for a "
+                f"{caller} credential",
+                field="info.address",
+                value=spec.address,
+            )
 
     def _check_owner(self, record: _Record, lease: str, caller: str | None, what: str) -> None:
         if caller in _PRIVILEGED:

@@ -200,3 +200,65 @@ def test_service_roles_register_only_themselves_and_bounds_hold() -> None:
     reg.register(spec("rollout", 2))
     with pytest.raises(ResourceExhausted, match="at most 2"):
         reg.register(spec("rollout", 3))
+
+
+def test_text_fields_are_bounded_each() -> None:
+    reg = Registry(clock=Clock())
+    long = "a" * 300
+    cases = {
+        "info.address": ServiceSpec(role="rollout", address=f"{long}:1"),
+        "info.node": ServiceSpec(role="rollout", address="127.0.0.1:1", node=long),
+        "info.service_id": spec("rollout", 1, service_id=long),
+        "info.devices[0].name": spec("rollout", 1, devices=(Device("cpu", 0, long),)),
+    }
+    for field_name, s in cases.items():
+        with pytest.raises(InvalidArgument) as info:
+            reg.register(s)
+        assert info.value.field == field_name
+
+
+def _fattest(port: int, host: str = "127.0.0.1") -> ServiceSpec:
+    """An entry with every field at its bound."""
+    return ServiceSpec(
+        role="rollout",
+        address=f"{host}:{port}",
+        node="n" * 256,
+        metrics_address=f"{host}:{port}",
+        devices=tuple(Device("cuda", i, "d" * 256, 2**62) for i in range(1024)),
+        capabilities={f"{i:0>256}": "v" * 1024 for i in range(64)},
+    )
+
+
+def test_a_full_registry_still_lists_in_one_answer() -> None:
+    """Entries at every bound fill the byte budget before the entry count: the next
+    one is RESOURCE_EXHAUSTED, and the full registry's ListServices answer stays far
+    below gRPC's 64 MiB (the estimate bounds the real protobuf size)."""
+    from rlfleet.scheduler.registry import MAX_REGISTRY_BYTES, spec_bytes
+    from rlfleet.scheduler.serde import entry_to_proto
+    from rlfleet.v1 import scheduler_pb2
+
+    reg = Registry(clock=Clock())
+    port = 1
+    with pytest.raises(ResourceExhausted, match="bytes"):
+        while port < 1000:
+            reg.register(_fattest(port), caller="driver")
+            port += 1
+    entries = reg.list_services()
+    assert 0 < len(entries) == port - 1 < 1000
+    answer = scheduler_pb2.ListServicesResponse(services=[entry_to_proto(e) for e in entries])
+    assert answer.ByteSize() <= MAX_REGISTRY_BYTES + 256 * len(entries) < 32 << 20
+    assert all(entry_to_proto(e).info.ByteSize() <= spec_bytes(e.spec) for e in entries)
+
+
+def test_a_service_credential_holds_a_bounded_number_of_entries_per_host() -> None:
+    from rlfleet.scheduler.registry import MAX_PER_HOST
+
+    reg = Registry(clock=Clock())
+    for port in range(1, MAX_PER_HOST + 1):
+        reg.register(spec("rollout", port), caller="rollout")
+    with pytest.raises(ResourceExhausted) as info:
+        reg.register(spec("rollout", MAX_PER_HOST + 1), caller="rollout")
+    assert info.value.field == "info.address" and "127.0.0.1" in str(info.value)
+    # Another host, and the driver (which launches services), still may.
+    reg.register(ServiceSpec(role="rollout", address="127.0.0.2:1", node="n1"), caller="rollout")
+    reg.register(spec("rollout", MAX_PER_HOST + 1), caller="driver")
