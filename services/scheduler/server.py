@@ -332,7 +332,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="plan the config's pools on this machine at start (what `rlfleet up` does)",
     )
-    parser.add_argument("--heartbeat-interval-s", type=float, default=5.0)
+    parser.add_argument(
+        "--heartbeat-interval-s",
+        type=float,
+        default=2.0,
+        help="what services are told to beat at (with --missed-heartbeats 3: dead after 6 s)",
+    )
     parser.add_argument(
         "--missed-heartbeats", type=int, default=3, help="beats missed before a service is DEAD"
     )

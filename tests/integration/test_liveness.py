@@ -69,6 +69,31 @@ def test_a_stopped_replica_is_given_up_with_its_address(
     client.close()
 
 
+def test_with_the_defaults_a_stopped_replica_is_given_up_within_15_s(
+    replica: tuple[str, subprocess.Popen[str]],
+) -> None:
+    """The client's default liveness (``DEFAULT_LIVENESS_S``), not a test setting:
+    a call to a frozen replica fails well within the issue's 15 s bound, naming the
+    replica's role and address, although its own deadline is an hour away."""
+    import time
+
+    from rlfleet.rollout.client import DEFAULT_LIVENESS_S
+
+    address, proc = replica
+    client = RemoteRolloutClient(address, generate_timeout_s=3600)
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=32, seed=0, ignore_eos=True)
+    stream = client.generate([[1, 2, 3]] * 512, params)
+    os.kill(proc.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    with pytest.raises(Unavailable, match="stopped answering") as info:
+        for _ in stream:
+            pass
+    waited = time.monotonic() - stopped
+    assert DEFAULT_LIVENESS_S <= 5.0 and waited < 15.0, waited
+    assert address in str(info.value) and "rollout" in str(info.value).lower()
+    client.close()
+
+
 def test_a_stopped_trainer_fails_the_call_naming_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     import yaml
 
@@ -129,3 +154,21 @@ def test_a_stopped_reward_service_fails_the_call_naming_it(tmp_path: Path) -> No
         os.kill(proc.pid, signal.SIGCONT)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def test_the_default_scheduler_lists_a_silent_service_dead_within_15_s() -> None:
+    """The scheduler's defaults (``rlfleet serve scheduler`` with no flags, and the
+    launchers'): a service that stops beating is DEAD after interval x missed beats,
+    under the 15 s the issue allows, and the driver stops sending it work then."""
+    import argparse
+    import inspect
+
+    from rlfleet.launch.cluster import LocalCluster
+    from rlfleet.scheduler.server import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args([])
+    assert args.heartbeat_interval_s * args.missed_heartbeats < 15.0
+    local = inspect.signature(LocalCluster).parameters["heartbeat_interval_s"].default
+    assert local * args.missed_heartbeats < 15.0
