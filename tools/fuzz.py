@@ -13,7 +13,9 @@ request afterwards, and prints one JSON line per service::
 those explained by a reported bug (each has a strict xfail test), ``hangs`` calls
 past their deadline on methods that are not legitimately long. ``rss_growth_bytes``
 is this process's (servers and client share it). Exits 1 if any service had a crash,
-a hang, a policy violation, or failed its health check or normal request.
+a hang, a policy violation, failed its health check or normal request, or ran out of
+``--budget-s`` before it was sent ``--count`` requests (a slow machine does not pass
+with fewer requests than asked for).
 
 Replay one request: ``--service trainer --seed S --only I`` (indices are in
 ``failures``).
@@ -94,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 or report.policy
                 or not report.healthy_after
                 or summary["normal_request_after"] != "ok"
+                or (report.stopped_early and not args.only)
             )
     return 1 if failed else 0
 
