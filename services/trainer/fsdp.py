@@ -181,7 +181,9 @@ class FSDPBackend:
                 self.ref_from_actor = True
             else:
                 ref = self._load("ref", load_ref, ref_path)
-                self.models["ref"] = self._wrap(ref, actor, offload=config.ref.param_offload)
+                self.models["ref"] = self._wrap(
+                    ref, config.ref_section(), offload=config.ref.param_offload
+                )
 
     # ---------------------------------------------------------------- building
 

@@ -257,7 +257,7 @@ class MegatronBackend:
         if config.critic_enabled():
             roles.append(("critic", config.critic.model_path or actor.model_path, config.critic))
         if config.ref_enabled():
-            roles.append(("ref", config.ref.model_path or actor.model_path, actor))
+            roles.append(("ref", config.ref.model_path or actor.model_path, config.ref_section()))
         for role, path, section in roles:
             hf_config = AutoConfig.from_pretrained(
                 path, trust_remote_code=actor.trust_remote_code, local_files_only=True
@@ -280,6 +280,7 @@ class MegatronBackend:
             if role == "ref":
                 model.requires_grad_(False)
                 model.eval()
+                self.sections[role] = section  # its compute dtype (ref.dtype), for autocast
                 continue
             model.train()
             optimizer = torch.optim.AdamW(

@@ -758,3 +758,14 @@ def test_trainer_recovery_is_accepted_by_both_launchers() -> None:
     for launcher in ("local", "ray"):
         cfg = config_from_dict({"launcher": launcher, "trainer": {"recovery": {"enable": True}}})
         assert cfg.trainer.recovery.enable
+
+
+def test_a_critic_tokenizer_other_than_the_actors_is_refused() -> None:
+    """The critic scores the actor's token ids: ``critic.tokenizer_path`` (verl's
+    ``critic.model.tokenizer_path``) may only name the actor's tokenizer."""
+    base = {"actor": {"model_path": "models/a"}, "algorithm": {"adv_estimator": "gae"}}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({**base, "critic": {"tokenizer_path": "models/b"}})
+    assert "critic.tokenizer_path" in str(info.value) and "models/a" in str(info.value)
+    for same in ("models/a", "models/a/", "./models/a"):
+        assert config_from_dict({**base, "critic": {"tokenizer_path": same}}) is not None

@@ -117,3 +117,31 @@ def test_serve_on_a_taken_port_is_one_line_before_loading(
     assert err == [
         f"error: --port {busy_port}: cannot be bound on 127.0.0.1: Address already in use"
     ]
+
+
+def test_paths_under_home_are_found_as_verls_examples_write_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model_dir: Path, data: Path
+) -> None:
+    """``~/models/...`` and ``~/data/...`` (verl's examples) are expanded once, in the
+    config: preflight finds them, and so does every service that reads the value."""
+    from rlfleet.common.config import config_from_dict
+    from rlfleet.launch.preflight import preflight
+
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / "tiny").symlink_to(tiny_model_dir)
+    (home / "data").symlink_to(data)
+    monkeypatch.setenv("HOME", str(home))
+    config = config_from_dict(
+        {
+            "actor": {"model_path": "~/models/tiny"},
+            "data": {"train_files": "~/data/train.parquet", "val_files": "~/data/test.parquet"},
+            "trainer": {"device": "cpu", "default_local_dir": "~/run"},
+            "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
+        }
+    )
+    assert config.actor.model_path == str(home / "models" / "tiny")
+    assert config.rollout.model_path == config.actor.model_path
+    assert config.data.train_files == [str(home / "data" / "train.parquet")]
+    assert config.trainer.default_local_dir == str(home / "run")
+    assert preflight(config) == []

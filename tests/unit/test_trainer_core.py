@@ -323,3 +323,32 @@ def test_rollout_correction_weights_and_metrics(tiny_model_dir: Path) -> None:
     assert m["rollout_corr/rollout_is_mean"] == pytest.approx((n - 3 + 0.5 + 4.0) / n, abs=1e-5)
     assert m["rollout_corr/rollout_is_max"] == pytest.approx(3.0, abs=1e-5)
     assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(2 / n, abs=1e-6)
+
+
+def test_the_reference_is_built_in_its_own_dtype(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ref.dtype`` is the section the reference model is wrapped (FSDP: its mixed
+    precision on cuda) and run with; without it, the actor's dtype."""
+    from rlfleet.trainer.fsdp import FSDPBackend
+
+    wrapped: dict[int, str] = {}
+    real = FSDPBackend._wrap
+
+    def record(self: Any, model: Any, section: Any, *, offload: bool) -> Any:
+        wrapped[id(model)] = section.dtype
+        return real(self, model, section, offload=offload)
+
+    monkeypatch.setattr(FSDPBackend, "_wrap", record)
+    for ref_dtype, expected in (("float16", "float16"), (None, "bfloat16")):
+        cfg = make_config(
+            str(tiny_model_dir),
+            algorithm={"adv_estimator": "grpo", "use_kl_in_reward": True},
+            actor={"dtype": "bfloat16"},
+            ref={"dtype": ref_dtype},
+        )
+        assert cfg.ref_section().dtype == expected and cfg.actor.dtype == "bfloat16"
+        core = TrainerCore(cfg)
+        assert wrapped[id(core.backend.models["ref"])] == expected  # type: ignore[attr-defined]
+        assert wrapped[id(core.backend.models["actor"])] == "bfloat16"  # type: ignore[attr-defined]
+        wrapped.clear()

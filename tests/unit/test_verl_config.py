@@ -55,7 +55,8 @@ def _error(raw: object, overrides: list[str]) -> ConfigError:
 
 def test_verls_own_ppo_trainer_yaml_loads_unchanged() -> None:
     cfg = load_config(VERL_YAML)
-    assert cfg.actor.model_path == "~/models/deepseek-llm-7b-chat"
+    # verl's ``~/models/...`` expanded once, for every service that reads it.
+    assert cfg.actor.model_path == str(Path("~/models/deepseek-llm-7b-chat").expanduser())
     assert cfg.data.train_batch_size == 1024 and cfg.actor.ppo_mini_batch_size == 256
     assert cfg.rollout.engine == "vllm" and cfg.rollout.tensor_parallel_size == 2
     assert cfg.rollout.gpu_memory_utilization == 0.5
@@ -67,7 +68,7 @@ def test_verls_own_ppo_trainer_yaml_loads_unchanged() -> None:
     assert cfg.placement().mode == "colocated"
     # interpolations: ${trainer.project_name}, ${actor_rollout_ref.model.path}
     assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
-    assert cfg.critic.tokenizer_path == "~/models/deepseek-llm-7b-chat"
+    assert cfg.critic.tokenizer_path == cfg.actor.model_path
     assert cfg.critic.ppo_mini_batch_size == 256
     assert cfg.reward.reward_model.enable is False
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -160,6 +161,21 @@ def _check_critic_enable(cfg: Config) -> Iterator[ConfigIssue]:
     if cfg.trainer.critic_warmup > 0 and not cfg.critic_enabled():
         yield ConfigIssue(
             "trainer.critic_warmup", "needs a critic (adv_estimator gae)", cfg.trainer.critic_warmup
+        )
+
+
+@_check("critic.tokenizer_path", "actor.tokenizer_path", "actor.model_path")
+def _check_critic_tokenizer(cfg: Config) -> Iterator[ConfigIssue]:
+    """The critic reads the actor's token ids (one batch for both): a tokenizer of its
+    own could only disagree with them."""
+    given = cfg.critic.tokenizer_path
+    actor = cfg.actor.tokenizer_path or cfg.actor.model_path
+    if given and os.path.normpath(_home(given)) != os.path.normpath(_home(actor)):
+        yield ConfigIssue(
+            "critic.tokenizer_path",
+            f"the critic scores the actor's token ids, so its tokenizer is the actor's "
+            f"({actor}); leave it unset or give that one",
+            given,
         )
 
 
@@ -618,8 +634,50 @@ def _or(value: bool | None, default: bool) -> bool:
     return default if value is None else value
 
 
+def _home(value: Any) -> Any:
+    """``value`` with a leading ``~`` expanded (lists element by element)."""
+    if isinstance(value, list):
+        return [_home(v) for v in value]
+    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
+
+
+# Every key that names a file or folder: each service reads them as given, so a
+# ``~/...`` (verl's examples use them) is expanded once, here.
+_PATH_KEYS: tuple[tuple[str, ...], ...] = (
+    ("actor", "model_path"),
+    ("actor", "tokenizer_path"),
+    ("critic", "model_path"),
+    ("critic", "tokenizer_path"),
+    ("ref", "model_path"),
+    ("rollout", "model_path"),
+    ("data", "train_files"),
+    ("data", "val_files"),
+    ("reward", "custom_function", "path"),
+    ("reward", "reward_model", "path"),
+    ("trainer", "default_local_dir"),
+    ("trainer", "resume_from_path"),
+    ("security", "tls", "cert"),
+    ("security", "tls", "key"),
+    ("security", "tls", "ca"),
+)
+
+
+def _expand_home(cfg: Any) -> None:
+    for keys in _PATH_KEYS:
+        *parents, leaf = keys
+        node = cfg
+        for k in parents:
+            node = getattr(node, k)
+        value = getattr(node, leaf)
+        expanded = _home(value)
+        if expanded != value:
+            object.__setattr__(node, leaf, expanded)
+
+
 def resolve(cfg: Config) -> None:
-    """Fill the values that default to other sections (idempotent)."""
+    """Fill the values that default to other sections (idempotent); ``~`` in paths
+    expanded."""
+    _expand_home(cfg)
     if cfg.actor.use_remove_padding is None:
         packs = cfg.backend_of("actor") == "fsdp"
         cfg.actor = cfg.actor.model_copy(update={"use_remove_padding": packs})

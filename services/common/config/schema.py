@@ -1434,6 +1434,11 @@ class Config(BaseModel):
         )
         return max(1, world // model_parallel)
 
+    def ref_section(self) -> ActorConfig:
+        """The section the reference model is built and run with: the actor's, in
+        ``ref.dtype`` (a frozen copy needs no optimizer, but its compute dtype is its own)."""
+        return self.actor.model_copy(update={"dtype": self.ref.dtype or self.actor.dtype})
+
     def rollout_replicas(self) -> int:
         """Rollout replicas: the explicit count, else as many as fit the rollout pool."""
         if self.rollout.replicas is not None:

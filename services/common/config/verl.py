@@ -936,7 +936,12 @@ ROWS: tuple[Row, ...] = (
     ),
     *_optim_rows("critic", "critic", min_lr_ratio=None),
     _map("critic.model.path", "~/models/deepseek-llm-7b-chat", "critic.model_path"),
-    _map("critic.model.tokenizer_path", "${" + _AR + ".model.path}", "critic.tokenizer_path"),
+    _map(
+        "critic.model.tokenizer_path",
+        "${" + _AR + ".model.path}",
+        "critic.tokenizer_path",
+        note="the critic scores the actor's token ids: only the actor's tokenizer is accepted",
+    ),
     *[
         r
         for r in _model_rows("critic", "critic", "critic.strategy")
