@@ -78,7 +78,7 @@ from rlfleet.launch.cluster import (
 )
 from rlfleet.scheduler.registry import LIVENESS_CAPABILITY, LIVENESS_PROBE, ServiceSpec
 
-__all__ = ["RayCluster", "ServiceActor", "pool_bundles"]
+__all__ = ["GpuPlan", "RayCluster", "ServiceActor", "pool_bundles"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,97 @@ def pool_bundles(nodes: Sequence[int], device: str) -> tuple[list[dict[str, floa
     key = "GPU" if device == "cuda" else "CPU"
     bundles = [{key: float(n)} for n in nodes]
     return bundles, ("STRICT_PACK" if len(bundles) == 1 else "STRICT_SPREAD")
+
+
+class GpuPlan:
+    """Who holds which GPUs of a pool's bundles on cuda (Ray counts GPUs per actor).
+
+    A pool's GPUs belong to one service kind, its *owner*: the trainer where the actor
+    role is (one GPU per rank), else rollout (``rollout.tensor_parallel_size`` per
+    replica), else the reward model (one). The owner's actors ask Ray for them, so
+    Ray never puts more in a bundle than it holds. A kind colocated in another's pool
+    asks for none and is handed GPUs its owner holds on the same node (a rollout
+    replica in slot ``j`` of its bundle: the owner's GPUs ``j*tp .. j*tp+tp-1``, in
+    rank order; the reward model: the first), as verl's colocated workers share theirs.
+    Rollout replicas fit ``GPUs // tensor_parallel_size`` to a bundle; one more is
+    refused rather than left pending. On cpu nothing is counted: bundles hold CPUs.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.cuda = config.trainer.device == "cuda"
+        self.tp = config.rollout.tensor_parallel_size
+
+    def owner(self, pool: str) -> str:
+        cfg = self.config
+        if _pool(cfg, "actor") == pool:
+            return "trainer"
+        return "rollout" if _pool(cfg, "rollout") == pool else "reward"
+
+    def request(self, kind: str, pool: str | None) -> float:
+        """GPUs the actor of a ``kind`` service in ``pool`` asks Ray for."""
+        if not self.cuda or pool is None or kind != self.owner(pool):
+            return 0.0
+        return float(self.tp) if kind == "rollout" else 1.0
+
+    def rank_bundles(self, pool: str, world: int) -> list[int]:
+        """The bundle of each trainer rank: consecutive ranks fill a node entry (one
+        rank per GPU on cuda, per node on cpu); beyond that, round robin."""
+        room = [n if self.cuda else 1 for n in self.config.resource_pools[pool]]
+        out = [b for b, n in enumerate(room) for _ in range(n)][:world]
+        return out + [r % len(room) for r in range(len(out), world)]
+
+    def rollout_room(self, pool: str) -> list[int] | None:
+        """Replicas each bundle of the rollout pool holds (None: not counted, cpu)."""
+        if not self.cuda:
+            return None
+        return [n // self.tp for n in self.config.resource_pools[pool]]
+
+    def place_rollout(self, pool: str, taken: Sequence[tuple[int, int]]) -> tuple[int, int]:
+        """``(bundle, slot)`` for one more rollout replica, given those of the running
+        ones: the bundle with the most room left (the fewest replicas on cpu), its
+        lowest free slot.
+
+        Raises:
+            ServiceStartError: on cuda, every bundle is full.
+        """
+        entries = len(self.config.resource_pools[pool])
+        room = self.rollout_room(pool)
+        used: dict[int, set[int]] = {b: set() for b in range(entries)}
+        for b, slot in taken:
+            used.setdefault(b, set()).add(slot)
+        if room is None:
+            bundle = min(range(entries), key=lambda b: (len(used[b]), b))
+            return bundle, min(set(range(len(used[bundle]) + 1)) - used[bundle])
+        free = [(room[b] - len(used[b]), -b) for b in range(entries)]
+        left, neg = max(free)
+        if left <= 0:
+            raise ServiceStartError(
+                f"no room for another rollout replica in pool {pool}: "
+                f"{self.config.resource_pools[pool]} GPUs per node hold {sum(room)} replicas "
+                f"of tensor_parallel_size {self.tp}",
+                field="rollout.replicas",
+                value=len(taken) + 1,
+            )
+        bundle = -neg
+        return bundle, min(set(range(room[bundle])) - used[bundle])
+
+    def shared_devices(
+        self, kind: str, slot: int, owner_gpus: Sequence[str], where: str
+    ) -> list[str]:
+        """The owner's GPUs (on the same node, in rank order) a colocated ``kind``
+        service in ``slot`` uses."""
+        want = self.tp if kind == "rollout" else 1
+        first = slot * want if kind == "rollout" else 0
+        picked = list(owner_gpus[first : first + want])
+        if len(picked) < want:
+            raise ServiceStartError(
+                f"{where}: a colocated {kind} service needs {want} GPU(s) of its pool's "
+                f"owner from #{first}, which holds {list(owner_gpus)} on that node",
+                field="rollout.tensor_parallel_size",
+                value=self.tp,
+            )
+        return picked
 
 
 class ServiceActor:
@@ -262,6 +353,7 @@ class _Service:
     pool: str | None
     bundle: int | None
     info: dict[str, Any] = field(default_factory=dict)  # node ip / id, actor id
+    slot: int = 0  # a rollout replica's place in its bundle (GpuPlan)
     pid: int = 0
     address: str | None = None
     metrics_address: str | None = None
@@ -312,6 +404,7 @@ class RayCluster:
         self.given_up: set[str] = set()
         self._scale_generation = 0
         self._next_rollout = config.rollout_replicas()
+        self.gpus = GpuPlan(config)
 
     # ------------------------------------------------------------------ start
 
@@ -468,14 +561,11 @@ class RayCluster:
         address_file: Path | None = None,
         wait_address: bool = True,
         actor: Any = None,
+        slot: int = 0,
     ) -> _Service:
-        cfg = self.config
         if actor is None:
-            gpus = 0.0
-            if cfg.trainer.device == "cuda" and pool is not None and bundle is not None:
-                gpus = float(cfg.resource_pools[pool][bundle]) / self._sharing(pool)
-            actor = self._actor(ray, name, pool, bundle, gpus)
-        svc = _Service(name, kind, actor, pool, bundle)
+            actor = self._actor(ray, name, pool, bundle, self.gpus.request(kind, pool))
+        svc = _Service(name, kind, actor, pool, bundle, slot=slot)
         svc.launch = {
             "argv": argv,
             "env": env,
@@ -498,11 +588,7 @@ class RayCluster:
             "TOKENIZERS_PARALLELISM": "false",
             "OMP_NUM_THREADS": str(threads),
             "MKL_NUM_THREADS": str(threads),
-            **(
-                {"CUDA_VISIBLE_DEVICES": ",".join(svc.info["gpu_ids"])}
-                if cfg.trainer.device == "cuda"
-                else {"CUDA_VISIBLE_DEVICES": ""}
-            ),
+            "CUDA_VISIBLE_DEVICES": ",".join(self._devices(svc)),
             **self._role_env.get(kind, {}),
             "RLFLEET_RAY_ACTOR_ID": str(svc.info.get("actor_id", "")),
             **env,
@@ -536,6 +622,34 @@ class RayCluster:
         if svc.address:
             wait_for_ready(svc.address, timeout_s=max(1.0, deadline - time.monotonic()))
 
+    def _devices(self, svc: _Service) -> list[str]:
+        """The GPUs ``svc``'s process sees: those Ray gave its actor, or for a service
+        colocated in another kind's pool, the owner's on its node (:class:`GpuPlan`)."""
+        if not self.gpus.cuda:
+            return []
+        if svc.pool is None or svc.kind == self.gpus.owner(svc.pool):
+            return [str(g) for g in svc.info["gpu_ids"]]
+        owner = self.gpus.owner(svc.pool)
+        with self._lock:
+            holders = [
+                s
+                for s in self._services
+                if s.kind == owner and s.pool == svc.pool and s.bundle == svc.bundle and s.info
+            ]
+        holders.sort(key=lambda s: (int(s.launch.get("env", {}).get("RANK", "0")), s.slot))
+        owned = [str(g) for s in holders for g in s.info.get("gpu_ids", [])]
+        return self.gpus.shared_devices(svc.kind, svc.slot, owned, svc.name)
+
+    def _rollout_places(self, pool: str, count: int) -> list[tuple[int, int]]:
+        """``(bundle, slot)`` for ``count`` more replicas (ServiceStartError: no room)."""
+        with self._lock:
+            taken = [(s.bundle or 0, s.slot) for s in self._services if s.kind == "rollout"]
+        places = []
+        for _ in range(count):
+            places.append(self.gpus.place_rollout(pool, taken))
+            taken.append(places[-1])
+        return places
+
     def _sharing(self, pool: str) -> int:
         """Services that share each bundle of ``pool`` (colocated roles)."""
         cfg = self.config
@@ -557,6 +671,9 @@ class RayCluster:
     ) -> None:
         cfg = self.config
         started: list[_Service] = []
+        # The trainer first: services colocated in its pool use the GPUs its ranks hold.
+        if cfg.services.trainer is None:
+            started += self._launch_trainer(ray, config_path, config_text, deadline)
         if cfg.services.reward is None:
             pool = _pool(cfg, "reward_model") if cfg.reward.reward_model.enable else None
             started.append(
@@ -573,13 +690,11 @@ class RayCluster:
                     deadline,
                 )
             )
-        if cfg.services.trainer is None:
-            started += self._launch_trainer(ray, config_path, config_text, deadline)
         if not cfg.services.rollout:
             pool = _pool(cfg, "rollout")
             assert pool is not None
-            entries = len(cfg.resource_pools[pool])
-            for i in range(cfg.rollout_replicas()):
+            places = self._rollout_places(pool, cfg.rollout_replicas())
+            for i, (bundle, slot) in enumerate(places):
                 argv = ["-m", *rollout_argv(_HOST, config_path, f"rollout-{i}")]
                 if self.scheduler_address:
                     argv += ["--scheduler", self.scheduler_address]
@@ -589,12 +704,13 @@ class RayCluster:
                         f"rollout-{i}",
                         "rollout",
                         pool,
-                        i % entries,
+                        bundle,
                         argv,
                         {},
                         config_path,
                         config_text,
                         deadline,
+                        slot=slot,
                     )
                 )
         for svc in started:
@@ -607,7 +723,7 @@ class RayCluster:
         pool = _pool(cfg, "actor")
         assert pool is not None
         world = cfg.world_size("actor")
-        entries = len(cfg.resource_pools[pool])
+        bundles = self.gpus.rank_bundles(pool, world)
         address_file = self.run_dir / "trainer.address"
         argv = ["-m", *trainer_argv(_HOST, config_path, address_file)]
         if self.scheduler_address:
@@ -628,17 +744,13 @@ class RayCluster:
                     address_file=address_file,
                 )
             ]
-        # One actor per rank, rank r in bundle r (mod the pool's nodes); rank 0's node
-        # address and a free port there are the rendezvous.
-        gpus = 0.0
-        actors = []
-        for rank in range(world):
-            bundle = rank % entries
-            if cfg.trainer.device == "cuda":
-                gpus = 1.0  # one GPU per rank
-            actors.append(
-                self._actor(ray, "trainer" if rank == 0 else f"trainer-{rank}", pool, bundle, gpus)
-            )
+        # One actor per rank, consecutive ranks on a node (GpuPlan.rank_bundles); rank
+        # 0's node address and a free port there are the rendezvous.
+        gpus = self.gpus.request("trainer", pool)
+        actors = [
+            self._actor(ray, "trainer" if rank == 0 else f"trainer-{rank}", pool, bundle, gpus)
+            for rank, bundle in enumerate(bundles)
+        ]
         master = ray.get(actors[0].node.remote())["ip"]
         port = ray.get(actors[0].free_port.remote())
         out = []
@@ -658,7 +770,7 @@ class RayCluster:
                     name,
                     "trainer",
                     pool,
-                    rank % entries,
+                    bundles[rank],
                     argv,
                     env,
                     config_path,
@@ -1009,6 +1121,7 @@ class RayCluster:
             address_file=launch["address_file"],
             wait_address=launch["wait_address"],
             actor=svc.actor if actor is _SAME else actor,
+            slot=svc.slot,
         )
 
     def rollout_replicas(self) -> list[str]:
@@ -1029,12 +1142,16 @@ class RayCluster:
             return
         if not desired or generation == self._scale_generation:
             return
-        self.scale_rollout(desired)
-        self._scale_generation = generation
+        self._scale_generation = generation  # asked once: a refusal is not retried
+        try:
+            self.scale_rollout(desired)
+        except ServiceStartError as e:
+            logger.error("scaling rollout to %d refused: %s", desired, e)
 
     def scale_rollout(self, replicas: int) -> None:
-        """Add or remove rollout replicas (actors in the rollout pool's bundles, round
-        robin) until ``replicas`` run. A new one registers with the scheduler and gets
+        """Add or remove rollout replicas (actors in the rollout pool's bundles, the one
+        with the most room first: :class:`GpuPlan`) until ``replicas`` run; on cuda,
+        more than the pool's GPUs hold is refused (ServiceStartError) before any starts. A new one registers with the scheduler and gets
         the current weights from the driver before it takes work; one removed is
         deregistered first, then stopped (SIGTERM: it finishes what it has in flight
         within its grace period)."""
@@ -1045,7 +1162,6 @@ class RayCluster:
         cfg = self.config
         pool = _pool(cfg, "rollout")
         assert pool is not None
-        entries = len(cfg.resource_pools[pool])
         current = self.rollout_replicas()
         if len(current) == replicas:
             return
@@ -1056,7 +1172,7 @@ class RayCluster:
             config_text = template.launch["config_text"] if template else config_path.read_text()
             deadline = time.monotonic() + cfg.ray.start_timeout_s
             added = []
-            for _ in range(replicas - len(current)):
+            for bundle, slot in self._rollout_places(pool, replicas - len(current)):
                 k = self._next_rollout
                 self._next_rollout += 1
                 argv = ["-m", *rollout_argv(_HOST, config_path, f"rollout-{k}")]
@@ -1068,12 +1184,13 @@ class RayCluster:
                         f"rollout-{k}",
                         "rollout",
                         pool,
-                        k % entries,
+                        bundle,
                         argv,
                         {},
                         config_path,
                         config_text,
                         deadline,
+                        slot=slot,
                     )
                 )
             for svc in added:

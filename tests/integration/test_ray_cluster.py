@@ -5,7 +5,10 @@ full batch, nothing left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -337,11 +340,23 @@ def test_a_replicas_node_removed_mid_run_is_replaced_and_no_sample_is_lost(
         node = next(n for n in ray_nodes.list_all_nodes() if n.node_id == victim_node)
         assert node is not ray_nodes.head_node
 
+        victim_pid = cluster.pids[victim]
+
+        def remove() -> None:
+            ray_nodes.remove_node(node)
+            # The service process got SIGTERM from its dying actor: let it act on it.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim_pid, signal.SIGCONT)
+
         def on_step(record: StepRecord) -> None:
             records.append(record)
-            if record.step == 1:  # while step 2 generates
+            if record.step == 1:
+                # The victim holds step 2's share when its node goes: it is stopped
+                # before step 2 asks it (so its prompts are surely in flight), and its
+                # node is removed 1 s into step 2, before the liveness probe (4 s).
                 removed["node"] = victim_node
-                threading.Timer(0.3, ray_nodes.remove_node, args=(node,)).start()
+                os.kill(victim_pid, signal.SIGSTOP)
+                threading.Timer(1.0, remove).start()
             if record.step == 2:
                 _wait("a replacement", lambda: cluster.events["replaced"] >= 1, 180)
 
@@ -352,6 +367,9 @@ def test_a_replicas_node_removed_mid_run_is_replaced_and_no_sample_is_lost(
     assert [r.step for r in records] == [1, 2, 3, 4]
     assert all(len(r.indices) == config.data.train_batch_size for r in records)
     assert records[-1].metrics["fleet/replaced"] >= 1.0
+    # The lost replica's share of step 2 was generated again by the other one.
+    assert records[1].metrics["rollout/requeued_samples"] > 0
+    assert sum(r.metrics["rollout/requeued_samples"] for r in records[2:]) == 0
     del spare
 
 
@@ -471,3 +489,92 @@ def test_verl_nnodes_layout_is_colocated_on_ray(
         if a["name"].startswith("rlfleet/")
     ]
     assert left == []
+
+
+def test_gpu_pools_place_every_actor_and_colocated_replicas_share_the_trainers_gpus(
+    ray_nodes: Cluster, tmp_path: Path
+) -> None:
+    """On two nodes with 8 (fake) GPUs each, verl's colocated layout (``nnodes=2``,
+    ``n_gpus_per_node=8``): 16 trainer-rank actors and 16 rollout-replica actors all
+    place in the pool's two bundles (before, each replica asked for 4 GPUs and most
+    waited forever), each replica on one GPU its node's trainer ranks hold, no two on
+    the same. Then a disaggregated pool of 8 GPUs with ``tensor_parallel_size`` 2:
+    4 replicas on 2 GPUs each, and a 5th is refused. Only placement runs here: the
+    services' processes need CUDA (the GPU machine's tests start them)."""
+    from rlfleet.launch.cluster import ServiceStartError
+    from rlfleet.launch.ray_cluster import RayCluster, _Service
+
+    gpu_nodes = [
+        ray_nodes.add_node(num_cpus=0, num_gpus=8, node_ip_address=LOOPBACK) for _ in range(2)
+    ]
+    ray_nodes.wait_for_nodes()
+    base = {
+        "actor": {"model_path": "m", "ppo_mini_batch_size": 16},
+        "algorithm": {"adv_estimator": "grpo"},
+        "rollout": {"n": 4},
+        "data": {"train_batch_size": 64},
+        "launcher": "ray",
+    }
+    launched: list[RayCluster] = []
+
+    def place(raw: dict[str, Any]) -> tuple[RayCluster, list[Any], list[Any]]:
+        cluster = RayCluster(config_from_dict(raw), tmp_path / f"run{len(launched)}")
+        launched.append(cluster)
+        cfg = cluster.config
+        cluster._place(ray, deadline=time.monotonic() + 60)
+        pool = cfg.mapping.actor
+        ranks = []
+        for rank, bundle in enumerate(cluster.gpus.rank_bundles(pool, cfg.world_size("actor"))):
+            name = f"trainer-{rank}"
+            actor = cluster._actor(ray, name, pool, bundle, cluster.gpus.request("trainer", pool))
+            ranks.append(_Service(name, "trainer", actor, pool, bundle,
+                                  launch={"env": {"RANK": str(rank)}}))  # fmt: skip
+            cluster._services.append(ranks[-1])
+        rpool = cfg.mapping.rollout
+        replicas = []
+        for i, (bundle, slot) in enumerate(cluster._rollout_places(rpool, cfg.rollout_replicas())):
+            name = f"rollout-{i}"
+            actor = cluster._actor(ray, name, rpool, bundle, cluster.gpus.request("rollout", rpool))
+            svc = _Service(name, "rollout", actor, rpool, bundle, slot=slot)
+            replicas.append(svc)
+            cluster._services.append(svc)
+        for svc in ranks + replicas:  # a pending actor would time out here
+            svc.info = ray.get(svc.actor.node.remote(), timeout=60)
+        return cluster, ranks, replicas
+
+    try:
+        raw = {**base, "trainer": {"device": "cuda", "nnodes": 2, "n_gpus_per_node": 8}}
+        cluster, ranks, replicas = place(raw)
+        assert len(ranks) == 16 and len(replicas) == 16
+        by_node: dict[str, set[str]] = {}
+        for r in ranks:
+            [gpu] = r.info["gpu_ids"]
+            by_node.setdefault(r.info["node_id"], set()).add(gpu)
+        assert len(by_node) == 2 and all(len(g) == 8 for g in by_node.values())
+        used: dict[str, list[str]] = {}
+        for r in replicas:
+            assert r.info["gpu_ids"] == []  # asks Ray for none: it shares
+            [gpu] = cluster._devices(r)
+            assert gpu in by_node[r.info["node_id"]]
+            used.setdefault(r.info["node_id"], []).append(gpu)
+        assert {n: sorted(g) for n, g in used.items()} == {n: sorted(g) for n, g in by_node.items()}
+        cluster.stop()
+
+        raw = {
+            **base,
+            "trainer": {"device": "cuda"},
+            "rollout": {"n": 4, "tensor_parallel_size": 2},
+            "resource_pools": {"train_pool": [8], "rollout_pool": [8]},
+            "mapping": {"actor": "train_pool", "rollout": "rollout_pool"},
+        }
+        cluster, ranks, replicas = place(raw)
+        assert len(replicas) == 4
+        gpus = [g for r in replicas for g in cluster._devices(r)]
+        assert all(len(r.info["gpu_ids"]) == 2 for r in replicas) and len(set(gpus)) == 8
+        with pytest.raises(ServiceStartError, match="no room"):
+            cluster._rollout_places("rollout_pool", 1)
+    finally:
+        for c in launched:
+            c.stop()
+        for node in gpu_nodes:
+            ray_nodes.remove_node(node)

@@ -1,0 +1,103 @@
+"""How the Ray launcher spends a pool's GPUs (``GpuPlan``): one owner per pool asks
+Ray for them, colocated services share the owner's, rollout replicas fit the GPUs
+they need, and one more than fits is refused instead of waiting forever."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rlfleet.common.config import config_from_dict
+from rlfleet.launch.cluster import ServiceStartError
+from rlfleet.launch.ray_cluster import GpuPlan
+
+
+def _config(**sections: Any) -> Any:
+    raw: dict[str, Any] = {
+        "actor": {"model_path": "m"},
+        "trainer": {"device": "cuda"},
+        "algorithm": {"adv_estimator": "grpo"},
+        "rollout": {"n": 4},
+        "data": {"train_batch_size": 64},
+    }
+    raw["actor"]["ppo_mini_batch_size"] = 16
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    return config_from_dict(raw)
+
+
+def _fill(plan: GpuPlan, pool: str, count: int) -> list[tuple[int, int]]:
+    taken: list[tuple[int, int]] = []
+    for _ in range(count):
+        taken.append(plan.place_rollout(pool, taken))
+    return taken
+
+
+def test_verls_colocated_two_nodes_of_eight() -> None:
+    cfg = _config(trainer={"nnodes": 2, "n_gpus_per_node": 8})
+    plan = GpuPlan(cfg)
+    [pool] = cfg.resource_pools
+    assert plan.owner(pool) == "trainer"
+    assert plan.request("trainer", pool) == 1.0 and plan.request("rollout", pool) == 0.0
+    assert plan.rank_bundles(pool, cfg.world_size("actor")) == [0] * 8 + [1] * 8
+    places = _fill(plan, pool, cfg.rollout_replicas())
+    assert len(places) == 16
+    assert sorted(places) == [(b, s) for b in (0, 1) for s in range(8)]
+    assert places[:4] == [(0, 0), (1, 0), (0, 1), (1, 1)]  # spread over the nodes
+    with pytest.raises(ServiceStartError, match="no room"):
+        plan.place_rollout(pool, places)
+    # Replica in slot 3 of a node uses the trainer's 4th GPU there.
+    owned = ["4", "5", "6", "7", "0", "1", "2", "3"]
+    assert plan.shared_devices("rollout", 3, owned, "rollout-6") == ["7"]
+    assert plan.shared_devices("reward", 0, owned, "reward") == ["4"]
+
+
+def test_disaggregated_rollout_with_tensor_parallel_two() -> None:
+    cfg = _config(
+        resource_pools={"train_pool": [8], "rollout_pool": [8]},
+        mapping={"actor": "train_pool", "rollout": "rollout_pool"},
+        rollout={"tensor_parallel_size": 2},
+    )
+    plan = GpuPlan(cfg)
+    assert plan.owner("rollout_pool") == "rollout"
+    assert plan.request("rollout", "rollout_pool") == 2.0
+    assert plan.request("trainer", "train_pool") == 1.0
+    assert cfg.rollout_replicas() == 4 and plan.rollout_room("rollout_pool") == [4]
+    places = _fill(plan, "rollout_pool", 4)
+    assert places == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    with pytest.raises(ServiceStartError) as info:
+        plan.place_rollout("rollout_pool", places)
+    assert info.value.field == "rollout.replicas" and "8" in str(info.value)
+    # A slot freed by a replica scaled away is the one given again.
+    assert plan.place_rollout("rollout_pool", [places[0], places[2], places[3]]) == (0, 1)
+
+
+def test_colocated_tensor_parallel_replicas_take_consecutive_gpus() -> None:
+    cfg = _config(trainer={"nnodes": 1, "n_gpus_per_node": 8}, rollout={"tensor_parallel_size": 4})
+    plan = GpuPlan(cfg)
+    [pool] = cfg.resource_pools
+    assert _fill(plan, pool, cfg.rollout_replicas()) == [(0, 0), (0, 1)]
+    owned = [str(g) for g in range(8)]
+    assert plan.shared_devices("rollout", 1, owned, "rollout-1") == ["4", "5", "6", "7"]
+    with pytest.raises(ServiceStartError, match="needs 4 GPU"):
+        plan.shared_devices("rollout", 1, owned[:6], "rollout-1")
+
+
+def test_on_cpu_nothing_is_counted_and_replicas_spread() -> None:
+    cfg = config_from_dict(
+        {
+            "actor": {"model_path": "m"},
+            "trainer": {"device": "cpu"},
+            "algorithm": {"adv_estimator": "grpo"},
+            "resource_pools": {"train_pool": [2], "rollout_pool": [1, 1]},
+            "mapping": {"actor": "train_pool", "rollout": "rollout_pool"},
+            "rollout": {"replicas": 5, "n": 2},
+        }
+    )
+    plan = GpuPlan(cfg)
+    assert plan.request("rollout", "rollout_pool") == 0.0
+    assert plan.request("trainer", "train_pool") == 0.0
+    assert plan.rollout_room("rollout_pool") is None
+    assert [b for b, _ in _fill(plan, "rollout_pool", 5)] == [0, 1, 0, 1, 0]
+    assert plan.rank_bundles("train_pool", 1) == [0]
