@@ -196,3 +196,14 @@ _BY_STATUS: dict[str, type[RlfleetError]] = {
 def error_class_for_status(status: str) -> type[RlfleetError]:
     """The class for a ``grpc.StatusCode`` name; :class:`Internal` for codes without one."""
     return _BY_STATUS.get(status, Internal)
+
+
+def load_failure(error: BaseException, keys: dict[str, str | None]) -> str:
+    """One line for a model that failed to load at a service's start: the config key
+    whose value the error names (``keys``: key -> value; the first key otherwise), the
+    value and the first line of the loader's message (transformers' run to many)."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    named = [(k, v) for k, v in keys.items() if v and v in text]
+    key, value = named[0] if named else next(iter(keys.items()), ("model", None))
+    return f"{key}: cannot load {value!r}: {first}"

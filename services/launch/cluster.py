@@ -875,8 +875,16 @@ class LocalCluster:
                     logger.info("%s: OpenAI endpoint at %s", proc.name, msg["openai_url"])
 
     def _failure(self, proc: _Proc, what: str) -> ServiceStartError:
+        tail = log_tail(proc.log_path)
+        said = [line[len("error: ") :] for line in tail.splitlines() if line.startswith("error: ")]
+        if said:  # the service said why in one line: that line, not its log's tail
+            return ServiceStartError(
+                f"{what}: {said[-1]} (log: {proc.log_path})",
+                field=proc.name,
+                value=str(proc.log_path),
+            )
         return ServiceStartError(
-            f"{proc.name} {what}; last lines of {proc.log_path}:\n{log_tail(proc.log_path)}",
+            f"{proc.name} {what}; last lines of {proc.log_path}:\n{tail}",
             field=proc.name,
             value=str(proc.log_path),
         )

@@ -33,7 +33,7 @@ from rlfleet.common import tracing
 from rlfleet.common.allocator import use_one_arena
 from rlfleet.common.auth import CredentialError
 from rlfleet.common.config import ConfigError
-from rlfleet.common.errors import RlfleetError, Unavailable
+from rlfleet.common.errors import RlfleetError, Unavailable, load_failure
 from rlfleet.common.rpc import (
     Server,
     add_security_arguments,
@@ -506,7 +506,16 @@ def serve_main(args: argparse.Namespace) -> int:
     except (ValueError, RlfleetError, SandboxUnavailable) as e:
         print(f"rlfleet serve rollout: multi-turn: {e}", file=sys.stderr)
         return 2
-    engine = build_engine(args.engine, args.model, dtype=args.dtype, device=args.device, **extra)
+    try:
+        engine = build_engine(
+            args.engine, args.model, dtype=args.dtype, device=args.device, **extra
+        )
+    except OSError as e:  # a model that is not there: one line, no trace
+        print(
+            f"error: {load_failure(e, {'rollout.model_path (--model)': args.model})}",
+            file=sys.stderr,
+        )
+        return 2
     advertise = args.advertise_host or (
         socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
     )

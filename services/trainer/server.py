@@ -86,6 +86,7 @@ def serve_main(args: argparse.Namespace) -> int:
     from rlfleet.common import tracing
     from rlfleet.common.auth import CredentialError
     from rlfleet.common.config import load_config
+    from rlfleet.common.errors import load_failure
     from rlfleet.common.rpc import create_server, init_service_security, taken_ports
     from rlfleet.trainer.core import TrainerCore
     from rlfleet.trainer.dispatch import follow
@@ -111,7 +112,17 @@ def serve_main(args: argparse.Namespace) -> int:
         dist.init_process_group("nccl" if config.trainer.device == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     try:
-        core = TrainerCore(config, total_training_steps=args.total_training_steps)
+        try:
+            core = TrainerCore(config, total_training_steps=args.total_training_steps)
+        except OSError as e:  # a model or tokenizer that is not there: one line, no trace
+            keys = {
+                "actor.model_path": config.actor.model_path,
+                "actor.tokenizer_path": config.actor.tokenizer_path,
+                "critic.model_path": config.critic.model_path,
+                "ref.model_path": config.ref.model_path,
+            }
+            print(f"error: {load_failure(e, keys)}", file=sys.stderr, flush=True)
+            return 2
         if rank != 0:
             # Followers leave when rank 0 says so (after draining its calls); a signal
             # sent to the whole group must not kill them under rank 0's feet.

@@ -145,3 +145,47 @@ def test_paths_under_home_are_found_as_verls_examples_write_them(
     assert config.data.train_files == [str(home / "data" / "train.parquet")]
     assert config.trainer.default_local_dir == str(home / "run")
     assert preflight(config) == []
+
+
+@pytest.mark.parametrize("service", ["trainer", "rollout"])
+def test_a_model_that_cannot_load_is_one_line_naming_its_key(tmp_path: Path, service: str) -> None:
+    """``models/qwen`` looks like a hub id, so preflight leaves it to the loader; when
+    the loader fails (here: offline, not cached), the service says so in one line
+    naming the key and exits 2, and the launcher reports that line, not a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "actor": {"model_path": "models/qwen"},
+                "trainer": {"device": "cpu", "default_local_dir": str(tmp_path / "run")},
+            }
+        )
+    )
+    argv = [sys.executable, "-m", f"rlfleet.{service}.server", "--config", str(cfg)]
+    argv += ["--host", "127.0.0.1", "--port", "0", "--insecure"]
+    if service == "rollout":
+        argv += ["--metrics-port", "-1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    key = "actor.model_path" if service == "trainer" else "rollout.model_path (--model)"
+    assert len(errors) == 1 and errors[0].startswith(f"error: {key}"), out.stderr[-2000:]
+    assert "cannot load 'models/qwen'" in errors[0] and "Traceback" not in out.stderr
+
+
+def test_the_launcher_reports_a_services_one_line_error(tmp_path: Path) -> None:
+    from rlfleet.launch.cluster import LocalCluster, _Proc
+
+    log = tmp_path / "trainer.log"
+    log.write_text("INFO loading\nerror: actor.model_path: cannot load 'x': gone\n")
+    proc = _Proc("trainer", "trainer", [], {}, (), None, log)
+    err = LocalCluster._failure(None, proc, "exited with code 2 during start-up")  # type: ignore[arg-type]
+    assert str(err).splitlines() == [
+        f"trainer: exited with code 2 during start-up: actor.model_path: cannot load 'x': "
+        f"gone (log: {log})"
+    ]
