@@ -76,7 +76,13 @@ from rlfleet.launch.cluster import (
     scheduler_argv,
     trainer_argv,
 )
-from rlfleet.scheduler.registry import LIVENESS_CAPABILITY, LIVENESS_PROBE, ServiceSpec
+from rlfleet.scheduler.placement import Device
+from rlfleet.scheduler.registry import (
+    LIVENESS_CAPABILITY,
+    LIVENESS_PROBE,
+    MAX_DEVICES,
+    ServiceSpec,
+)
 
 __all__ = ["GpuPlan", "RayCluster", "ServiceActor", "pool_bundles"]
 
@@ -209,6 +215,7 @@ class ServiceActor:
             "node_id": ctx.get_node_id(),
             "actor_id": ctx.get_actor_id(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
         }
 
     def free_port(self) -> int:
@@ -591,6 +598,7 @@ class RayCluster:
             "CUDA_VISIBLE_DEVICES": ",".join(self._devices(svc)),
             **self._role_env.get(kind, {}),
             "RLFLEET_RAY_ACTOR_ID": str(svc.info.get("actor_id", "")),
+            "RLFLEET_NODE": str(svc.info.get("ip", "")),
             **env,
         }
         svc.info["_pending"] = actor.start.remote(
@@ -639,6 +647,13 @@ class RayCluster:
         holders.sort(key=lambda s: (int(s.launch.get("env", {}).get("RANK", "0")), s.slot))
         owned = [str(g) for s in holders for g in s.info.get("gpu_ids", [])]
         return self.gpus.shared_devices(svc.kind, svc.slot, owned, svc.name)
+
+    def _device_list(self, svc: _Service) -> list[Device]:
+        """What ``svc`` runs on, for the registry (``rlfleet status``): its GPUs on cuda,
+        else the cores its process may use."""
+        if self.gpus.cuda:
+            return [Device("cuda", int(g), "cuda") for g in self._devices(svc) if g.isdigit()]
+        return [Device("cpu", int(c), "cpu") for c in svc.info.get("cores", [])][:MAX_DEVICES]
 
     def _rollout_places(self, pool: str, count: int) -> list[tuple[int, int]]:
         """``(bundle, slot)`` for ``count`` more replicas (ServiceStartError: no room)."""
@@ -804,12 +819,18 @@ class RayCluster:
                     "launched_by": "ray",
                     "ray_actor_id": str(svc.info.get("actor_id", "")),
                 }
+                group = [svc]
                 if svc.name == "trainer":
                     caps["roles"] = roles
+                    group = self._trainer_ranks()
+                    caps["nodes"] = ",".join(
+                        dict.fromkeys(str(s.info.get("ip", "")) for s in group)
+                    )
                 spec = ServiceSpec(
                     role="reward" if svc.name == "reward" else "trainer",
                     address=svc.address,
                     node=str(svc.info.get("ip", "")),
+                    devices=tuple(d for s in group for d in self._device_list(s)),
                     capabilities=caps,
                     metrics_address=svc.metrics_address or "",
                     pid=svc.pid,

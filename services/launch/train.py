@@ -156,9 +156,11 @@ def train(
             handle = cluster.start(timeout_s=start_timeout_s)
             print(
                 f"services up ({handle.mode}): trainer {handle.trainer}, "
-                f"rollout {', '.join(handle.rollout)}, reward {handle.reward}",
+                f"rollout {', '.join(handle.rollout)}, reward {handle.reward}"
+                + (f", scheduler {handle.scheduler} (rlfleet status --scheduler "
+                   f"{handle.scheduler})" if handle.scheduler else ""),
                 file=sys.stderr,
-            )
+            )  # fmt: skip
             mapping = remote_workers(handle.trainer, handle.rollout, handle.reward)
             # Replicas that register later (`rlfleet serve rollout --scheduler ...`) join
             # the run at the next step, with the current weights.

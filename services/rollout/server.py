@@ -577,7 +577,8 @@ def serve_main(args: argparse.Namespace) -> int:
         service = scheduler_pb2.ServiceInfo(
             role=scheduler_pb2.ROLE_ROLLOUT,
             address=address,
-            node=socket.gethostname(),
+            # A launcher names the node as it knows it (Ray: the node's address).
+            node=os.environ.get("RLFLEET_NODE") or socket.gethostname(),
             devices=_devices(info.device),
             capabilities={
                 "engine": info.engine,

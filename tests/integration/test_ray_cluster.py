@@ -97,8 +97,26 @@ def test_ppo_steps_with_every_role_on_its_own_node(
         named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
         assert {"rlfleet/trainer", "rlfleet/trainer-1", "rlfleet/rollout-0"} <= named
         with RemoteSchedulerClient(handle.scheduler or "") as client:
-            roles = {e.spec.role for e in client.list_services(alive_only=True)}
-        assert roles == {"rollout", "reward", "trainer"}
+            entries = client.list_services(alive_only=True)
+        assert {e.spec.role for e in entries} == {"rollout", "reward", "trainer"}
+        # What `rlfleet status` shows: each service's node (its Ray node's address),
+        # devices and Ray actor id, the one the named actor really has.
+        actor_ids = {
+            name: ray.get(ray.get_actor(f"rlfleet/{name}").node.remote())["actor_id"]
+            for name in ("trainer", "reward", "rollout-0")
+        }
+        by_role = {e.spec.role: e for e in entries}
+        for role, name in (("trainer", "trainer"), ("reward", "reward"), ("rollout", "rollout-0")):
+            e = by_role[role]
+            assert e.spec.capabilities["ray_actor_id"] == actor_ids[name], role
+            assert e.spec.node == nodes[name]["ip"] == LOOPBACK, role
+            assert e.spec.devices and all(d.kind == "cpu" for d in e.spec.devices), role
+        assert by_role["trainer"].spec.capabilities["nodes"] == LOOPBACK
+        from rlfleet.launch.cli import format_services
+
+        table = format_services(entries)
+        assert "RAY ACTOR" in table.splitlines()[0]
+        assert all(actor_ids[n] in table for n in actor_ids)
 
         _fit(config, cluster, handle, records.append)
     assert [r.step for r in records] == [1, 2]
