@@ -76,6 +76,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote a CA and a certificate to {root / 'tls'}")
         return 0
     if args.secrets_command == "rotate":
+        if not any((root / f"{role}.json").is_file() for role in PRINCIPALS):
+            print(
+                f"rlfleet secrets rotate: {root} holds no credential set to rotate; "
+                "make one with `rlfleet secrets init`",
+                file=sys.stderr,
+            )
+            return 1
         write_credential_set(root)
         print(f"rotated credentials in {root}: restart every service of the cluster")
         return 0

@@ -424,6 +424,11 @@ class RayCluster:
         """
         import ray
 
+        if not self.config.security.auth:  # before Ray is joined or started
+            raise CredentialError(
+                "security.auth=false is refused with launcher=ray: services listen on their "
+                "nodes' addresses, beyond loopback, only with authentication on"
+            )
         timeout = timeout_s if timeout_s is not None else self.config.ray.start_timeout_s
         deadline = time.monotonic() + timeout
         self._connect(ray)
@@ -485,11 +490,6 @@ class RayCluster:
     def _prepare_security(self) -> None:
         sec = self.config.security
         tls = cluster_tls(self.config)
-        if not sec.auth:
-            raise CredentialError(
-                "security.auth=false is refused with launcher=ray: services listen on their "
-                "nodes' addresses, beyond loopback, only with authentication on"
-            )
         root = Path(sec.credentials_dir) if sec.credentials_dir else None
         if root is None:
             root = write_credential_set(self.run_dir / "secrets")

@@ -131,8 +131,10 @@ def test_service_dying_at_start_up_fails_with_its_log(tmp_path: Path, dummy: Ser
     with pytest.raises(ServiceStartError) as info:
         cluster.start(timeout_s=120)
     message = str(info.value)
-    assert "rollout-0 exited with code" in message and "rollout-0.log" in message
-    assert "no-such-model" in message  # the log tail says why
+    assert "rollout-0: exited with code 2" in message and "rollout-0.log" in message
+    # The service's one-line reason, naming the key and the path, not its log's tail.
+    assert "rollout.model_path (--model): cannot load" in message
+    assert "no-such-model" in message and len(message.splitlines()) == 1
     assert cluster.pids and all(gone(pid) for pid in cluster.pids.values())
 
 
@@ -223,6 +225,21 @@ def test_cli_up_status_down(
         assert cli.run(parse("status", ["--state-dir", str(state_dir)])) == 0
         table = capsys.readouterr().out
         assert "reward-1" in table and "ALIVE" in table and state["handle"]["reward"] in table
+        # `rlfleet up` runs with authentication on: a caller without a token is refused.
+        import grpc
+
+        from rlfleet.common.rpc import Security
+        from rlfleet.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+        stranger = create_channel(
+            state["handle"]["scheduler"], security=Security(insecure=True), retry_unavailable=False
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            scheduler_pb2_grpc.SchedulerServiceStub(stranger).ListServices(
+                scheduler_pb2.ListServicesRequest(), timeout=10
+            )
+        stranger.close()
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         assert cli.run(parse("down", ["--state-dir", str(state_dir)])) == 0
     assert cli.read_state(state_dir) is None

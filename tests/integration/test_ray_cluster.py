@@ -112,6 +112,16 @@ def test_ppo_steps_with_every_role_on_its_own_node(
             assert e.spec.node == nodes[name]["ip"] == LOOPBACK, role
             assert e.spec.devices and all(d.kind == "cpu" for d in e.spec.devices), role
         assert by_role["trainer"].spec.capabilities["nodes"] == LOOPBACK
+        # Credentials reach the services in their environment (inline: other nodes need
+        # not see this machine's files), never on a command line.
+        from rlfleet.common.auth import read_credential_set
+
+        assert cluster.credentials_dir is not None
+        tokens = read_credential_set(cluster.credentials_dir).values()
+        for name, pid in cluster.pids.items():
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert not any(t.encode() in cmdline for t in tokens), name
+            assert b"RLFLEET_CREDENTIALS" in Path(f"/proc/{pid}/environ").read_bytes(), name
         from rlfleet.launch.cli import format_services
 
         table = format_services(entries)

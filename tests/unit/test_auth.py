@@ -209,3 +209,25 @@ def test_a_set_written_before_the_agent_role_still_reads(tmp_path: Path) -> None
     (root / "driver.json").unlink()  # the roles that were always there stay required
     with pytest.raises(CredentialError):
         read_credential_set(root)
+
+
+def test_turning_authentication_off_is_loud_and_never_implicit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No credentials and no --insecure: refused, naming both ways out; --insecure (or
+    RLFLEET_INSECURE=1): allowed, with a warning that says what anyone may then do."""
+    import logging
+
+    from rlfleet.common.auth import CredentialError
+    from rlfleet.common.rpc import Security
+
+    with pytest.raises(CredentialError, match="--insecure"):
+        Security.from_env({}, what="rlfleet serve reward")
+    for env, flag in (({}, True), ({"RLFLEET_INSECURE": "1"}, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            security = Security.from_env(env, insecure=flag, what="rlfleet serve reward")
+        assert security.insecure and security.credentials is None
+        [record] = [r for r in caplog.records if "AUTHENTICATION IS OFF" in r.getMessage()]
+        assert record.levelno == logging.WARNING
+        assert "rlfleet serve reward" in record.getMessage()

@@ -23,7 +23,7 @@ def _config(**sections: Any) -> Any:
     }
     raw["actor"]["ppo_mini_batch_size"] = 16
     for key, value in sections.items():
-        raw[key] = {**raw.get(key, {}), **value}
+        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
     return config_from_dict(raw)
 
 
@@ -101,3 +101,17 @@ def test_on_cpu_nothing_is_counted_and_replicas_spread() -> None:
     assert plan.rollout_room("rollout_pool") is None
     assert [b for b, _ in _fill(plan, "rollout_pool", 5)] == [0, 1, 0, 1, 0]
     assert plan.rank_bundles("train_pool", 1) == [0]
+
+
+def test_the_ray_launcher_refuses_to_run_without_authentication(tmp_path: Any) -> None:
+    """Services on Ray listen on their nodes' addresses: ``security.auth=false`` is
+    refused before Ray is joined or started."""
+    ray = pytest.importorskip("ray")
+    from rlfleet.common.auth import CredentialError
+    from rlfleet.launch.ray_cluster import RayCluster
+
+    was = ray.is_initialized()
+    cfg = _config(trainer={"device": "cpu"}, security={"auth": False}, launcher="ray")
+    with pytest.raises(CredentialError, match=r"security\.auth=false is refused"):
+        RayCluster(cfg, tmp_path / "run").start(timeout_s=30)
+    assert ray.is_initialized() == was
