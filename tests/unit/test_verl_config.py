@@ -545,3 +545,43 @@ def test_fully_async_partial_rollout_maps_onto_the_pipeline() -> None:
     # Without rlfleet's pipelined mode it is refused, naming the key.
     err = _error(None, [*QUICKSTART, *CPU, "async_training.partial_rollout=true"])
     assert "trainer.pipeline.partial_rollout" in str(err)
+
+
+def test_keys_of_verls_newer_generated_config_load() -> None:
+    """Keys a newer verl's generated ``ppo_trainer.yaml`` adds, at its defaults, and
+    its OmegaConf relative interpolations (``${.x}`` a sibling, ``${..x}`` a sibling
+    of the parent): each accepted and read, or ignored with a reason; values that
+    would change behaviour refused naming the key."""
+    A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    newer = [
+        f"+{A}.use_fused_kernels=false",
+        f"+{A}.use_remove_padding=false",
+        "+actor_rollout_ref.ref.model=null",
+        f"+{R}.cudagraph_capture_sizes=null",
+        f"+{R}.over_sample_rate=0",
+        f"+{R}.skip_rollout=false",
+        f"+{R}.skip_dump_dir=/tmp/rollout_dump",
+        "+actor_rollout_ref.nccl_timeout=600",
+        "+ray_kwargs.ray_init.num_cpus=null",
+        "+ray_kwargs.timeline_json_file=null",
+        f"{R}.multi_turn.format=chatml",  # an older verl's default: the hermes parser
+    ]
+    raw = yaml.safe_load(VERL_YAML.read_text())
+    raw["critic"]["ppo_max_token_len_per_gpu"] = 12345
+    raw["critic"]["forward_max_token_len_per_gpu"] = "${.ppo_max_token_len_per_gpu}"
+    raw["critic"]["ppo_micro_batch_size_per_gpu"] = "${oc.select:.ppo_micro_batch_size,null}"
+    raw["critic"]["optim"]["weight_decay"] = "${..cliprange_value}"
+    cfg = config_from_dict(raw, [*newer, *CPU])
+    assert cfg.critic.forward_max_token_len_per_gpu == 12345
+    assert cfg.critic.weight_decay == raw["critic"]["cliprange_value"]
+    assert cfg.rollout.multi_turn.format == "hermes"
+    for bad, key in (
+        (f"{R}.skip_rollout=true", f"{R}.skip_rollout"),
+        (f"{R}.over_sample_rate=0.1", f"{R}.over_sample_rate"),
+        (f"{A}.use_remove_padding=true", f"{A}.use_remove_padding"),
+        ("actor_rollout_ref.ref.model={path: other}", "actor_rollout_ref.ref.model"),
+    ):
+        error = _error(raw, [*newer, *CPU, bad])
+        assert any(i.path == key for i in error.issues), (bad, str(error))
+    climbing = dict(raw, critic={**raw["critic"], "grad_clip": "${.....x}"})
+    assert "names no key" in str(_error(climbing, CPU))

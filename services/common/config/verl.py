@@ -628,6 +628,11 @@ ROWS: tuple[Row, ...] = (
     ),
     # ------------------------------------------------------------------ actor_rollout_ref
     _ign(
+        f"{_AR}.nccl_timeout",
+        600,
+        "the time-out of verl's NCCL collectives; rlfleet's ranks use torch's default",
+    ),
+    _ign(
         f"{_AR}.hybrid_engine",
         True,
         "placement comes from trainer.nnodes x n_gpus_per_node (one colocated pool, as "
@@ -715,6 +720,15 @@ ROWS: tuple[Row, ...] = (
     _ulysses(f"{_A}.ulysses_sequence_parallel_size", 1, "actor.fsdp.sequence_parallel_size"),
     _ign(f"{_A}.entropy_from_logits_with_chunking", False, _SPEED),
     _ign(f"{_A}.entropy_checkpointing", False, _SPEED),
+    _ign(f"{_A}.use_fused_kernels", "${" + _AR + ".model.use_fused_kernels}", _SPEED),
+    _ign(
+        f"{_A}.use_remove_padding",
+        "${" + _AR + ".model.use_remove_padding}",
+        f"verl copies {_AR}.model.use_remove_padding here; that key sets it",
+        accepts=lambda v, cfg: v == _get(cfg, f"{_AR}.model.use_remove_padding", False),
+        accepted=f"the value of {_AR}.model.use_remove_padding",
+        missing=f"an actor padding setting other than {_AR}.model.use_remove_padding",
+    ),
     _ign(f"{_A}.checkpoint.**", NO_DEFAULT, _CKPT),
     *_optim_rows(_A, "actor", min_lr_ratio=0.0),
     *_fsdp_rows(_A, "actor"),
@@ -723,6 +737,14 @@ ROWS: tuple[Row, ...] = (
     _ign(f"{_REF}.strategy", "${" + _A + ".strategy}", "the reference runs on the actor's backend"),
     *_fsdp_rows(_REF, "ref", optimizer=False),
     _ign(f"{_REF}.use_torch_compile", "${" + _A + ".use_torch_compile}", _SPEED),
+    _ign(
+        f"{_REF}.model",
+        None,
+        "null: the reference is the actor's initial model",
+        only=(None,),
+        missing="a reference model section of its own (rlfleet's ref.model_path names "
+        "another model)",
+    ),
     _global_micro(f"{_REF}.log_prob_micro_batch_size"),
     _map(f"{_REF}.log_prob_micro_batch_size_per_gpu", None, "ref.log_prob_micro_batch_size"),
     _map(
@@ -811,6 +833,22 @@ ROWS: tuple[Row, ...] = (
     ),
     _ign(f"{_R}.max_model_len", None, "rlfleet sizes vLLM's context to prompt + response length"),
     _ign(f"{_R}.max_num_seqs", 1024, _VLLM_ONLY),
+    _ign(f"{_R}.cudagraph_capture_sizes", None, _VLLM_ONLY),
+    _ign(
+        f"{_R}.over_sample_rate",
+        0,
+        "0: every prompt's generation is awaited",
+        only=(0, 0.0),
+        missing="over-sampling prompts and aborting the slowest generations",
+    ),
+    _ign(
+        f"{_R}.skip_rollout",
+        False,
+        "false: every step generates",
+        only=(False,),
+        missing="replaying dumped rollouts instead of generating",
+    ),
+    _ign(f"{_R}.skip_dump_dir", NO_DEFAULT, "read only with skip_rollout"),
     _global_micro(f"{_R}.log_prob_micro_batch_size"),
     _map(f"{_R}.log_prob_micro_batch_size_per_gpu", None, "rollout.log_prob_micro_batch_size"),
     _map(
@@ -866,8 +904,11 @@ ROWS: tuple[Row, ...] = (
         f"{_R}.multi_turn.format",
         "hermes",
         "rollout.multi_turn.format",
-        only=("hermes",),
+        convert=lambda v: "hermes",
+        only=("hermes", "chatml"),
         missing="tool-call formats other than hermes",
+        note="chatml (an older verl's default) is the same <tool_call> JSON in ChatML "
+        "turns: read as hermes",
     ),
     _ign(
         f"{_R}.multi_turn.tool_config_path",
@@ -1398,6 +1439,12 @@ ROWS: tuple[Row, ...] = (
         NO_DEFAULT,
         "Ray's start-up arguments; rlfleet's launcher has its own ray section",
     ),
+    _ign(
+        "ray_kwargs.**",
+        NO_DEFAULT,
+        "Ray's start-up arguments and timeline dump; rlfleet's launcher has its own ray "
+        "section (ray.address, ray.namespace)",
+    ),
     _ign("global_profiler.**", NO_DEFAULT, _PROFILE),
     _ign(
         "defaults", NO_DEFAULT, "Hydra's composition list: missing keys take verl's defaults here"
@@ -1628,13 +1675,14 @@ def _resolve(tree: dict[str, Any], issues: list[ConfigIssue]) -> None:
             default, has_default = (_parse_value(rest) if rest else None), True
         elif ":" in expr:
             raise _InterpError(f"interpolation resolver {expr.split(':')[0]!r} is not supported")
+        key = _absolute(expr, where)
         missing = object()
-        found = _get(tree, expr, missing)
+        found = _get(tree, key, missing) if key else missing
         if found is missing:
             if has_default:
                 return default
             raise _InterpError(f"interpolation ${{{expr}}} names no key")
-        return resolve(found, where, depth + 1)
+        return resolve(found, key, depth + 1)  # its own interpolations are relative to it
 
     def resolve(value: Any, where: str, depth: int) -> Any:
         if not isinstance(value, str) or "${" not in value:
@@ -1662,6 +1710,20 @@ def _resolve(tree: dict[str, Any], issues: list[ConfigIssue]) -> None:
 
 class _InterpError(ValueError):
     pass
+
+
+def _absolute(expr: str, where: str) -> str:
+    """The dotted key ``expr`` names from the key ``where`` (OmegaConf's relative
+    form: ``.x`` is a sibling of ``where``, ``..x`` a sibling of its parent); "" when
+    it climbs above the root."""
+    dots = len(expr) - len(expr.lstrip("."))
+    if not dots:
+        return expr
+    parents = where.split(".")[:-1]
+    if dots - 1 > len(parents):
+        return ""
+    base = parents[: len(parents) - (dots - 1)]
+    return ".".join([*base, expr[dots:]])
 
 
 def _unknown(path: str, value: Any) -> ConfigIssue:
