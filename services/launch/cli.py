@@ -316,7 +316,7 @@ def _up(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"rlfleet up: {e}", file=sys.stderr)
+        print(e.lines("rlfleet up: "), file=sys.stderr)
         return 2
     from rlfleet.launch.preflight import preflight
 

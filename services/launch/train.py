@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         config = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(str(e), file=sys.stderr)
+    except ConfigError as e:  # one line per problem, as preflight's
+        print(e.lines("rlfleet train: "), file=sys.stderr)
         return 2
     from rlfleet.launch.preflight import preflight
 

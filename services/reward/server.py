@@ -269,7 +269,7 @@ def serve_main(args: argparse.Namespace) -> int:
         if args.config is not None:
             tracing.configure(run_config, "reward")
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(e.lines("error: "), file=sys.stderr)
         return 2
     processes = resolve_processes(config.num_processes)
     if args.auth_token_env:

@@ -432,7 +432,10 @@ def serve_main(args: argparse.Namespace) -> int:
     )
     try:
         args = resolve_arguments(args)
-    except (ConfigError, ValueError) as e:
+    except ConfigError as e:
+        print(e.lines("error: "), file=sys.stderr)
+        return 2
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -83,7 +83,7 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         config: ToolsConfig = load_config(args.config, args.override).tools
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(e.lines("error: "), file=sys.stderr)
         return 2
     try:
         init_service_security(args, what="rlfleet serve tools", host=args.host)

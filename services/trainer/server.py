@@ -85,7 +85,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     from rlfleet.common import tracing
     from rlfleet.common.auth import CredentialError
-    from rlfleet.common.config import load_config
+    from rlfleet.common.config import ConfigError, load_config
     from rlfleet.common.errors import load_failure
     from rlfleet.common.rpc import create_server, init_service_security, taken_ports
     from rlfleet.trainer.core import TrainerCore
@@ -99,7 +99,11 @@ def serve_main(args: argparse.Namespace) -> int:
     except CredentialError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    config = load_config(args.config, args.overrides)
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(e.lines("error: "), file=sys.stderr)
+        return 2
     port = _port(args, config.services.trainer)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     tracing.configure(config, "trainer" if rank0 else f"trainer-rank{os.environ['RANK']}")

@@ -59,7 +59,17 @@ def test_a_missing_config_file_is_one_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     err = _errors(capsys, ["train", "--config", str(tmp_path / "nope.yaml")])
-    assert len(err) == 2 and "--config: cannot read it" in err[1] and "nope.yaml" in err[1]
+    assert len(err) == 1 and err[0].startswith("rlfleet train: --config: cannot read it")
+    assert "nope.yaml" in err[0]
+
+
+def test_invalid_yaml_is_one_line_with_where(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor: {model_path: [\n")
+    err = _errors(capsys, ["train", "--config", str(bad)])
+    assert len(err) == 1 and err[0].startswith(f"rlfleet train: {bad}: not valid YAML: line 2")
 
 
 @pytest.mark.parametrize(

@@ -275,7 +275,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         try:
             raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
-            raise ConfigError([ConfigIssue(source, f"not valid YAML: {exc}")]) from exc
+            raise ConfigError([ConfigIssue(source, f"not valid YAML: {_yaml_why(exc)}")]) from exc
         except (OSError, UnicodeDecodeError) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise ConfigError([ConfigIssue("--config", f"cannot read it: {why}", source)]) from exc
@@ -292,3 +292,11 @@ def save_resolved(config: Config, run_dir: str | Path) -> Path:
     tmp.write_text("# resolved rlfleet config; rlfleet.common.config.load_config reads it\n" + body)
     tmp.replace(target)
     return target
+
+
+def _yaml_why(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line: where (line, column) and what."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"

@@ -72,6 +72,10 @@ class ConfigError(ValueError):
         lines = "\n".join(f"  {issue}" for issue in self.issues)
         super().__init__(f"invalid config ({n} error{'s' if n != 1 else ''}):\n{lines}")
 
+    def lines(self, prefix: str) -> str:
+        """One line per problem, each led by ``prefix`` (what a command prints)."""
+        return "\n".join(f"{prefix}{issue}" for issue in self.issues)
+
 
 def _short_repr(value: Any, limit: int = 200) -> str:
     text = repr(value)
