@@ -13,6 +13,7 @@ local cache.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 from collections.abc import Iterable
@@ -81,6 +82,43 @@ def _file(key: str, value: str | None) -> Iterable[ConfigIssue]:
         yield ConfigIssue(key, "is not readable", value)
 
 
+def _defines(key: str, path: str, name: str) -> Iterable[ConfigIssue]:
+    """``path`` (Python) defines ``name`` at its top level: read, not run (the reward
+    service imports it; the driver does not execute a user's file to check it)."""
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"), filename=path)
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError) as e:
+        yield ConfigIssue("reward.custom_function.path", f"is not valid Python: {e}", path)
+        return
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    if name not in names:
+        yield ConfigIssue(key, f"{path} defines no {name!r} at its top level", name)
+
+
+def _enough_rows(cfg: Config) -> Iterable[ConfigIssue]:
+    """The training files hold at least one batch (parquet metadata: no data read)."""
+    try:
+        import pyarrow.parquet as pq
+
+        rows = sum(pq.ParquetFile(f).metadata.num_rows for f in cfg.data.train_files)
+    except Exception:  # not parquet, or unreadable: the dataset loader says what
+        return
+    if rows < cfg.data.train_batch_size:
+        yield ConfigIssue(
+            "data.train_batch_size",
+            f"larger than the {rows} rows of data.train_files: not one batch to train on",
+            cfg.data.train_batch_size,
+        )
+
+
 def preflight(
     config: Config,
     *,
@@ -134,7 +172,25 @@ def preflight(
             for i, f in enumerate(files):
                 issues += _file(f"{key}[{i}]" if len(files) > 1 else key, f)
     if reward_here:
-        issues += _file("reward.custom_function.path", cfg.reward.custom_function.path)
+        custom = cfg.reward.custom_function
+        found = list(_file("reward.custom_function.path", custom.path))
+        issues += found
+        if custom.path and not found:
+            issues += _defines("reward.custom_function.name", custom.path, custom.name)
+    if driver and cfg.trainer.rollout_source != "external" and not issues:
+        issues += _enough_rows(cfg)
+    openai_port = cfg.rollout.openai.port
+    if openai_port and not s.rollout and not in_process and cfg.launcher == "local":
+        if cfg.rollout_replicas() > 1:
+            issues.append(ConfigIssue(
+                "rollout.openai.port", f"a fixed port serves one replica per host and "
+                f"{cfg.rollout_replicas()} replicas start here: give 0 (each a free port, "
+                "reported as openai_url)", openai_port,
+            ))  # fmt: skip
+        elif (why := port_taken("127.0.0.1", openai_port)) is not None:
+            issues.append(
+                ConfigIssue("rollout.openai.port", f"cannot be bound: {why}", openai_port)
+            )
     if metrics_port:
         why = port_taken("127.0.0.1", metrics_port)
         if why is not None:

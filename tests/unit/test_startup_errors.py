@@ -199,3 +199,41 @@ def test_the_launcher_reports_a_services_one_line_error(tmp_path: Path) -> None:
         f"trainer: exited with code 2 during start-up: actor.model_path: cannot load 'x': "
         f"gone (log: {log})"
     ]
+
+
+def test_more_start_up_problems_are_found_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    data: Path,
+    busy_port: int,
+) -> None:
+    """A custom reward file without the named function (read, not run), a batch larger
+    than the training data, and an OpenAI port that is taken or shared by several
+    replicas: each one line naming its key, exit 2, no service started."""
+    score = tmp_path / "score.py"
+    score.write_text("import math\n\ndef other(*args):\n    return 0.0\n")
+    cases = [
+        (
+            {"reward__custom_function": {"path": str(score), "name": "compute_score"}},
+            "reward.custom_function.name: ",
+        ),
+        ({"reward__custom_function": {"path": str(score), "name": "other"}}, None),
+        ({"data__train_batch_size": 64}, "data.train_batch_size: larger than the 8 rows"),
+        ({"rollout__openai": {"port": busy_port}}, "rollout.openai.port: cannot be bound"),
+        (
+            {"rollout__openai": {"port": busy_port + 1}, "rollout__replicas": 2},
+            "rollout.openai.port: a fixed port serves one replica",
+        ),
+    ]
+    from rlfleet.common.config import load_config
+    from rlfleet.launch.preflight import preflight
+
+    for extra, key in cases:
+        path = _config(tmp_path, tiny_model_dir, data, **extra)
+        if key is None:  # the named function is there: nothing to say
+            assert preflight(load_config(str(path))) == []
+            continue
+        err = _errors(capsys, ["train", "--config", str(path)])
+        assert any(line.startswith(f"rlfleet train: {key}") for line in err), (extra, err)
+        assert not (tmp_path / "run" / "logs").exists()
