@@ -285,4 +285,11 @@ def test_dead_rollout_and_reward_are_restarted_on_their_ports(
         while "rollout-0" not in cluster.given_up and time.monotonic() < deadline:
             time.sleep(0.2)
         assert "rollout-0" in cluster.given_up and cluster.restarts["rollout-0"] == 1
+        # The trainer too, by default (trainer.recovery), on its address.
+        os.kill(old["trainer"], signal.SIGKILL)
+        while time.monotonic() < deadline and not (
+            cluster.pids.get("trainer") not in (None, old["trainer"]) and healthy(h.trainer)
+        ):
+            time.sleep(0.5)
+        assert cluster.restarts.get("trainer") == 1 and healthy(h.trainer)
     assert all(gone(pid) for pid in cluster.pids.values())

@@ -755,6 +755,7 @@ def test_verl_node_keys_build_the_default_pool() -> None:
 
 
 def test_trainer_recovery_is_accepted_by_both_launchers() -> None:
+    assert config_from_dict({}).trainer.recovery.enable  # on by default
     for launcher in ("local", "ray"):
         cfg = config_from_dict({"launcher": launcher, "trainer": {"recovery": {"enable": True}}})
         assert cfg.trainer.recovery.enable

@@ -993,7 +993,11 @@ class RecoveryConfig(_Section):
     can: the local and Ray launchers), and then restarted the same way.
     """
 
-    enable: bool = Field(default=False, description="restart the trainer and recover the run")
+    enable: bool = Field(
+        default=True,
+        description="restart the trainer and recover the run (false: a dead trainer ends "
+        "the run; resume it with trainer.resume_mode auto)",
+    )
     wait_s: float = Field(
         default=300.0,
         gt=0,
