@@ -46,7 +46,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,23 +147,34 @@ class GpuPlan:
             return None
         return [n // self.tp for n in self.config.resource_pools[pool]]
 
-    def place_rollout(self, pool: str, taken: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    def place_rollout(
+        self,
+        pool: str,
+        taken: Sequence[tuple[int, int]],
+        allowed: Collection[int] | None = None,
+    ) -> tuple[int, int]:
         """``(bundle, slot)`` for one more rollout replica, given those of the running
         ones: the bundle with the most room left (the fewest replicas on cpu), its
-        lowest free slot.
+        lowest free slot; only among ``allowed`` bundles when given (those on live
+        nodes, for a replacement).
 
         Raises:
-            ServiceStartError: on cuda, every bundle is full.
+            ServiceStartError: on cuda, every (allowed) bundle is full.
         """
         entries = len(self.config.resource_pools[pool])
         room = self.rollout_room(pool)
         used: dict[int, set[int]] = {b: set() for b in range(entries)}
         for b, slot in taken:
             used.setdefault(b, set()).add(slot)
+        candidates = [b for b in range(entries) if allowed is None or b in allowed]
+        if not candidates:
+            raise ServiceStartError(
+                f"no bundle of pool {pool} is on a live node", field="rollout.replicas"
+            )
         if room is None:
-            bundle = min(range(entries), key=lambda b: (len(used[b]), b))
+            bundle = min(candidates, key=lambda b: (len(used[b]), b))
             return bundle, min(set(range(len(used[bundle]) + 1)) - used[bundle])
-        free = [(room[b] - len(used[b]), -b) for b in range(entries)]
+        free = [(room[b] - len(used[b]), -b) for b in candidates]
         left, neg = max(free)
         if left <= 0:
             raise ServiceStartError(
@@ -582,6 +593,10 @@ class RayCluster:
             "wait_address": wait_address,
         }
         with self._lock:
+            if self._stopped:  # a replacement started while the cluster stops
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+                raise ServiceStartError(f"{name}: the cluster is stopping", field=name)
             self._services.append(svc)
         try:
             svc.info = ray.get(actor.node.remote(), timeout=max(1.0, deadline - time.monotonic()))
@@ -938,14 +953,52 @@ class RayCluster:
         self._deregister(svc.address)
         with contextlib.suppress(Exception):
             ray.kill(svc.actor)
+        # In a thread: placing and starting it may take long (a bundle waiting for a
+        # node), and the supervisor must go on restarting and scaling meanwhile.
+        threading.Thread(
+            target=self._replace_rollout,
+            args=(ray, svc),
+            name=f"rlfleet-replace-{svc.name}",
+            daemon=True,
+        ).start()
+
+    def _replace_rollout(self, ray: Any, svc: _Service) -> None:
+        """A lost replica's replacement: in a bundle of its pool on a live node with
+        room (the most room first), else in its own bundle (Ray moves that one to a
+        live node when one has room)."""
+        assert svc.pool is not None
+        live = self._live_bundles(ray, svc.pool)
+        with self._lock:
+            taken = [(s.bundle or 0, s.slot) for s in self._services if s.kind == "rollout"]
+        bundle: int | None
         try:
-            new = self._relaunch(ray, svc, timeout_s=self.config.ray.start_timeout_s)
+            bundle, slot = self.gpus.place_rollout(svc.pool, taken, allowed=live)
+        except ServiceStartError:
+            bundle, slot = svc.bundle, svc.slot
+        moved = dataclasses.replace(svc, bundle=bundle, slot=slot)
+        try:
+            new = self._relaunch(ray, moved, timeout_s=self.config.ray.start_timeout_s)
         except Exception as e:
             self.events["replacement_failed"] += 1
             logger.error("no replacement for %s: %s", svc.name, e)
             return
         self.events["replaced"] += 1
-        logger.warning("%s replaced at %s on node %s", new.name, new.address, new.info.get("ip"))
+        logger.warning(
+            "%s replaced at %s on node %s (bundle %s of %s)",
+            new.name, new.address, new.info.get("ip"), bundle, svc.pool,
+        )  # fmt: skip
+
+    def _live_bundles(self, ray: Any, pool: str) -> set[int] | None:
+        """Bundles of ``pool``'s placement group placed on a node that is alive now
+        (None: Ray would not say)."""
+        try:
+            table = ray.util.placement_group_table(self.placement_groups[pool])
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            placed = table.get("bundles_to_node_id", {})
+            return {int(b) for b, node in placed.items() if node in alive}
+        except Exception as e:  # a Ray without this table: its own bundle, as before
+            logger.warning("bundles of pool %s not known (%s): replacing in place", pool, e)
+            return None
 
     def _replace_trainer(
         self, ray: Any, ranks: list[_Service], where: str, error: BaseException

@@ -606,3 +606,53 @@ def test_gpu_pools_place_every_actor_and_colocated_replicas_share_the_trainers_g
             c.stop()
         for node in gpu_nodes:
             ray_nodes.remove_node(node)
+
+
+def test_a_lost_replica_is_replaced_on_a_live_node_of_its_pool_without_a_spare(
+    ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """No node has room for the dead node's bundle: the replacement goes to the pool's
+    bundle on a live node (next to the other replica) instead of waiting for one, and
+    the supervisor is not held up while it starts."""
+    from rlfleet.driver.loop import StepRecord
+    from rlfleet.launch.ray_cluster import RayCluster
+
+    data = tmp_path / "data"
+    preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+-", seed=0)
+    raw = _raw(tiny_model_dir, data, tmp_path / "run")
+    raw["resource_pools"] = {"train_pool": [1], "rollout_pool": [1, 1]}
+    raw["trainer"]["total_training_steps"] = 3
+    config = config_from_dict(raw)
+    records: list[StepRecord] = []
+    with RayCluster(config, tmp_path / "run", heartbeat_interval_s=0.5) as cluster:
+        cluster.supervise_interval_s = 0.3
+        handle = cluster.start(timeout_s=300)
+        driver_node = ray.get_runtime_context().get_node_id()
+        nodes = cluster.nodes()
+        victim = next(n for n in ("rollout-1", "rollout-0") if nodes[n]["node_id"] != driver_node)
+        other = "rollout-0" if victim == "rollout-1" else "rollout-1"
+        node = next(n for n in ray_nodes.list_all_nodes() if n.node_id == nodes[victim]["node_id"])
+        # Fill every node with room for a one-CPU bundle, so Ray cannot move the
+        # victim's: only the launcher's choice of a live bundle can place the replacement.
+        free = int(ray.available_resources().get("CPU", 0))
+        filler = ray.util.placement_group([{"CPU": 1}] * free, strategy="SPREAD") if free else None
+        if filler is not None:
+            ray.get(filler.ready(), timeout=60)
+
+        def on_step(record: StepRecord) -> None:
+            records.append(record)
+            if record.step == 1:
+                ray_nodes.remove_node(node)
+            if record.step == 2:
+                _wait("a replacement", lambda: cluster.events["replaced"] >= 1, 180)
+
+        try:
+            _fit(config, cluster, handle, on_step)
+            after = cluster.nodes()
+        finally:
+            if filler is not None:
+                ray.util.remove_placement_group(filler)
+        assert after[victim]["node_id"] == after[other]["node_id"] == nodes[other]["node_id"]
+        assert cluster.events["lost"] >= 1
+    assert [r.step for r in records] == [1, 2, 3]
+    assert all(len(r.indices) == config.data.train_batch_size for r in records)
