@@ -178,10 +178,12 @@ def _alive_rollouts(scheduler: str) -> list[str]:
 
 @pytest.mark.slow
 def test_scale_rollout_one_two_one_mid_run(
-    ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
+    ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`rlfleet scale rollout N`'s request (the scheduler's SetScale) is followed by the
-    Ray launcher during a run: 1 -> 2 -> 1 replicas, every step with the full batch."""
+    """`rlfleet scale rollout N` (the command, then the scheduler's SetScale) is followed
+    by the Ray launcher during a run: 1 -> 2 -> 1 replicas, every step with the full
+    batch, the new replica serving the current weights once it takes work."""
+    from rlfleet.cli import main
     from rlfleet.driver.loop import StepRecord
     from rlfleet.launch.ray_cluster import RayCluster
     from rlfleet.scheduler.client import RemoteSchedulerClient
@@ -200,11 +202,22 @@ def test_scale_rollout_one_two_one_mid_run(
         scheduler = handle.scheduler or ""
         client = RemoteSchedulerClient(scheduler)
 
+        assert cluster.credentials_dir is not None
+        monkeypatch.setenv("RLFLEET_CREDENTIALS", str(cluster.credentials_dir / "driver.json"))
+        versions: dict[int, set[int]] = {}
+
         def on_step(record: StepRecord) -> None:
             records.append(record)
             seen[record.step] = _alive_rollouts(scheduler)
+            if record.step == 2:  # both replicas serve the same weights (asked directly)
+                from rlfleet.rollout.client import RemoteRolloutClient
+
+                versions[2] = set()
+                for address in seen[2]:
+                    with RemoteRolloutClient(address) as replica:
+                        versions[2].add(replica.status().weight_version)
             if record.step == 1:
-                client.set_scale("rollout", 2)
+                assert main(["scale", "rollout", "2", "--scheduler", scheduler]) == 0
                 _wait("2 replicas", lambda: len(_alive_rollouts(scheduler)) == 2)
             elif record.step == 3:
                 client.set_scale("rollout", 1)
@@ -219,6 +232,8 @@ def test_scale_rollout_one_two_one_mid_run(
     assert [len(seen[s]) for s in (1, 2, 3, 4)] == [1, 2, 2, 1]
     assert records[1].metrics["fleet/rollout_replicas"] == 2.0
     assert records[3].metrics["fleet/rollout_replicas"] == 1.0
+    # The replica added after step 1 was given the current weights before its work.
+    assert len(versions[2]) == 1 and min(versions[2]) >= 1
 
 
 @pytest.mark.slow
