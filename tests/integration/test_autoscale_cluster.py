@@ -117,3 +117,54 @@ def test_autoscaler_adds_and_drains_replicas_on_the_local_launcher(
         log = (tmp_path / "run" / "logs" / "scheduler.log").read_text()
         assert "autoscale: rollout replicas 1 -> 2 at step 1: generation share 0.90" in log
         assert "autoscale: rollout replicas 2 -> 1 at step 3" in log
+
+
+def test_a_replica_scaled_away_finishes_the_generation_it_holds(
+    tiny_model_dir: Path, tmp_path: Path, dummy: Server
+) -> None:
+    """Scaling down drains: the replica leaving is deregistered (no new work), then
+    SIGTERM lets it finish the generation in flight, which its caller receives in
+    full; then its process is gone."""
+    import threading
+
+    from rlfleet.rollout.client import RemoteRolloutClient
+    from rlfleet.rollout.engine import SamplingParams
+
+    config = config_from_dict(
+        {
+            "actor": {"model_path": str(tiny_model_dir)},
+            "trainer": {"device": "cpu", "default_local_dir": str(tmp_path / "run")},
+            "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
+            "rollout": {"replicas": 2},
+            "services": {"trainer": dummy.address, "reward": dummy.address},
+        }
+    )
+    with LocalCluster(config, tmp_path / "run", heartbeat_interval_s=0.5, grace_s=60) as cluster:
+        h = cluster.start(timeout_s=180)
+        leaving = h.rollout[1]  # the newest leaves first
+        pid = cluster.pids["rollout-1"]
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=48, seed=0, ignore_eos=True)
+        got: list[object] = []
+        client = RemoteRolloutClient(leaving, generate_timeout_s=120)
+
+        def generate() -> None:
+            try:
+                got.extend(client.generate([[1, 2, 3]] * 96, params))
+            except Exception as e:  # reported below
+                got.append(e)
+
+        caller = threading.Thread(target=generate)
+        caller.start()
+        _wait("the generation to start", lambda: client.status().queue_depth > 0, 60)
+        cluster.scale_rollout(1)
+        caller.join(120)
+        client.close()
+        assert not caller.is_alive()
+        errors = [g for g in got if isinstance(g, Exception)]
+        assert not errors, errors
+        assert len(got) == 96 and all(len(s.token_ids) == 48 for s in got)  # type: ignore[attr-defined]
+        _wait("the drained replica to exit", lambda: _gone(pid), 60)
+        with RemoteSchedulerClient(h.scheduler) as sched:  # type: ignore[arg-type]
+            alive = [e.spec.address for e in sched.list_services("rollout", alive_only=True)]
+        assert alive == [h.rollout[0]]
+        assert cluster.events["scaled_down"] == 1
