@@ -12,8 +12,9 @@ What :meth:`RayCluster.start` does:
 1. Connects to Ray (``ray.address``: ``auto`` joins the running cluster, else starts a
    local one for the run and shuts it down at :meth:`stop`; or ``host:port``).
 2. Turns ``resource_pools`` into placement groups: one per pool, a bundle per node
-   entry (``{"CPU": n}`` on cpu, ``{"GPU": n}`` on cuda), ``STRICT_SPREAD`` across the
-   entries (each entry is a node) and ``STRICT_PACK`` for a one-node pool. A pool that
+   entry (``{"CPU": n}`` on cpu, ``{"GPU": n}`` on cuda), ``ray.pool_strategy``
+   across the entries (``STRICT_SPREAD`` by default: each entry is a node) and
+   ``STRICT_PACK`` for a one-node pool. A pool that
    cannot be placed fails the start with what Ray has.
 3. Starts each service as a :class:`ServiceActor` (named ``rlfleet/<service>`` in the
    ``ray.namespace``) in its pool's bundle; the actor runs the service's real process
@@ -96,11 +97,14 @@ def _pool(cfg: Config, role: str) -> str | None:
     return pool
 
 
-def pool_bundles(nodes: Sequence[int], device: str) -> tuple[list[dict[str, float]], str]:
-    """A pool's placement-group bundles (one per node entry) and strategy."""
+def pool_bundles(
+    nodes: Sequence[int], device: str, across: str = "STRICT_SPREAD"
+) -> tuple[list[dict[str, float]], str]:
+    """A pool's placement-group bundles (one per node entry) and strategy: ``across``
+    (``ray.pool_strategy``) for several entries, ``STRICT_PACK`` for one."""
     key = "GPU" if device == "cuda" else "CPU"
     bundles = [{key: float(n)} for n in nodes]
-    return bundles, ("STRICT_PACK" if len(bundles) == 1 else "STRICT_SPREAD")
+    return bundles, ("STRICT_PACK" if len(bundles) == 1 else across)
 
 
 class GpuPlan:
@@ -524,7 +528,9 @@ class RayCluster:
         cfg = self.config
         used = {p for r in cfg.enabled_roles() if (p := _pool(cfg, r)) is not None}
         for pool in sorted(used):
-            bundles, strategy = pool_bundles(cfg.resource_pools[pool], cfg.trainer.device)
+            bundles, strategy = pool_bundles(
+                cfg.resource_pools[pool], cfg.trainer.device, cfg.ray.pool_strategy
+            )
             pg = placement_group(bundles, strategy=strategy, name=f"rlfleet/{pool}")
             self.placement_groups[pool] = pg
             left = max(1.0, deadline - time.monotonic())

@@ -616,6 +616,25 @@ def test_gpu_pools_place_every_actor_and_colocated_replicas_share_the_trainers_g
         assert all(len(r.info["gpu_ids"]) == 2 for r in replicas) and len(set(gpus)) == 8
         with pytest.raises(ServiceStartError, match="no room"):
             cluster._rollout_places("rollout_pool", 1)
+        cluster.stop()
+
+        # ray.pool_strategy: PACK puts a [4, 4] pool's two bundles on one 8-GPU node,
+        # the default STRICT_SPREAD on two.
+        for strategy, nodes_used in (("PACK", 1), ("STRICT_SPREAD", 2)):
+            raw = {
+                **base,
+                "trainer": {"device": "cuda"},
+                "resource_pools": {"train_pool": [4, 4], "rollout_pool": [4]},
+                "mapping": {"actor": "train_pool", "rollout": "rollout_pool"},
+                "ray": {"pool_strategy": strategy},
+            }
+            packed = RayCluster(config_from_dict(raw), tmp_path / f"pack-{strategy}")
+            launched.append(packed)
+            packed._place(ray, deadline=time.monotonic() + 60)
+            table = ray.util.placement_group_table(packed.placement_groups["train_pool"])
+            assert table["strategy"] == strategy
+            assert len(set(table["bundles_to_node_id"].values())) == nodes_used, strategy
+            packed.stop()
     finally:
         for c in launched:
             c.stop()

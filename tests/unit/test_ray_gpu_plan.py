@@ -115,3 +115,15 @@ def test_the_ray_launcher_refuses_to_run_without_authentication(tmp_path: Any) -
     with pytest.raises(CredentialError, match=r"security\.auth=false is refused"):
         RayCluster(cfg, tmp_path / "run").start(timeout_s=30)
     assert ray.is_initialized() == was
+
+
+def test_pool_bundles_follow_ray_pool_strategy() -> None:
+    from rlfleet.launch.ray_cluster import pool_bundles
+
+    assert pool_bundles([4, 4], "cuda") == ([{"GPU": 4.0}, {"GPU": 4.0}], "STRICT_SPREAD")
+    assert pool_bundles([4, 4], "cuda", "PACK")[1] == "PACK"
+    assert pool_bundles([2], "cpu", "PACK") == ([{"CPU": 2.0}], "STRICT_PACK")
+    cfg = _config(trainer={"device": "cpu"}, ray={"pool_strategy": "SPREAD"}, launcher="ray")
+    assert cfg.ray.pool_strategy == "SPREAD"
+    with pytest.raises(Exception, match="pool_strategy"):
+        _config(trainer={"device": "cpu"}, ray={"pool_strategy": "ANYWHERE"})

@@ -1286,6 +1286,13 @@ class RayConfig(_Section):
     start_timeout_s: float = Field(
         default=300.0, gt=0, description="for placement groups and services to come up"
     )
+    pool_strategy: Literal["STRICT_SPREAD", "SPREAD", "PACK"] = Field(
+        default="STRICT_SPREAD",
+        description="how a pool's node entries (its bundles) are placed across Ray nodes: "
+        "STRICT_SPREAD each on a node of its own (what the entries say); SPREAD apart where "
+        "the cluster allows; PACK on as few nodes as fit (verl's default). A one-entry pool "
+        "is STRICT_PACK (one node) whatever this says",
+    )
 
 
 class SecurityConfig(_Section):
