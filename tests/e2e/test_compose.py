@@ -435,6 +435,8 @@ def _ppo_steps_with_rollout_scaled_from_1_to_2(cluster: Cluster, tmp_path: Path)
     assert [x["step"] for x in lines if x["kind"] == "train"] == list(range(1, STEPS + 1))
     for r in records:  # no sample lost: every prompt of every step trained on, n samples each
         assert len(r.indices) == config.data.train_batch_size, r
+        # Containers share no /dev/shm: the bulk plane's TCP transport, under mTLS.
+        assert r.metrics.get("weight_sync/transport/tcp", 0.0) >= 1.0, r.metrics
         assert r.metrics["training/global_step"] == r.step
         assert r.metrics["perf/total_gen_tokens"] > 0
     (second,) = scaled  # the second replica registered with the scheduler, healthy
