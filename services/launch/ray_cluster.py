@@ -1313,10 +1313,13 @@ class RayCluster:
             return {s.name: s.pid for s in self._services if s.pid}
 
     def nodes(self) -> dict[str, dict[str, Any]]:
-        """Service name -> its node IP, node id and Ray actor id."""
+        """Service name -> its node IP, node id, Ray actor id and address."""
         with self._lock:
             return {
-                s.name: {k: s.info.get(k) for k in ("ip", "node_id", "actor_id")}
+                s.name: {
+                    **{k: s.info.get(k) for k in ("ip", "node_id", "actor_id")},
+                    "address": s.address,
+                }
                 for s in self._services
             }
 

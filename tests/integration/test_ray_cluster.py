@@ -387,16 +387,18 @@ def test_a_replicas_node_removed_mid_run_is_replaced_and_no_sample_is_lost(
 
         def remove() -> None:
             ray_nodes.remove_node(node)
-            # The service process got SIGTERM from its dying actor: let it act on it.
+            # A node that dies takes its processes with it at once: no graceful drain
+            # (the service process here only got SIGTERM from its dying actor).
             with contextlib.suppress(ProcessLookupError):
-                os.kill(victim_pid, signal.SIGCONT)
+                os.kill(victim_pid, signal.SIGKILL)
 
         def on_step(record: StepRecord) -> None:
             records.append(record)
             if record.step == 1:
-                # The victim holds step 2's share when its node goes: it is stopped
-                # before step 2 asks it (so its prompts are surely in flight), and its
-                # node is removed 1 s into step 2, before the liveness probe (4 s).
+                # (on_step runs after step 1's weight push.) The victim is stopped before
+                # step 2 asks it, so step 2's share surely waits in it, and its node is
+                # removed 1 s into step 2, within the liveness probe's 4 s and the
+                # registry's 1.5 s: the driver still counts on it when it dies.
                 removed["node"] = victim_node
                 os.kill(victim_pid, signal.SIGSTOP)
                 threading.Timer(1.0, remove).start()
