@@ -210,17 +210,36 @@ def _base_image(engine: Engine) -> None:
         run(["docker", "import", "-", BASE_IMAGE], env=engine.env, stdin=f, timeout=600)
 
 
+def _requirements_digest() -> str:
+    """SHA-256 of rlfleet's declared dependencies (pyproject): a wheelhouse made for
+    other ones is made again (a dependency added since would be missing from it)."""
+    import hashlib
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = {"": project.get("dependencies", []), **project.get("optional-dependencies", {})}
+    return hashlib.sha256(json.dumps(deps, sort_keys=True).encode()).hexdigest()
+
+
 @pytest.fixture(scope="module")
 def images(engine: Engine) -> None:
     _base_image(engine)
     script = str(ROOT / "tools" / "build_images.sh")
     house = ROOT / "build" / "images" / "cpu"
-    if not any(house.glob("rlfleet-*.whl")) or os.environ.get("RLFLEET_REBUILD_WHEELS") == "1":
+    stamp = house / "requirements.sha256"  # rlfleet's dependencies the wheelhouse holds
+    wanted = _requirements_digest()
+    stale = not stamp.is_file() or stamp.read_text().strip() != wanted
+    if (
+        not any(house.glob("rlfleet-*.whl"))
+        or stale
+        or os.environ.get("RLFLEET_REBUILD_WHEELS") == "1"
+    ):
         out = subprocess.run(
             [script, "--wheels-only"], capture_output=True, text=True, timeout=1800, check=False
         )
         if out.returncode != 0:
             pytest.skip(f"could not make the wheelhouse (no package index?):\n{out.stderr[-2000:]}")
+        stamp.write_text(wanted + "\n")
     else:  # rlfleet itself changes with every edit: rebuild its wheel only
         for whl in house.glob("rlfleet-*.whl"):
             whl.unlink()
