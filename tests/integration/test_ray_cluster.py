@@ -608,7 +608,7 @@ def test_gpu_pools_place_every_actor_and_colocated_replicas_share_the_trainers_g
         raw = {
             **base,
             "trainer": {"device": "cuda"},
-            "rollout": {"n": 4, "tensor_parallel_size": 2},
+            "rollout": {"n": 4, "tensor_parallel_size": 2, "engine": "vllm"},
             "resource_pools": {"train_pool": [8], "rollout_pool": [8]},
             "mapping": {"actor": "train_pool", "rollout": "rollout_pool"},
         }

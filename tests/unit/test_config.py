@@ -267,6 +267,8 @@ CUDA_POOLS = [  # 8 training GPUs: a mini-batch of 8 prompts is one sample per G
     "data.train_batch_size=16",
     "actor.ppo_mini_batch_size=8",
 ]
+# Tensor-parallel rollout (the vllm engine: the hf engine runs a replica on one GPU).
+VLLM_TP2 = ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"]
 
 
 @pytest.mark.parametrize(
@@ -380,8 +382,8 @@ CUDA_POOLS = [  # 8 training GPUs: a mini-batch of 8 prompts is one sample per G
         ([*CUDA_POOLS, "actor.fsdp.world_size=16"], "actor.fsdp.world_size"),
         ([*CUDA_POOLS, "actor.fsdp.sequence_parallel_size=3"], "actor.fsdp.sequence_parallel_size"),
         ([*CUDA_POOLS, "actor.fsdp.fsdp_size=3"], "actor.fsdp.fsdp_size"),
-        ([*CUDA_POOLS, "rollout.tensor_parallel_size=2", "rollout.replicas=2"], None),
-        ([*CUDA_POOLS, "rollout.tensor_parallel_size=2", "rollout.replicas=3"], "rollout.replicas"),
+        ([*CUDA_POOLS, *VLLM_TP2, "rollout.replicas=2"], None),
+        ([*CUDA_POOLS, *VLLM_TP2, "rollout.replicas=3"], "rollout.replicas"),
         ([*CUDA_POOLS, "rollout.tensor_parallel_size=8"], "rollout.tensor_parallel_size"),
         (["services.rollout=[a:1, b:2]", "rollout.replicas=3"], "rollout.replicas"),
         (["services.rollout=[a:1, b:2]", "rollout.replicas=2"], None),
@@ -531,7 +533,7 @@ def test_world_and_dp_sizes() -> None:
             "actor.backend=megatron",
             "actor.megatron.tensor_model_parallel_size=2",
             "actor.megatron.pipeline_model_parallel_size=2",
-            "rollout.tensor_parallel_size=2",
+            *VLLM_TP2,
         ],
     )
     assert gpu.world_size("actor") == 8
@@ -770,3 +772,18 @@ def test_a_critic_tokenizer_other_than_the_actors_is_refused() -> None:
     assert "critic.tokenizer_path" in str(info.value) and "models/a" in str(info.value)
     for same in ("models/a", "models/a/", "./models/a"):
         assert config_from_dict({**base, "critic": {"tokenizer_path": same}}) is not None
+
+
+def test_tensor_parallel_rollout_needs_the_vllm_engine_on_gpus() -> None:
+    base = {
+        "actor": {"model_path": "m"},
+        "trainer": {"device": "cuda", "nnodes": 1, "n_gpus_per_node": 4},
+        "algorithm": {"adv_estimator": "grpo"},
+        "data": {"train_batch_size": 16},
+        "rollout": {"n": 4, "tensor_parallel_size": 2},
+    }
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({**base, "rollout": {**base["rollout"], "engine": "hf"}})
+    assert "rollout.tensor_parallel_size" in str(info.value) and "vllm" in str(info.value)
+    cfg = config_from_dict({**base, "rollout": {**base["rollout"], "engine": "vllm"}})
+    assert cfg.rollout.tensor_parallel_size == 2 and cfg.rollout_replicas() == 2

@@ -57,7 +57,7 @@ def test_disaggregated_rollout_with_tensor_parallel_two() -> None:
     cfg = _config(
         resource_pools={"train_pool": [8], "rollout_pool": [8]},
         mapping={"actor": "train_pool", "rollout": "rollout_pool"},
-        rollout={"tensor_parallel_size": 2},
+        rollout={"tensor_parallel_size": 2, "engine": "vllm"},
     )
     plan = GpuPlan(cfg)
     assert plan.owner("rollout_pool") == "rollout"
@@ -74,7 +74,10 @@ def test_disaggregated_rollout_with_tensor_parallel_two() -> None:
 
 
 def test_colocated_tensor_parallel_replicas_take_consecutive_gpus() -> None:
-    cfg = _config(trainer={"nnodes": 1, "n_gpus_per_node": 8}, rollout={"tensor_parallel_size": 4})
+    cfg = _config(
+        trainer={"nnodes": 1, "n_gpus_per_node": 8},
+        rollout={"tensor_parallel_size": 4, "engine": "vllm"},
+    )
     plan = GpuPlan(cfg)
     [pool] = cfg.resource_pools
     assert _fill(plan, pool, cfg.rollout_replicas()) == [(0, 0), (0, 1)]

@@ -432,6 +432,7 @@ def _check_parallel_layout(cfg: Config) -> Iterator[ConfigIssue]:
 @_check(
     "rollout.replicas",
     "rollout.tensor_parallel_size",
+    "rollout.engine",
     "services.rollout",
     "trainer.device",
     "mapping.rollout",
@@ -439,6 +440,14 @@ def _check_parallel_layout(cfg: Config) -> Iterator[ConfigIssue]:
 )
 def _check_rollout_layout(cfg: Config) -> Iterator[ConfigIssue]:
     r = cfg.rollout
+    if cfg.trainer.device == "cuda" and r.engine == "hf" and r.tensor_parallel_size > 1:
+        yield ConfigIssue(
+            "rollout.tensor_parallel_size",
+            "the hf engine runs a replica on one GPU: more would be reserved and left idle "
+            "(tensor parallelism needs rollout.engine vllm)",
+            r.tensor_parallel_size,
+        )
+        return
     addresses = cfg.services.rollout
     if addresses and r.replicas is not None and r.replicas != len(addresses):
         yield ConfigIssue(
