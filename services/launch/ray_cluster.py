@@ -72,9 +72,11 @@ from rlfleet.launch.cluster import (
     deregister_address,
     fleet_metrics,
     log_tail,
+    needs_tools_service,
     reward_argv,
     rollout_argv,
     scheduler_argv,
+    tools_argv,
     trainer_argv,
 )
 from rlfleet.scheduler.placement import Device
@@ -406,6 +408,7 @@ class RayCluster:
         self.run_dir = Path(run_dir).resolve()
         self.launch_scheduler = scheduler and config.services.scheduler is None
         self.scheduler_address: str | None = config.services.scheduler
+        self.tools_address: str | None = config.services.tools
         self.heartbeat_interval_s = heartbeat_interval_s
         self.grace_s = grace_s
         self.security: Security | None = None
@@ -467,6 +470,13 @@ class RayCluster:
                 )
                 self._finish(ray, sched, deadline)
                 self.scheduler_address = sched.address
+            if needs_tools_service(self.config):  # pool-less, on the driver's node
+                tools = self._launch(
+                    ray, "tools", "tools", None, None, tools_argv(_HOST, config_path), {},
+                    config_path, config_text, deadline,
+                )  # fmt: skip
+                self._finish(ray, tools, deadline)
+                self.tools_address = tools.address
             self._start_services(ray, config_path, config_text, deadline)
             self._register_probed(deadline)
         except BaseException:
@@ -731,9 +741,7 @@ class RayCluster:
             assert pool is not None
             places = self._rollout_places(pool, cfg.rollout_replicas())
             for i, (bundle, slot) in enumerate(places):
-                argv = ["-m", *rollout_argv(_HOST, config_path, f"rollout-{i}")]
-                if self.scheduler_address:
-                    argv += ["--scheduler", self.scheduler_address]
+                argv = self._rollout_argv(config_path, f"rollout-{i}")
                 started.append(
                     self._launch(
                         ray,
@@ -751,6 +759,15 @@ class RayCluster:
                 )
         for svc in started:
             self._finish(ray, svc, deadline)
+
+    def _rollout_argv(self, config_path: Path, name: str) -> list[str]:
+        """A replica's arguments: its scheduler and the run's tools service, when any."""
+        argv = ["-m", *rollout_argv(_HOST, config_path, name)]
+        if self.scheduler_address:
+            argv += ["--scheduler", self.scheduler_address]
+        if self.tools_address:
+            argv += ["--override", f"services.tools={self.tools_address}"]
+        return argv
 
     def _launch_trainer(
         self, ray: Any, config_path: Path, config_text: str, deadline: float
@@ -885,6 +902,7 @@ class RayCluster:
             config_path=str(config_path),
             mode=self.config.placement().mode,
             credentials_dir=str(self.credentials_dir or ""),
+            tools=self.tools_address,
         )
 
     # ------------------------------------------------------------------ supervision
@@ -1081,11 +1099,11 @@ class RayCluster:
     def _restart(self, ray: Any, svc: _Service, code: int) -> None:
         """A service process exited: start it again in its actor, on its port.
 
-        Rollout replicas, the reward service and the scheduler always (its registry is
+        Rollout replicas, the reward and tools services and the scheduler always (its registry is
         rebuilt: replicas register again at their next heartbeat, the reward service and
         the trainer are registered again here); the trainer with ``trainer.recovery``,
         every rank of it (the driver restores the last checkpoint into it)."""
-        restartable = {"rollout", "reward", "scheduler"}
+        restartable = {"rollout", "reward", "scheduler", "tools"}
         if self.config.trainer.recovery.enable:
             restartable.add("trainer")
         if svc.kind not in restartable:
@@ -1255,9 +1273,7 @@ class RayCluster:
             for bundle, slot in self._rollout_places(pool, replicas - len(current)):
                 k = self._next_rollout
                 self._next_rollout += 1
-                argv = ["-m", *rollout_argv(_HOST, config_path, f"rollout-{k}")]
-                if self.scheduler_address:
-                    argv += ["--scheduler", self.scheduler_address]
+                argv = self._rollout_argv(config_path, f"rollout-{k}")
                 added.append(
                     self._launch(
                         ray,

@@ -293,3 +293,21 @@ def test_dead_rollout_and_reward_are_restarted_on_their_ports(
             time.sleep(0.5)
         assert cluster.restarts.get("trainer") == 1 and healthy(h.trainer)
     assert all(gone(pid) for pid in cluster.pids.values())
+
+
+def test_the_tools_service_is_launched_for_a_service_tool_source(
+    tiny_model_dir: Path, tmp_path: Path, dummy: Server
+) -> None:
+    from toolslib import check_tools_service, with_tools_service
+
+    raw = with_tools_service(
+        base_config(
+            tiny_model_dir,
+            tmp_path / "run",
+            services={"reward": dummy.address, "trainer": dummy.address},
+        )
+    )
+    with LocalCluster(config_from_dict(raw), tmp_path / "run", grace_s=10) as cluster:
+        h = cluster.start(timeout_s=180)
+        assert set(h.pids) == {"scheduler", "tools", "rollout-0"}
+        check_tools_service(h, h.pids["rollout-0"])

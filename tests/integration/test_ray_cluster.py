@@ -692,3 +692,27 @@ def test_a_lost_replica_is_replaced_on_a_live_node_of_its_pool_without_a_spare(
         assert cluster.events["lost"] >= 1
     assert [r.step for r in records] == [1, 2, 3]
     assert all(len(r.indices) == config.data.train_batch_size for r in records)
+
+
+def test_the_tools_service_is_launched_as_an_actor_for_a_service_tool_source(
+    ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A multi-turn tool source of kind ``service``: the Ray launcher starts the tools
+    service as an actor (pool-less, on the driver's node, like the scheduler) and hands
+    its address to every rollout replica."""
+    from toolslib import check_tools_service, with_tools_service
+
+    from rlfleet.launch.ray_cluster import RayCluster
+
+    data = tmp_path / "data"
+    preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+-", seed=0)
+    raw = _raw(tiny_model_dir, data, tmp_path / "run")
+    raw["resource_pools"] = {"train_pool": [1], "rollout_pool": [1]}
+    config = config_from_dict(with_tools_service(raw))
+    with RayCluster(config, tmp_path / "run", heartbeat_interval_s=0.5) as cluster:
+        handle = cluster.start(timeout_s=300)
+        assert "tools" in cluster.nodes()
+        assert cluster.nodes()["tools"]["node_id"] == ray.get_runtime_context().get_node_id()
+        named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+        assert "rlfleet/tools" in named
+        check_tools_service(handle, cluster.pids["rollout-0"])
