@@ -301,11 +301,21 @@ def needs_tools_service(config: Config) -> bool:
     return m.enable and config.services.tools is None and any(t.kind == "service" for t in m.tools)
 
 
-def rollout_argv(host: str, config_path: Path, replica_id: str) -> list[str]:
-    """A rollout replica: the run config gives it model, engine, dtype and device."""
+def rollout_argv(
+    host: str, config_path: Path, replica_id: str, *, drain_s: float = 2.0
+) -> list[str]:
+    """A rollout replica: the run config gives it model, engine, dtype and device;
+    ``drain_s``: how long it finishes its calls in flight on SIGTERM (an idle replica
+    exits at once)."""
     return ["rlfleet.rollout.server", "--config", str(config_path), "--host", host,
             "--port", "0", "--metrics-port", "0", "--replica-id", replica_id,
-            "--grace-s", "2"]  # fmt: skip
+            "--grace-s", f"{drain_s:g}"]  # fmt: skip
+
+
+def drain_time(grace_s: float) -> float:
+    """A replica's drain time within a launcher's SIGTERM-to-SIGKILL ``grace_s``: what
+    is left after a second for its exit, at least one second."""
+    return max(1.0, grace_s - 1.0)
 
 
 class LocalCluster:
@@ -531,7 +541,7 @@ class LocalCluster:
 
     def _rollout_proc(self, index: int, config_path: Path, devices: Sequence[Device]) -> _Proc:
         name = f"rollout-{index}"
-        argv = ["-m", *rollout_argv(self.host, config_path, name)]
+        argv = ["-m", *rollout_argv(self.host, config_path, name, drain_s=drain_time(self.grace_s))]
         return self._proc(name, "rollout", argv, devices)
 
     def _join_args(self, proc: _Proc) -> None:

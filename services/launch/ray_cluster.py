@@ -70,6 +70,7 @@ from rlfleet.launch.cluster import (
     ServiceStartError,
     cluster_tls,
     deregister_address,
+    drain_time,
     fleet_metrics,
     log_tail,
     needs_tools_service,
@@ -762,7 +763,7 @@ class RayCluster:
 
     def _rollout_argv(self, config_path: Path, name: str) -> list[str]:
         """A replica's arguments: its scheduler and the run's tools service, when any."""
-        argv = ["-m", *rollout_argv(_HOST, config_path, name)]
+        argv = ["-m", *rollout_argv(_HOST, config_path, name, drain_s=drain_time(self.grace_s))]
         if self.scheduler_address:
             argv += ["--scheduler", self.scheduler_address]
         if self.tools_address:
