@@ -155,7 +155,9 @@ def test_a_replica_scaled_away_finishes_the_generation_it_holds(
 
         caller = threading.Thread(target=generate)
         caller.start()
-        _wait("the generation to start", lambda: client.status().queue_depth > 0, 60)
+        # In flight (or, on a slow start, already failed: reported below).
+        _wait("the generation to start", lambda: bool(got) or client.status().queue_depth > 0, 120)
+        assert not got, f"the generation ended before the scale-down: {got[:1]}"
         cluster.scale_rollout(1)
         caller.join(120)
         client.close()
