@@ -149,14 +149,18 @@ def test_a_replica_scaled_away_finishes_the_generation_it_holds(
 
         def generate() -> None:
             try:
-                got.extend(client.generate([[1, 2, 3]] * 96, params))
+                got.extend(client.generate([[1, 2, 3]] * 2048, params))
             except Exception as e:  # reported below
                 got.append(e)
 
         caller = threading.Thread(target=generate)
         caller.start()
-        # In flight (or, on a slow start, already failed: reported below).
-        _wait("the generation to start", lambda: bool(got) or client.status().queue_depth > 0, 120)
+        # In flight: 2,048 samples run as 8 engine batches of 256, seconds even on a
+        # quiet machine, and the queue depth is watched closely.
+        deadline = time.monotonic() + 120
+        while not got and client.status().queue_depth == 0:
+            assert time.monotonic() < deadline, "the generation never started"
+            time.sleep(0.005)
         assert not got, f"the generation ended before the scale-down: {got[:1]}"
         cluster.scale_rollout(1)
         caller.join(120)
@@ -164,7 +168,7 @@ def test_a_replica_scaled_away_finishes_the_generation_it_holds(
         assert not caller.is_alive()
         errors = [g for g in got if isinstance(g, Exception)]
         assert not errors, errors
-        assert len(got) == 96 and all(len(s.token_ids) == 48 for s in got)  # type: ignore[attr-defined]
+        assert len(got) == 2048 and all(len(s.token_ids) == 48 for s in got)  # type: ignore[attr-defined]
         _wait("the drained replica to exit", lambda: _gone(pid), 60)
         with RemoteSchedulerClient(h.scheduler) as sched:  # type: ignore[arg-type]
             alive = [e.spec.address for e in sched.list_services("rollout", alive_only=True)]
