@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
@@ -324,6 +325,23 @@ class ServiceActor:
             return proc.wait(timeout=10)
 
 
+def driver_ip(address: str) -> str:
+    """This machine's address towards the Ray head at ``address`` (host:port): the
+    driver joins the cluster as the node with that IP. ``127.0.0.1`` for a head on
+    loopback; else the source address the kernel routes to the head from (a UDP
+    ``connect`` sends no packet), which on a machine with several interfaces is the
+    one on the cluster's network, not whichever one reaches the internet."""
+    host, _, port = address.rpartition(":")
+    infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)
+    # IPv4 first: Ray's nodes name themselves by IPv4 address unless told otherwise.
+    family, kind, _, _, sockaddr = min(infos, key=lambda info: info[0] != socket.AF_INET)
+    if ipaddress.ip_address(sockaddr[0]).is_loopback:
+        return "127.0.0.1" if family == socket.AF_INET else "::1"
+    with socket.socket(family, kind) as probe:
+        probe.connect(sockaddr)
+        return str(probe.getsockname()[0])
+
+
 def _actor_gone(ray: Any, error: BaseException) -> bool:
     """Whether ``error`` (or what caused it) says an actor is dead."""
     while error is not None:
@@ -490,7 +508,7 @@ class RayCluster:
         self._supervisor.start()
         logger.info(
             "ray cluster up: %s",
-            ", ".join(f"{s.name}={s.address}@{s.info.get('ip')}" for s in self._services),
+            ", ".join(f"{s.name}={s.address} on {_where(s)}" for s in self._services),
         )
         return self.handle
 
@@ -511,7 +529,7 @@ class RayCluster:
             ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, **kwargs)
             self._own_ray = True
         else:
-            ray.init(address=address, **kwargs)
+            ray.init(address=address, _node_ip_address=driver_ip(address), **kwargs)
 
     def _prepare_security(self) -> None:
         sec = self.config.security

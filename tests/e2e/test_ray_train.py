@@ -19,7 +19,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +34,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_ray.yaml"
 RUN_LIMIT_S = 420.0
 GONE_LIMIT_S = 60.0
+LOOPBACK = "127.0.0.1"
 
 
 def _procs() -> dict[int, tuple[int, str]]:
@@ -113,19 +116,27 @@ def ray_tmp() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_rlfleet_train_starts_a_local_ray_trains_and_leaves_nothing(
-    tiny_model_dir: Path, tmp_path: Path, ray_tmp: Path
-) -> None:
-    if _ray_running():
-        # `ray.address: auto` would join it: this test is about starting one.
-        pytest.skip("a Ray cluster is running on this machine")
+@dataclass
+class _Run:
+    returncode: int
+    log: str
+    summary: dict[str, Any]
+    listening: set[str]  # what the run's processes listened on, while it ran
+    left: dict[int, str]  # what was still running after the run ended
+
+
+def _train(
+    model: Path, tmp_path: Path, overrides: list[str], env: dict[str, str], ray_tmp: Path
+) -> _Run:
+    """``rlfleet train --config examples/arithmetic_ray.yaml`` for two steps of four
+    prompts, watched: every socket its processes listen on, what is left after it."""
     data = tmp_path / "data"
     preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+-", seed=0)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "rlfleet.launch.train", "--config", str(EXAMPLE)]
     cmd += ["--log-level", "INFO"]
     cmd += [
-        f"actor.model_path={tiny_model_dir}",
+        f"actor.model_path={model}",
         f"data.train_files={data / 'train.parquet'}",
         f"data.val_files={data / 'test.parquet'}",
         "data.train_batch_size=4",
@@ -137,6 +148,7 @@ def test_rlfleet_train_starts_a_local_ray_trains_and_leaves_nothing(
         "trainer.val_before_train=false",
         "trainer.logger=[jsonl]",
         f"trainer.default_local_dir={run_dir}",
+        *overrides,
     ]
     env = {
         **os.environ,
@@ -144,6 +156,7 @@ def test_rlfleet_train_starts_a_local_ray_trains_and_leaves_nothing(
         "RAY_TMPDIR": str(ray_tmp),
         "RAY_ADDRESS": "",  # `auto` must not be redirected elsewhere
         "OMP_NUM_THREADS": "1",
+        **env,
     }
     log, out_file = tmp_path / "train.log", tmp_path / "train.out"
     with open(log, "wb") as err, open(out_file, "wb") as out:
@@ -151,7 +164,7 @@ def test_rlfleet_train_starts_a_local_ray_trains_and_leaves_nothing(
             cmd, stdout=out, stderr=err, env=env, cwd=tmp_path, start_new_session=True
         )
     markers = (str(ray_tmp), str(run_dir))
-    listening: set[str] = set()  # what the run's processes listened on, while it ran
+    listening: set[str] = set()
     left: dict[int, str] = {}
     try:
         deadline = time.monotonic() + RUN_LIMIT_S
@@ -174,20 +187,63 @@ def test_rlfleet_train_starts_a_local_ray_trains_and_leaves_nothing(
         for pid in left:  # clean up what the run left, then fail below
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-
     text = log.read_text()
     assert proc.returncode == 0, text[-4000:]
-    assert "starting a local one" in text, text[-4000:]
     summary = json.loads(out_file.read_text().strip().splitlines()[-1])
-    assert summary["global_steps"] == 2
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2]
+    assert summary["global_steps"] == 2 and steps == [1, 2], (summary, steps)
     # Every service ran in an actor of this Ray, on loopback.
     for name in ("scheduler", "reward", "trainer", "rollout-0"):
         assert (run_dir / "logs" / f"{name}.log").is_file(), name
     (up,) = [line for line in text.splitlines() if line.startswith("services up")]
     assert "trainer 127.0.0.1:" in up and "rollout 127.0.0.1:" in up, up
+    return _Run(proc.returncode, text, summary, listening, left)
+
+
+def test_rlfleet_train_starts_a_local_ray_trains_and_leaves_nothing(
+    tiny_model_dir: Path, tmp_path: Path, ray_tmp: Path
+) -> None:
+    if _ray_running():
+        # `ray.address: auto` would join it: this test is about starting one.
+        pytest.skip("a Ray cluster is running on this machine")
+    run = _train(tiny_model_dir, tmp_path, [], {}, ray_tmp)
+    assert "starting a local one" in run.log, run.log[-4000:]
     # Ray (GCS, raylet, workers) and every service listened on loopback only.
-    assert listening, "saw no listening socket of the run"
-    assert all(_loopback(a) for a in listening), sorted(listening)
-    assert left == {}, f"left behind: {left}"
+    assert run.listening, "saw no listening socket of the run"
+    assert all(_loopback(a) for a in run.listening), sorted(run.listening)
+    assert run.left == {}, f"left behind: {run.left}"
+
+
+def test_rlfleet_train_joins_a_running_cluster_by_host_and_port(
+    tiny_model_dir: Path, tmp_path: Path, ray_tmp: Path
+) -> None:
+    """`ray.address=HOST:PORT`: the run joins a cluster someone else started (a head
+    with no CPU and a two-core worker node, as `ray start` would make them), places
+    every service on the worker node, and leaves the cluster running when it ends."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "node_ip_address": LOOPBACK,
+            "include_dashboard": False,
+        },
+    )
+    try:
+        worker = cluster.add_node(num_cpus=2, node_ip_address=LOOPBACK)
+        run = _train(
+            tiny_model_dir, tmp_path, [f"ray.address={cluster.address}"], {}, ray_tmp
+        )
+        assert "starting a local one" not in run.log, run.log[-4000:]
+        # The cluster outlived the run; the pools' services ran on the worker node
+        # (the head has no CPU for a bundle).
+        assert cluster.remaining_processes_alive()
+        (up,) = [line for line in run.log.splitlines() if "ray cluster up:" in line]
+        on = dict(item.split("=", 1) for item in up.split("ray cluster up: ", 1)[1].split(", "))
+        for name in ("trainer", "rollout-0"):
+            assert f"({worker.node_id[:12]})" in on[name], up
+        assert run.listening and all(_loopback(a) for a in run.listening), run.listening
+        assert run.left == {}, f"left behind: {run.left}"
+    finally:
+        cluster.shutdown()

@@ -130,3 +130,31 @@ def test_pool_bundles_follow_ray_pool_strategy() -> None:
     assert cfg.ray.pool_strategy == "SPREAD"
     with pytest.raises(Exception, match="pool_strategy"):
         _config(trainer={"device": "cpu"}, ray={"pool_strategy": "ANYWHERE"})
+
+
+@pytest.mark.parametrize(
+    ("address", "why"),
+    [
+        ("ray://head:10001", "Ray Client addresses are not supported"),
+        ("head", "expected auto or host:port"),
+        ("head:0", "expected auto or host:port"),
+        ("head:70000", "expected auto or host:port"),
+        (":6379", "expected auto or host:port"),
+    ],
+)
+def test_ray_address_is_auto_or_host_port(address: str, why: str) -> None:
+    with pytest.raises(Exception, match=why):
+        _config(trainer={"device": "cpu"}, ray={"address": address}, launcher="ray")
+    assert _config(ray={"address": "head.example:6379"}).ray.address == "head.example:6379"
+    assert _config(ray={"address": "[::1]:6379"}).ray.address == "[::1]:6379"
+
+
+def test_driver_joins_a_loopback_head_as_a_loopback_node() -> None:
+    """With a head on 127.0.0.0/8 the driver is node 127.0.0.1 (Ray's own guess would
+    be the address of the interface towards the internet, where no raylet runs)."""
+    from rlfleet.launch.ray_cluster import driver_ip
+
+    assert driver_ip("127.0.0.1:6379") == "127.0.0.1"
+    assert driver_ip("127.5.6.7:6379") == "127.0.0.1"
+    assert driver_ip("localhost:6379") == "127.0.0.1"
+    assert driver_ip("[::1]:6379") == "::1"

@@ -1280,6 +1280,22 @@ class RayConfig(_Section):
         description="auto: the running Ray cluster, else a local one started for the run; "
         "or host:port of a cluster's head",
     )
+
+    @field_validator("address")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        if value == "auto":
+            return value
+        if "://" in value:
+            raise ValueError(
+                f"{value!r}: Ray Client addresses are not supported (the services run as "
+                "processes next to their actors): run rlfleet on a node of the cluster and "
+                "give the head's host:port (its GCS port, 6379 by default)"
+            )
+        host, sep, port = value.rpartition(":")
+        if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{value!r}: expected auto or host:port of the head (1-65535)")
+        return value
     namespace: str = Field(
         default="rlfleet", min_length=1, description="Ray namespace of the actors"
     )
