@@ -232,9 +232,7 @@ def test_rlfleet_train_joins_a_running_cluster_by_host_and_port(
     )
     try:
         worker = cluster.add_node(num_cpus=2, node_ip_address=LOOPBACK)
-        run = _train(
-            tiny_model_dir, tmp_path, [f"ray.address={cluster.address}"], {}, ray_tmp
-        )
+        run = _train(tiny_model_dir, tmp_path, [f"ray.address={cluster.address}"], {}, ray_tmp)
         assert "starting a local one" not in run.log, run.log[-4000:]
         # The cluster outlived the run; the pools' services ran on the worker node
         # (the head has no CPU for a bundle).

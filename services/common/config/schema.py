@@ -1296,6 +1296,7 @@ class RayConfig(_Section):
         if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"{value!r}: expected auto or host:port of the head (1-65535)")
         return value
+
     namespace: str = Field(
         default="rlfleet", min_length=1, description="Ray namespace of the actors"
     )
