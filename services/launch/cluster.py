@@ -312,6 +312,12 @@ def rollout_argv(
             "--grace-s", f"{drain_s:g}"]  # fmt: skip
 
 
+def replica_number(name: str) -> int:
+    """K of a replica named ``rollout-K``: the order replicas were first started in,
+    which a restart (the same name, a new process) does not change."""
+    return int(name.rpartition("-")[2])
+
+
 def drain_time(grace_s: float) -> float:
     """A replica's drain time within a launcher's SIGTERM-to-SIGKILL ``grace_s``: what
     is left after a second for its exit, at least one second."""
@@ -382,6 +388,8 @@ class LocalCluster:
         self._previous_security: Security | None = None
         self.restarts: dict[str, int] = {}
         self._supervisor: threading.Thread | None = None
+        self._scaler: threading.Thread | None = None
+        self._starting: set[str] = set()  # replicas a scale-up is bringing up
         self.given_up: set[str] = set()
         self._rollout_shares: list[Sequence[Device]] = []
         self._next_rollout = 0
@@ -600,6 +608,12 @@ class LocalCluster:
                 target=self._supervise, name="rlfleet-supervisor", daemon=True
             )
             self._supervisor.start()
+            # Its own thread: a scale-up (seconds to minutes) or a drain (up to
+            # grace_s) must not hold back the restart of a service that dies meanwhile.
+            self._scaler = threading.Thread(
+                target=self._follow_scale_loop, name="rlfleet-scaler", daemon=True
+            )
+            self._scaler.start()
         logger.info(
             "local cluster up (%s): %s",
             plan.mode,
@@ -623,9 +637,13 @@ class LocalCluster:
         while not self._stopped:
             time.sleep(0.5)
             self._restart_dead()
-            try:  # after the restarts: a slow scale-up must not delay them
+
+    def _follow_scale_loop(self) -> None:
+        while not self._stopped:
+            time.sleep(0.5)
+            try:
                 self._follow_scale()
-            except Exception:  # keep supervising: one bad round must not end it
+            except Exception:  # keep following: one bad round must not end it
                 if not self._stopped:
                     logger.exception("following the desired rollout scale failed")
 
@@ -640,6 +658,7 @@ class LocalCluster:
                 if p.popen is not None
                 and p.popen.poll() is not None
                 and p.name not in self.given_up
+                and p.name not in self._starting  # the scale-up's to retire
             ]
         for proc in dead:
             code = proc.popen.returncode if proc.popen is not None else None
@@ -755,25 +774,31 @@ class LocalCluster:
             current = [
                 p for p in self._procs if p.kind == "rollout" and p.name not in self.given_up
             ]
+        current.sort(key=lambda p: replica_number(p.name))
         if len(current) == replicas:
             return
         logger.warning("scaling rollout replicas %d -> %d", len(current), replicas)
         if len(current) < replicas:
-            added = []
-            for _ in range(replicas - len(current)):
-                k = self._next_rollout
-                self._next_rollout += 1
-                share = self._rollout_shares[k % len(self._rollout_shares)]
-                proc = self._rollout_proc(k, self._config_path, share)
-                self._join_args(proc)
-                self._launch(proc)
-                added.append(proc)
+            added: list[_Proc] = []
             try:
+                for _ in range(replicas - len(current)):
+                    k = self._next_rollout
+                    self._next_rollout += 1
+                    share = self._rollout_shares[k % len(self._rollout_shares)]
+                    proc = self._rollout_proc(k, self._config_path, share)
+                    self._join_args(proc)
+                    with self._lock:
+                        self._starting.add(proc.name)
+                    added.append(proc)
+                    self._launch(proc)
                 self._await(added, time.monotonic() + timeout_s)
             except ServiceStartError as e:
                 logger.error("scaling up failed: %s", e)
                 self._retire(added)
                 raise
+            finally:
+                with self._lock:
+                    self._starting.difference_update(p.name for p in added)
             self.events["scaled_up"] += len(added)
             logger.warning("rollout replicas added: %s",
                            ", ".join(f"{p.name}={p.address}" for p in added))  # fmt: skip

@@ -75,6 +75,7 @@ from rlfleet.launch.cluster import (
     fleet_metrics,
     log_tail,
     needs_tools_service,
+    replica_number,
     reward_argv,
     rollout_argv,
     scheduler_argv,
@@ -1314,6 +1315,7 @@ class RayCluster:
             return
         with self._lock:
             rollouts = [s for s in self._services if s.kind == "rollout"]
+        rollouts.sort(key=lambda s: replica_number(s.name))  # the newest leave first
         for svc in rollouts[replicas:][::-1]:
             with self._lock:  # out of the fleet at once; then drained and stopped
                 self._services.remove(svc)

@@ -14,7 +14,8 @@ The policy moves one replica at a time, never outside ``[min_replicas,
 max_replicas]``, never within ``cooldown_s`` of the last change, never while the
 launcher has not yet reached the last desired count, and only after a training step
 measured with the current fleet (the step counter moved since the change), so it
-does not act twice on the same evidence.
+does not act twice on the same evidence. A count set from outside (``rlfleet scale``)
+is such a change too: the policy moves from it after a step measured with it.
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ class Autoscaler:
         self._lock = threading.Lock()
         self._last_change: float | None = None
         self._step_at_change = -1
+        self._target: int | None = None  # the desired count as of the last round
         self.events: deque[AutoscaleEvent] = deque(maxlen=_HISTORY)
         self.decisions = {"up": 0, "down": 0}
         self._stop = threading.Event()
@@ -178,9 +180,18 @@ class Autoscaler:
             if sig.replicas == 0 and not self.core.scale("rollout")[0]:
                 return None  # the launcher is still starting the fleet
             target = self.desired(sig.replicas)
+            now = self._clock()
+            if self._target is not None and target != self._target:
+                # Someone else moved the count (`rlfleet scale`): a change like one of
+                # ours, so the next decision waits for a step measured with it.
+                logger.warning(
+                    "autoscale: rollout replicas set to %d from outside at step %d; next "
+                    "decision after a step with them", target, sig.step,
+                )  # fmt: skip
+                self._last_change, self._step_at_change = now, sig.step
+            self._target = target
             if sig.replicas != target:
                 return None  # the launcher is still adding or draining replicas
-            now = self._clock()
             if self._last_change is not None:
                 if now - self._last_change < self.settings.cooldown_s:
                     return None
@@ -190,6 +201,7 @@ class Autoscaler:
             if decision is None:
                 return None
             self.core.set_scale("rollout", decision.replicas)
+            self._target = decision.replicas
             self._last_change = now
             self._step_at_change = sig.step
             self.decisions[decision.direction] += 1

@@ -1,10 +1,12 @@
 """Chaos on the local launcher: during one synchronous PPO run a scripted loop kills a
 rollout replica, freezes another (and thaws it), kills the reward service and kills
-the trainer, while the autoscaler moves the rollout count between 2 and 3. The run
+the trainer, and an operator scales the fleet down to one replica, while the
+autoscaler moves the rollout count between 1 and 3 (up from one at the start, and up
+again after the operator's scale-down). The run
 finishes; every step trains its full batch on the prompts the data order gives it
 (none lost, none trained twice); each fault shows in the run's metrics.
 
-A fault-free run of the same config (two replicas, no autoscaler) gives the
+A fault-free run of the same config (one replica, no autoscaler) gives the
 reference: every prompt's samples are keyed by its place in the step's batch, not by
 the replica or the shard that generates it, so a re-queued prompt is sampled as it
 would have been; the trainer's restart redoes its steps bit for bit
@@ -16,6 +18,7 @@ trainer uses only for the truncated importance weights, off here).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
@@ -38,7 +41,7 @@ from rlfleet.scheduler.client import RemoteSchedulerClient
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 # 10 steps in `make test`; `make test-chaos` runs 30 (RLFLEET_CHAOS_STEPS), the replica
-# faults repeated every 10 steps.
+# faults and the scale-down repeated every 10 steps.
 STEPS = max(10, int(os.environ.get("RLFLEET_CHAOS_STEPS", "10")))
 BATCH = 4
 
@@ -67,7 +70,7 @@ def test_the_run_survives_replica_reward_and_trainer_faults_while_autoscaling(
         tiny_model_dir,
         data,
         run_dir,
-        rollout={"replicas": 2},
+        rollout={"replicas": 1},
         trainer={
             "total_training_steps": STEPS,
             "save_freq": 2,
@@ -77,11 +80,12 @@ def test_the_run_survives_replica_reward_and_trainer_faults_while_autoscaling(
         scheduler={
             "autoscale": {
                 "enable": True,
-                "min_replicas": 2,
+                "min_replicas": 1,
                 "max_replicas": 3,
-                # Generation is well above a tenth of a step here: one replica more
-                # at the first measured step, then held at the maximum.
-                "target_gen_share": 0.1,
+                # Generation is well above 5% of a step here: one replica more
+                # at each measured step up to the maximum, and again after the
+                # operator's scale-down.
+                "target_gen_share": 0.05,
                 "cooldown_s": 0,
                 "interval_s": 0.5,
             }
@@ -92,40 +96,71 @@ def test_the_run_survives_replica_reward_and_trainer_faults_while_autoscaling(
         h = cluster.start(timeout_s=180)
         frozen: list[int] = []
         done: list[str] = []
+        fleet: list[int] = []  # rollout replicas alive after each step
 
         def kill(name: str) -> None:
             os.kill(cluster.pids[name], signal.SIGKILL)
 
         def freeze() -> None:
-            frozen.append(cluster.pids["rollout-1"])
+            """SIGSTOP rollout-0: the one replica the launcher surely has up (a newer one
+            may still be in its start-up checks, which a freeze would fail)."""
+            frozen.append(cluster.pids["rollout-0"])
             os.kill(frozen[-1], signal.SIGSTOP)
 
-        # After step -> fault, each once (a step redone after the trainer's recovery
-        # does not fire its fault again); the replica faults every 10 steps.
-        script: dict[int, tuple[str, Callable[[], None]]] = {
-            5: ("reward killed", lambda: kill("reward")),
-            7: ("trainer killed", lambda: kill("trainer")),
+        def scale_to_one() -> None:
+            """What `rlfleet scale rollout 1` does, then wait (bounded) for the drain."""
+            deadline = time.monotonic() + 120
+            with RemoteSchedulerClient(h.scheduler) as client:  # type: ignore[arg-type]
+                client.set_scale("rollout", 1)
+                # The newest leave first: rollout-0 (restarted after its kill, maybe
+                # still starting) stays, and is the one replica listed alive.
+                while (
+                    cluster.rollout_replicas() != ["rollout-0"]
+                    or len(client.list_services("rollout", alive_only=True)) != 1
+                ):
+                    assert time.monotonic() < deadline, (
+                        f"the fleet did not drain to rollout-0: {cluster.rollout_replicas()}"
+                    )
+                    time.sleep(0.1)
+            fleet.append(1)
+
+        # After step -> (fault, replicas it needs alive first), each once (a step
+        # redone after the trainer's recovery does not fire its fault again); the
+        # replica faults and the scale-down every 10 steps.
+        script: dict[int, tuple[str, Callable[[], None], int]] = {
+            5: ("reward killed", lambda: kill("reward"), 1),
+            7: ("trainer killed", lambda: kill("trainer"), 1),
         }
         for base in range(0, STEPS - 9, 10):
-            script[base + 2] = ("rollout-0 killed", lambda: kill("rollout-0"))
-            script[base + 4] = ("rollout-1 frozen", freeze)
-            script[base + 6] = ("rollout-1 thawed", lambda: os.kill(frozen[-1], signal.SIGCONT))
+            script[base + 2] = ("rollout-0 killed", lambda: kill("rollout-0"), 2)
+            script[base + 3] = ("scaled down to one replica", scale_to_one, 1)
+            script[base + 4] = ("rollout-0 frozen", freeze, 2)
+            thaw = lambda: os.kill(frozen[-1], signal.SIGCONT)  # noqa: E731
+            script[base + 6] = ("rollout-0 thawed", thaw, 1)
+            # Not a fault: the autoscaler's way back up to max_replicas, waited for.
+            script[base + 8] = ("three replicas serving", lambda: None, 3)
         faults = len(script)
 
         def healed(replicas: int) -> None:
             """Wait (bounded) until ``replicas`` rollout replicas are registered alive: a
-            fault on a fleet that has not yet replaced the last one may leave no replica
-            at all, which no scheduling can survive."""
+            replica fault on a fleet that has not yet replaced the last one may leave no
+            replica at all, which no scheduling can survive. (The autoscaler adds the
+            second after a step measured with one: it saw this step's status.)"""
             deadline = time.monotonic() + 120
             with RemoteSchedulerClient(h.scheduler) as client:  # type: ignore[arg-type]
                 while len(client.list_services("rollout", alive_only=True)) < replicas:
-                    assert time.monotonic() < deadline, f"fewer than {replicas} replicas"
+                    assert time.monotonic() < deadline, (
+                        f"fewer than {replicas} replicas: {client.training_status()}, "
+                        f"scale {client.scale('rollout')}"
+                    )
                     time.sleep(0.2)
 
         def chaos(record: StepRecord) -> None:
+            with RemoteSchedulerClient(h.scheduler) as client:  # type: ignore[arg-type]
+                fleet.append(len(client.list_services("rollout", alive_only=True)))
             if record.step in script:
-                healed(2)
-                what, act = script.pop(record.step)
+                what, act, need = script.pop(record.step)
+                healed(need)
                 act()
                 done.append(what)
 
@@ -142,7 +177,8 @@ def test_the_run_survives_replica_reward_and_trainer_faults_while_autoscaling(
                 expected = loader_order(trainer, STEPS)
         finally:
             for pid in frozen:
-                os.kill(pid, signal.SIGCONT)
+                with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                    os.kill(pid, signal.SIGCONT)
         restarts = dict(cluster.restarts)
     assert len(done) == faults, done
     # Every step once, in order, each with its full batch of the prompts the data
@@ -153,11 +189,16 @@ def test_the_run_survives_replica_reward_and_trainer_faults_while_autoscaling(
     assert [m[s]["rollout/samples"] for s in m] == [BATCH * 2] * STEPS
     assert {"rollout-0", "reward", "trainer"} <= restarts.keys()
     assert m[STEPS]["fault/trainer_recoveries"] == 1.0
-    assert m[STEPS]["fleet/scaled_up"] >= 1.0
+    assert m[STEPS]["fleet/scaled_up"] >= 3.0  # 1 -> 2, and 1 -> 2 -> 3 after the drain
+    assert m[STEPS]["fleet/scaled_down"] >= 1.0
+    assert min(fleet) == 1 and max(fleet) == 3, fleet
     requeued = sum(m[s].get("rollout/requeued_samples", 0.0) for s in m)
     assert requeued > 0, "the killed or frozen replica's share was never re-queued"
     log = (run_dir / "logs" / "scheduler.log").read_text()
-    assert "autoscale: rollout replicas 2 -> 3" in log
+    for change in ("1 -> 2", "2 -> 3"):
+        assert f"autoscale: rollout replicas {change}" in log, change
+    assert "rollout replicas set to 1 from outside" in log
+    assert log.count("autoscale: rollout replicas 1 -> 2") >= 2  # after the drain too
     # From the traces: each step's last attempt trained the data order's prompts, all
     # distinct within the epoch, and generated every sample of them.
     spans = load_spans(run_dir)

@@ -367,6 +367,45 @@ def test_no_retry_when_disabled(servicer: FakeReward, server: Server) -> None:
     assert servicer.attempts["n0"] == 1
 
 
+def test_a_service_restarted_on_its_address_is_reached_at_once(servicer: FakeReward) -> None:
+    """A launcher restarts a dead service on its port: a new channel to it (a driver
+    adopting the replica) connects at once instead of inheriting the dead one's
+    reconnect backoff (1.5-3.5 s with gRPC's shared subchannel pool), and a channel
+    that saw it die reconnects within about a second."""
+    first = create_server([(ADD_REWARD, servicer)])
+    address = first.address
+    old = create_channel(address, retry_unavailable=False)
+    score = reward_pb2_grpc.RewardServiceStub(old).Score
+    assert score(request("ok"), timeout=5).results[0].score == 3.0
+    first.stop(grace_s=0)
+    for _ in range(3):  # each failure pushes the old channel's backoff further
+        with pytest.raises(grpc.RpcError):
+            score(request("ok"), timeout=5)
+    time.sleep(0.5)
+    port = int(address.rpartition(":")[2])
+    second = create_server([(ADD_REWARD, servicer)], port=port)
+    try:
+        t0 = time.monotonic()
+        with create_channel(address, retry_unavailable=False) as fresh:
+            out = reward_pb2_grpc.RewardServiceStub(fresh).Score(request("ok"), timeout=5)
+        fresh_s = time.monotonic() - t0
+        assert out.results[0].score == 3.0
+        assert fresh_s < 1.0, f"a new channel took {fresh_s:.2f}s"
+        deadline = time.monotonic() + 10
+        while True:  # what a caller with an old client sees, polling
+            try:
+                score(request("ok"), timeout=5)
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "the old channel never reconnected"
+                time.sleep(0.05)
+        old_s = time.monotonic() - t0
+        assert old_s < 3.0, f"the old channel took {old_s:.2f}s"
+    finally:
+        old.close()
+        second.stop(grace_s=0)
+
+
 def test_deadline_exceeded(servicer: FakeReward, stub: Any) -> None:
     err = rpc_error(stub.Score, request("slow"), **call_options(0.2))
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -147,3 +147,27 @@ def test_metrics_count_decisions_and_show_the_desired_count() -> None:
     assert 'rlfleet_autoscale_decisions_total{direction="up"} 1.0' in text
     assert 'rlfleet_autoscale_decisions_total{direction="down"} 0.0' in text
     assert "rlfleet_autoscale_desired_replicas 2.0" in text
+
+
+def test_a_scale_set_from_outside_is_measured_before_the_next_decision() -> None:
+    """`rlfleet scale rollout 1` while the autoscaler runs: the policy moves on from 1,
+    but only after a step measured with one replica, not on the evidence of the fleet
+    the operator replaced."""
+    core = SchedulerCore(Registry(heartbeat_interval_s=1000.0))
+    clock = Clock()
+    auto = Autoscaler(core, S, clock=clock)
+    ids = [_replica(core, i) for i in range(3)]
+    core.set_scale("rollout", 3)
+    _step(core, 4, gen=0.9)
+    assert auto.check() is None  # at max_replicas: nothing to do
+    core.set_scale("rollout", 1)  # the operator
+    for service_id in ids[1:]:  # the launcher drains two
+        core.deregister(service_id)
+    clock.t = 100.0  # past the cooldown
+    assert auto.check() is None  # step 4 was measured with three replicas
+    _step(core, 5, gen=0.9)
+    assert auto.check() is None  # the operator's change starts a cooldown too
+    clock.t = 111.0
+    event = auto.check()
+    assert event is not None and (event.replicas_from, event.replicas_to) == (1, 2)
+    assert event.step == 5
