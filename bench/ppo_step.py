@@ -117,7 +117,7 @@ class FakeRollout:
     def update_weights(self, named: Mapping[str, Any], version: int, **_: Any) -> Any:
         self.version = version
 
-    def status(self) -> RolloutStatusInfo:
+    def status(self, *, probe: bool = False) -> RolloutStatusInfo:
         return RolloutStatusInfo(
             "fake", "fake", "fake", "float32", "cpu", self.version, 0, 0.0, self.sleeping, 0
         )

@@ -1352,8 +1352,9 @@ def create_channel(
         ("grpc.use_local_subchannel_pool", 1),
         # Services restart on their address within seconds: try again soon, not
         # after gRPC's default backoff (1 s growing to 120 s).
+        # (gRPC's min_reconnect_backoff_ms is also the connection attempt's deadline,
+        # 20 s: left alone, or a busy peer's slow handshake would count as a failure.)
         ("grpc.initial_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS[0]),
-        ("grpc.min_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS[0]),
         ("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS[1]),
     ]
     if tls is not None and tls.server_name_override:

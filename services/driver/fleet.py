@@ -101,9 +101,9 @@ class RolloutFleet:
         depth = []
         for i, r in enumerate(replicas):
             try:
-                depth.append((r.client.status().queue_depth, i))
-            except Exception:  # an unreachable replica: last in line, generate() will tell
-                logger.warning("rollout replica %s: status failed", r.replica_id, exc_info=True)
+                depth.append((r.client.status(probe=True).queue_depth, i))
+            except Exception as e:  # an unreachable replica: last in line, generate() will tell
+                logger.warning("rollout replica %s: status failed (%s)", r.replica_id, e)
                 depth.append((1 << 30, i))
         order = [i for _, i in sorted(depth)]
         k = len(order)

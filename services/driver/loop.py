@@ -263,6 +263,7 @@ class PPOTrainer:
         self.reward_fn = reward_fn
         self.val_reward_fn = val_reward_fn
         self.on_step = on_step
+        self._replica_wait_s = 0.0  # the last step's membership refresh (see _step_metrics)
         self.metrics = SchedulerMetrics()
         self.metrics_port: int | None = None
         if metrics_port is not None:
@@ -869,6 +870,9 @@ class PPOTrainer:
         metrics["timing_s/gen"] = gen
         metrics["timing_s/reward"] = gb.timing["reward"]
         metrics["timing_s/wait_batch"] = wait_s
+        # Membership before the step: the registry read, newcomers brought to the
+        # current weights, and (none left) the wait for a replica to come back.
+        metrics["timing_s/wait_replicas"] = self._replica_wait_s
         metrics["perf/total_gen_tokens"] = float(tokens)
         metrics["perf/tokens_per_second"] = tokens / gen if gen > 0 else 0.0
         metrics["training/global_step"] = float(self.global_steps)
@@ -1206,6 +1210,7 @@ class PPOTrainer:
         while self.global_steps < self.total_training_steps:
             t0 = time.perf_counter()
             self._fleet.refresh_waiting()  # none left: wait for rollout.replica_wait_s
+            self._replica_wait_s = time.perf_counter() - t0
             step = self.global_steps + 1
             try:
                 with tracing.span("step", root=True, step=step) as attrs:
@@ -1323,6 +1328,7 @@ class PPOTrainer:
                 t0 = time.perf_counter()
                 if self.global_steps >= first:
                     self._fleet.refresh_waiting()  # none left: rollout.replica_wait_s
+                self._replica_wait_s = time.perf_counter() - t0
                 while True:
                     try:
                         item = out.get(timeout=0.5)
@@ -1331,7 +1337,7 @@ class PPOTrainer:
                         self._fleet.feed_if_starved()
                 if isinstance(item, BaseException):
                     raise item
-                wait = time.perf_counter() - t0
+                wait = time.perf_counter() - t0 - self._replica_wait_s
 
                 def synced_cb(step: int, version: int) -> None:
                     with cond:
@@ -1401,7 +1407,7 @@ class PPOTrainer:
         # The trainer's phases and the batch's trip there: the TrainStep call as a whole.
         busy = metrics["timing_s/train"]
         busy += wait_s + sync_s + swap_s + metrics.get("timing_s/validation", 0.0)
-        busy += metrics.get("timing_s/guard", 0.0)
+        busy += metrics.get("timing_s/guard", 0.0) + metrics["timing_s/wait_replicas"]
         if not self.pipelined:
             busy += gb.timing["gen"] + gb.timing["reward"]
         metrics["timing_s/scheduler"] = max(0.0, step_s - busy)
@@ -1506,6 +1512,7 @@ STATUS_METRICS = frozenset(
         "actor/entropy",
         "timing_s/step",
         "timing_s/gen",
+        "timing_s/wait_replicas",
         "staleness/mean",
         "rollout/replicas",
         "val/test_score/mean",

@@ -62,7 +62,10 @@ class RolloutClient(Protocol):
         transports: Sequence[str] = AUTO,
     ) -> UpdateResult: ...
 
-    def status(self) -> RolloutStatusInfo: ...
+    def status(self, *, probe: bool = False) -> RolloutStatusInfo:
+        """The replica's load and weight version. ``probe``: a hint the caller can do
+        without (no retries, a deadline of :data:`PROBE_TIMEOUT_S`)."""
+        ...
 
     def sleep(self, level: int = 1) -> int: ...
 
@@ -98,7 +101,7 @@ class InProcessRolloutClient:
     ) -> UpdateResult:
         return self.core.update_weights(named_tensors, version)
 
-    def status(self) -> RolloutStatusInfo:
+    def status(self, *, probe: bool = False) -> RolloutStatusInfo:
         return self.core.status()
 
     def sleep(self, level: int = 1) -> int:
@@ -116,6 +119,9 @@ def _error(e: grpc.RpcError) -> RlfleetError:
 
 
 DEFAULT_LIVENESS_S = 4.0
+PROBE_TIMEOUT_S = 1.0
+"""Deadline of a ``status(probe=True)`` call: a replica that does not answer its load
+within it is treated as the most loaded one."""
 """How long a ``Generate`` stream may go without a sample before the replica is
 probed (``GetStatus`` with the same deadline); a replica that is stopped or stuck
 is thus given up within about three times this (12 s), not the stream's deadline."""
@@ -229,11 +235,16 @@ class RemoteRolloutClient:
     ) -> UpdateResult:
         return send_update(self.channel, named_tensors, version, transports=transports)
 
-    def status(self) -> RolloutStatusInfo:
+    def status(self, *, probe: bool = False) -> RolloutStatusInfo:
+        # A probe takes the channel without retries: a dead replica costs one refused
+        # connection, not the retry policy's backoffs (about 3 s).
+        stub, timeout = (
+            (self._generate_stub, min(PROBE_TIMEOUT_S, self._timeout_s))
+            if probe
+            else (self.stub, self._timeout_s)
+        )
         try:
-            msg = self.stub.GetStatus(
-                rollout_pb2.GetRolloutStatusRequest(), timeout=self._timeout_s
-            )
+            msg = stub.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=timeout)
         except grpc.RpcError as e:
             raise _error(e) from e
         return serde.status_from_proto(msg)

@@ -42,7 +42,8 @@ class Signals:
     Attributes:
         replicas: rollout replicas alive in the registry.
         queue_depth: samples waiting, summed over the alive replicas' last heartbeats.
-        gen_share: generation's share of the last step's time (None: no step yet).
+        gen_share: generation's share of the last step's time, the wait for a rollout
+            replica before it included (None: no step yet).
         staleness: the last step's mean sample staleness in weight versions (None:
             not reported, e.g. synchronous runs report 0).
         step: the driver's global step (-1: no training status yet).
@@ -155,7 +156,10 @@ class Autoscaler:
         gen_share = None
         step_s = m.get("timing_s/step", 0.0)
         if "timing_s/gen" in m and step_s > 0:
-            gen_share = min(1.0, max(0.0, m["timing_s/gen"] / step_s))
+            # A step that waited for a rollout replica (none left, or newcomers being
+            # brought to the current weights) waited on the rollout side too.
+            gen = m["timing_s/gen"] + m.get("timing_s/wait_replicas", 0.0)
+            gen_share = min(1.0, max(0.0, gen / step_s))
         started = status.state != "idle" or status.global_step > 0
         return Signals(
             replicas=len(replicas),

@@ -171,3 +171,16 @@ def test_a_scale_set_from_outside_is_measured_before_the_next_decision() -> None
     event = auto.check()
     assert event is not None and (event.replicas_from, event.replicas_to) == (1, 2)
     assert event.step == 5
+
+
+def test_a_step_that_waited_for_a_replica_counts_that_wait_as_generation() -> None:
+    """Step time spent waiting for a rollout replica (none left while one restarts,
+    or a newcomer brought to the current weights) is the rollout side's."""
+    core = SchedulerCore(Registry(heartbeat_interval_s=1000.0))
+    auto = Autoscaler(core, S, clock=Clock())
+    _replica(core, 0)
+    metrics = {"timing_s/gen": 0.05, "timing_s/wait_replicas": 3.0, "timing_s/step": 4.0}
+    core.set_training_status(global_step=4, state="running", metrics=metrics)
+    assert auto.signals().gen_share == pytest.approx(3.05 / 4.0)
+    event = auto.check()
+    assert event is not None and event.replicas_to == 2 and "0.76" in event.reason
