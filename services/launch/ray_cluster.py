@@ -443,6 +443,7 @@ class RayCluster:
         self._stopped = False
         self._stop_event = threading.Event()
         self._supervisor: threading.Thread | None = None
+        self._scaler: threading.Thread | None = None
         self._lock = threading.RLock()
         self.supervise_interval_s = 1.0
         self.events: collections.Counter[str] = collections.Counter()
@@ -507,6 +508,12 @@ class RayCluster:
             target=self._supervise, name="rlfleet-ray-supervisor", daemon=True
         )
         self._supervisor.start()
+        # Its own thread: a scale-up (placing actors, loading the model) or a drain
+        # must not hold back the restart of a service that dies meanwhile.
+        self._scaler = threading.Thread(
+            target=self._follow_scale_loop, name="rlfleet-ray-scaler", daemon=True
+        )
+        self._scaler.start()
         logger.info(
             "ray cluster up: %s",
             ", ".join(f"{s.name}={s.address} on {_where(s)}" for s in self._services),
@@ -666,7 +673,7 @@ class RayCluster:
     def _finish(self, ray: Any, svc: _Service, deadline: float) -> None:
         from rlfleet.common.rpc import wait_for_ready
 
-        pending = svc.info.pop("_pending")
+        pending = svc.info["_pending"]  # kept until the start returns: see supervise_once
         try:
             out = ray.get(pending, timeout=max(1.0, deadline - time.monotonic()) + 5)
         except Exception as e:
@@ -675,6 +682,8 @@ class RayCluster:
                 field=svc.name,
                 value=str(self.run_dir / "logs" / f"{svc.name}.log"),
             ) from e
+        finally:
+            svc.info.pop("_pending", None)
         svc.pid = int(out["pid"])
         svc.address = out["address"]
         svc.metrics_address = out["metrics_address"]
@@ -929,16 +938,28 @@ class RayCluster:
 
     def _supervise(self) -> None:
         """Keep the fleet as asked: restart dead service processes, replace replicas
-        whose actor (node) is gone, follow the scheduler's desired rollout count."""
+        whose actor (node) is gone. (:meth:`_follow_scale_loop` follows the
+        scheduler's desired rollout count.)"""
         while not self._stop_event.wait(self.supervise_interval_s):
             try:
-                self.supervise_once()
+                self.supervise_once(scale=False)
             except Exception:  # keep supervising: one bad round must not end it
                 if not self._stopped:
                     logger.exception("ray cluster supervision round failed")
 
-    def supervise_once(self) -> None:
-        """One round of :meth:`_supervise` (tests call it directly)."""
+    def _follow_scale_loop(self) -> None:
+        import ray
+
+        while not self._stop_event.wait(self.supervise_interval_s):
+            try:
+                self._follow_scale(ray)
+            except Exception:  # keep following: one bad round must not end it
+                if not self._stopped:
+                    logger.exception("following the desired rollout scale failed")
+
+    def supervise_once(self, *, scale: bool = True) -> None:
+        """One round of :meth:`_supervise`, and with ``scale`` of following the desired
+        rollout count (tests call it directly)."""
         import ray
 
         with self._lock:
@@ -950,6 +971,8 @@ class RayCluster:
                 if svc not in self._services:
                     continue  # replaced this round (a trainer rank restarted with rank 0)
             try:
+                if "_pending" in svc.info:
+                    continue  # still starting (a scale-up's): its actor answers after
                 code = ray.get(svc.actor.poll.remote(), timeout=15)
             except ray.exceptions.GetTimeoutError:
                 continue  # slow to answer is not gone: ask again next round
@@ -958,7 +981,8 @@ class RayCluster:
                 continue
             if code is not None:
                 self._restart(ray, svc, code)
-        self._follow_scale(ray)
+        if scale:
+            self._follow_scale(ray)
 
     def _deregister(self, address: str | None) -> None:
         if address and self.scheduler_address:
@@ -1379,8 +1403,9 @@ class RayCluster:
                 return
             self._stopped = True
         self._stop_event.set()
-        if self._supervisor is not None and self._supervisor is not threading.current_thread():
-            self._supervisor.join(timeout=60)
+        for thread in (self._supervisor, self._scaler):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=60)
         with self._lock:
             services = list(self._services)
         if ray.is_initialized():
