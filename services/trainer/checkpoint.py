@@ -3,10 +3,11 @@
 Layout under the checkpoint root (``<run dir>/checkpoints`` by default)::
 
     global_step_12/
-        actor.pt             model, optimizer and lr scheduler state (full, unsharded;
-                             a LoRA actor's model state is its adapters only)
-        critic.pt            the same for the critic, when there is one
-        rng_rank0.pt ...     each rank's torch / python / numpy (/ cuda) RNG states, as tensors
+        actor.safetensors    model, optimizer and lr scheduler state (full, unsharded;
+        actor.json           a LoRA actor's model state is its adapters only): the
+                             tensors, and the structure around them (state_file)
+        critic.*             the same for the critic, when there is one
+        rng_rank0.* ...      each rank's torch / python / numpy (/ cuda) RNG states
         trainer_state.json   global_step, weight_version, kl_coef, kl_loss_coef, world_size,
                              roles, extra_state_json (e.g. the dataloader position)
         huggingface/         the actor as a Hugging Face folder: config.json, the tokenizer,
@@ -23,11 +24,14 @@ ignored by :func:`load` and removed by the next save.
 States are full (unsharded) state dicts, so a checkpoint written by N ranks loads on any
 number of ranks (RNG states are restored per rank when the world size is the same).
 
-No code from a file: every ``.pt`` file is read with ``torch.load(weights_only=True)``,
-which only rebuilds tensors and plain containers (dict, list, tuple, str, int, float,
-bool, None) and refuses any other pickled object (:class:`CheckpointRefused`). So the
-python and numpy RNG states, which ``random`` / ``numpy`` give as tuples holding a numpy
-array, are stored as a dict of tensors and numbers and rebuilt on load.
+No code from a file: a state is a safetensors file (tensors: a header and raw bytes)
+and a JSON file (the dicts, lists, numbers and strings around them), see
+:mod:`rlfleet.trainer.state_file`; nothing is unpickled. The python and numpy RNG
+states, which ``random`` / ``numpy`` give as tuples holding a numpy array, are stored as
+a dict of tensors and numbers and rebuilt on load. A checkpoint of an earlier version
+(``actor.pt`` ...) still loads, with ``torch.load(weights_only=True)``, which only
+rebuilds tensors and plain containers and refuses any other pickled object
+(:class:`CheckpointRefused`).
 
 Hugging Face folder: written on rank 0 from the actor's full state the save has already
 gathered (no second gather; on a GPU or multi-rank trainer it is on CPU, complete on rank
@@ -62,6 +66,7 @@ import numpy as np
 import torch
 
 from rlfleet.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from rlfleet.trainer import state_file
 from rlfleet.trainer.lora import is_adapter_name, merge_state
 
 if TYPE_CHECKING:
@@ -76,6 +81,7 @@ __all__ = [
     "find_latest",
     "load",
     "read_rank_state",
+    "read_state",
     "read_torch",
     "save",
     "steps",
@@ -142,8 +148,33 @@ def _fsync_tree(root: Path) -> None:
         _fsync_file(Path(dirpath))
 
 
-def _write_torch(obj: Any, path: Path) -> None:
-    torch.save(obj, path)
+def _write_state(obj: Any, stem: Path) -> None:
+    state_file.write_state(obj, stem)
+
+
+def read_state(stem: Path) -> Any:
+    """A state :func:`save` wrote as ``<stem>.safetensors`` + ``<stem>.json``, or, in a
+    checkpoint of an earlier version, as ``<stem>.pt`` (:func:`read_torch`).
+
+    Raises:
+        NotFound: neither is there.
+        CheckpointRefused: the files do not hold such a state.
+    """
+    if state_file.exists(stem):
+        try:
+            return state_file.read_state(stem)
+        except (ValueError, OSError, json.JSONDecodeError) as e:
+            raise CheckpointRefused(
+                f"{stem.name}: {e}", field="path", value=str(stem.parent)
+            ) from e
+    legacy = stem.with_name(stem.name + ".pt")
+    if legacy.is_file():
+        return read_torch(legacy)
+    raise NotFound(
+        f"{stem.name}.safetensors / {stem.name}.json not in {stem.parent}",
+        field="path",
+        value=str(stem.parent),
+    )
 
 
 def read_torch(path: Path) -> Any:
@@ -235,9 +266,9 @@ def save(
         tmp.mkdir()
         try:
             for role in roles:
-                _write_torch(results[0][role], tmp / f"{role}.pt")
+                _write_state(results[0][role], tmp / role)
             for rank, res in enumerate(results):
-                _write_torch(_rng_to_file(res["rng"]), tmp / f"rng_rank{rank}.pt")
+                _write_state(_rng_to_file(res["rng"]), tmp / f"rng_rank{rank}")
             state = {
                 "step": step,
                 "global_step": core.state.global_step,
@@ -404,12 +435,13 @@ def read_rank_state(
     """What one rank loads: the full states of ``roles`` and its RNG state (None when the
     checkpoint was written by a different number of ranks)."""
     folder = Path(path)
-    states = {role: read_torch(folder / f"{role}.pt") for role in roles}
+    states = {role: read_state(folder / role) for role in roles}
     meta = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
     rng = None
-    rng_file = folder / f"rng_rank{rank}.pt"
-    if meta.get("world_size") == world_size and rng_file.is_file():
-        rng = _rng_from_file(read_torch(rng_file))
+    rng_stem = folder / f"rng_rank{rank}"
+    present = state_file.exists(rng_stem) or rng_stem.with_name(rng_stem.name + ".pt").is_file()
+    if meta.get("world_size") == world_size and present:
+        rng = _rng_from_file(read_state(rng_stem))
     return states, rng
 
 

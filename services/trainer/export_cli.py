@@ -9,8 +9,9 @@
 ``config.yaml``); its ``checkpoints/`` folder itself is taken too. Without ``--step``, the
 latest complete checkpoint. The step's ``huggingface/`` folder (every save writes one
 while ``trainer.save_hf`` is on) is copied. A checkpoint saved without one is rebuilt:
-the actor's weights from ``actor.pt`` (read with ``torch.load(weights_only=True)``, so
-no code from the file runs), the model config and the tokenizer from ``actor.model_path``
+the actor's weights from its state (``actor.safetensors`` + ``actor.json``, or the
+``actor.pt`` of an earlier version read with ``torch.load(weights_only=True)``: no code
+from the file runs), the model config and the tokenizer from ``actor.model_path``
 / ``actor.tokenizer_path`` of the run's ``config.yaml``.
 
 The folder is written beside ``--out`` under a temporary name and renamed into place:
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 def export(run_dir: Path, out: Path, *, step: int | None = None) -> tuple[Path, int, str]:
     """Write checkpoint ``step`` (None: the latest) of ``run_dir`` to ``out`` as a Hugging
     Face folder. Returns ``(out, step, source)``, ``source`` being ``"huggingface"``
-    (copied) or ``"actor.pt"`` (rebuilt). See the module docstring for the errors."""
+    (copied) or ``"actor"`` (rebuilt from the actor's state). See the module docstring for the errors."""
     from rlfleet.trainer import checkpoint
 
     root, config_file = _layout(run_dir)
@@ -79,7 +80,7 @@ def export(run_dir: Path, out: Path, *, step: int | None = None) -> tuple[Path, 
             source = "huggingface"
         else:
             _rebuild(folder, config_file, tmp)
-            source = "actor.pt"
+            source = "actor"
         if out.is_dir():
             out.rmdir()  # empty, checked above
         tmp.rename(out)
@@ -145,11 +146,13 @@ def _rebuild(folder: Path, config_file: Path, out: Path) -> None:
     """The Hugging Face folder of a checkpoint saved without one (see the module
     docstring)."""
     from rlfleet.common.config import load_config
-    from rlfleet.trainer import checkpoint
+    from rlfleet.trainer import checkpoint, state_file
 
-    actor_file = folder / "actor.pt"
-    if not config_file.is_file() or not actor_file.is_file():
-        missing = [str(p) for p in (config_file, actor_file) if not p.is_file()]
+    actor_file = folder / "actor"
+    has_actor = state_file.exists(actor_file) or (folder / "actor.pt").is_file()
+    if not config_file.is_file() or not has_actor:
+        missing = [str(config_file)] if not config_file.is_file() else []
+        missing += [] if has_actor else [f"{actor_file}.safetensors / .json"]
         raise FailedPrecondition(
             f"{str(folder)!r} holds no huggingface/ folder, and rebuilding one needs "
             f"{missing}, which do not exist",
@@ -157,7 +160,7 @@ def _rebuild(folder: Path, config_file: Path, out: Path) -> None:
             value=str(folder),
         )
     config = load_config(config_file)
-    state = checkpoint.read_torch(actor_file)
+    state = checkpoint.read_state(actor_file)
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise FailedPrecondition(
             f"{str(actor_file)!r} holds no model state (a dict under 'model')",

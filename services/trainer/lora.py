@@ -15,7 +15,7 @@ What leaves the trainer, in Hugging Face names of the base model:
 * a full push, the HF export and ``huggingface/`` of a checkpoint: the merged model,
   ``W = W0 + lora_alpha / r * B @ A`` (:func:`iter_merged`, :func:`merge_state`), which
   ``AutoModelForCausalLM.from_pretrained`` loads with no peft;
-* a checkpoint's ``actor.pt``: the adapter parameters only (peft names); the base comes
+* a checkpoint's actor state: the adapter parameters only (peft names); the base comes
   from ``actor.model_path`` on load (:func:`adapter_names`).
 """
 

@@ -67,7 +67,7 @@ def test_rlfleet_train_checkpoints_hold_hf_and_export_writes_it(
     assert done.returncode == 0, done.stderr[-3000:]
 
     folder = run_dir / "checkpoints" / "global_step_2"
-    actor = checkpoint.read_torch(folder / "actor.pt")["model"]
+    actor = checkpoint.read_state(folder / "actor")["model"]
     loaded, model, tokenizer = _hf_params(folder / "huggingface")
     for name, t in actor.items():
         assert torch.equal(loaded[name], t), name

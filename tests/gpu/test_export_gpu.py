@@ -69,7 +69,7 @@ def test_cuda_checkpoint_holds_hf(
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     folder = run_dir / "checkpoints" / "global_step_2"
-    actor = checkpoint.read_torch(folder / "actor.pt")["model"]
+    actor = checkpoint.read_state(folder / "actor")["model"]
     assert all(t.device.type == "cpu" for t in actor.values())
     model = AutoModelForCausalLM.from_pretrained(folder / "huggingface", local_files_only=True)
     AutoTokenizer.from_pretrained(folder / "huggingface", local_files_only=True)

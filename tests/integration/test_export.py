@@ -1,7 +1,7 @@
 """Models out: every checkpoint holds ``huggingface/`` (config, tokenizer, safetensors of
 the actor) that transformers loads and generates with, equal to the trainer's actor;
 ``rlfleet export`` writes a step's folder (the latest by default), rebuilding it from
-``actor.pt`` and the run's config.yaml for a checkpoint saved without one; its errors
+the actor's state and the run's config.yaml for a checkpoint saved without one; its errors
 are one line, exit 2. Also the 2-rank FSDP trainer (torchrun, gloo, CPU) over gRPC."""
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def test_export_rebuilds_a_checkpoint_saved_without_hf(
 
     code, out, err = _export("--run", str(run_dir), "--out", str(tmp_path / "hf"), capsys=capsys)
     assert code == 0, err
-    assert '"source": "actor.pt"' in out
+    assert '"source": "actor"' in out
     _assert_weights(tmp_path / "hf", _actor(core))
     _, tokenizer = _load_hf(tmp_path / "hf")
     assert tokenizer("1+2=")["input_ids"]
@@ -221,6 +221,9 @@ def test_export_rebuild_refuses_pickled_objects_and_needs_the_config(
 
     save_resolved(core.config, run_dir)
     marker = tmp_path / "ran"
+    # A checkpoint of an earlier version (actor.pt), made hostile.
+    for suffix in (".safetensors", ".json"):
+        (folder / f"actor{suffix}").unlink()
     torch.save({"model": _RunsCodeWhenUnpickled(marker)}, folder / "actor.pt")
     code, _, err = _export("--run", str(run_dir), "--out", out, capsys=capsys)
     assert code == 2 and "refusing to unpickle" in err and err.count("\n") == 1, err
@@ -300,7 +303,7 @@ def test_two_rank_fsdp_checkpoint_holds_the_full_actor(
                 proc.wait()
     folder = Path(saved.path)
     assert folder == (run_dir / "checkpoints" / "global_step_1").resolve()
-    actor = checkpoint.read_torch(folder / "actor.pt")["model"]
+    actor = checkpoint.read_state(folder / "actor")["model"]
     _assert_weights(folder / "huggingface", actor)
     start, _ = _load_hf(tiny_model_dir)
     assert any(not torch.equal(p.detach(), actor[n]) for n, p in start.named_parameters())

@@ -3,7 +3,7 @@ and the base stays equal; the reference is the base (adapters disabled); a push 
 real rollout service (HF engine, gRPC / TCP on 127.0.0.1 port 0) carries exactly the
 adapter bytes, and the replica then generates what the merged model generates; a
 checkpoint holds the adapters, resumes bit-exact, and its Hugging Face folder (and
-``rlfleet export`` rebuilt from ``actor.pt``) is the merged model transformers loads."""
+``rlfleet export`` rebuilt from the actor's state) is the merged model transformers loads."""
 
 from __future__ import annotations
 
@@ -244,7 +244,7 @@ def test_checkpoint_holds_the_adapter_resumes_exactly_and_exports_merged(
     a = TrainerCore(cfg)
     a.train_step(_batch(0))
     folder, _, _ = checkpoint.save(a, step=1, export_hf=True)
-    saved = checkpoint.read_torch(folder / "actor.pt")
+    saved = checkpoint.read_state(folder / "actor")
     assert set(saved["model"]) == set(_adapter(a))  # the adapters only
     merged = dict(a.iter_weights(full=True))
     expected = a.train_step(_batch(1))
@@ -261,13 +261,13 @@ def test_checkpoint_holds_the_adapter_resumes_exactly_and_exports_merged(
     loaded = AutoModelForCausalLM.from_pretrained(folder / "huggingface", local_files_only=True)
     for name, p in loaded.named_parameters():
         assert torch.equal(p.detach(), merged[name]), name
-    # rlfleet export rebuilds the same merged model from actor.pt alone.
+    # rlfleet export rebuilds the same merged model from the actor's state alone.
     from rlfleet.common.config import save_resolved
 
     save_resolved(cfg, run)
     shutil.rmtree(folder / "huggingface")
     out, step, source = export_cli.export(run, tmp_path / "out")
-    assert (step, source) == (1, "actor.pt")
+    assert (step, source) == (1, "actor")
     rebuilt = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     for name, p in rebuilt.named_parameters():
         assert torch.equal(p.detach(), merged[name]), name

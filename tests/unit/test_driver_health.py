@@ -18,7 +18,7 @@ from rlfleet.common.config import Config, load_config
 from rlfleet.driver.clients import Role, in_process_workers
 from rlfleet.driver.data.preprocess import preprocess
 from rlfleet.driver.loop import PPOTrainer
-from rlfleet.trainer.checkpoint import read_torch
+from rlfleet.trainer.checkpoint import read_state
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_ppo.yaml"
 TOO_HIGH = 0.2  # AdamW moves every weight by about this in its first step: 10x their scale
@@ -154,7 +154,7 @@ def test_guard_rolls_back_and_halves_the_lr_and_a_resume_keeps_it(
     # Step 3's checkpoint (saved after the intervention) holds step 2's actor and the
     # halved lr; the bad update is gone.
     ckpt = run / "checkpoints"
-    before, after = (read_torch(ckpt / f"global_step_{s}" / "actor.pt") for s in (2, 3))
+    before, after = (read_state(ckpt / f"global_step_{s}" / "actor") for s in (2, 3))
     for name, t in before["model"].items():
         assert torch.equal(t, after["model"][name]), name
     groups = after["optimizer"]["param_groups"]

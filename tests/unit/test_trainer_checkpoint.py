@@ -57,7 +57,7 @@ def test_crash_mid_save_keeps_last_good(
     core.train_step(_batch(2))
 
     calls = {"n": 0}
-    real = checkpoint._write_torch
+    real = checkpoint._write_state
 
     def failing(obj: Any, path: Path) -> None:
         calls["n"] += 1
@@ -65,7 +65,7 @@ def test_crash_mid_save_keeps_last_good(
             raise OSError("disk full (injected)")
         real(obj, path)
 
-    monkeypatch.setattr(checkpoint, "_write_torch", failing)
+    monkeypatch.setattr(checkpoint, "_write_state", failing)
     with pytest.raises(OSError, match="injected"):
         checkpoint.save(core, step=2)
     monkeypatch.undo()
@@ -120,23 +120,70 @@ class _RunsCodeWhenUnpickled:
         return (_write_marker, (str(self.marker),))
 
 
-def test_checkpoint_files_hold_only_tensors_and_plain_containers(
+def test_checkpoint_files_are_safetensors_and_json(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """No pickle anywhere: each state is a safetensors file (parsed by its header) and
+    a JSON document; loading them gives back the states the trainer saved."""
+    from safetensors import safe_open
+
+    core = TrainerCore(_config(tiny_model_dir, tmp_path / "run"))
+    folder, _, _ = checkpoint.save(core, step=1)
+    assert not list(folder.glob("*.pt"))
+    stems = sorted({p.name.split(".")[0] for p in folder.glob("*.safetensors")})
+    assert stems == ["actor", "critic", "rng_rank0"]
+    for stem in stems:
+        json.loads((folder / f"{stem}.json").read_text())
+        with safe_open(str(folder / f"{stem}.safetensors"), framework="pt") as f:
+            assert list(f.keys())
+    saved = checkpoint.read_state(folder / "actor")
+    with core.lock:
+        live = core.gather_states(["actor"])[0]["actor"]
+    _same(saved, live, "actor")
+
+
+def _same(a: Any, b: Any, where: str) -> None:
+    """``a`` and ``b`` are the same nested state: equal tensors (dtype and shape
+    included), equal plain values of the same types, dict keys of the same types."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_a_state_file_naming_a_missing_tensor_is_refused(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     core = TrainerCore(_config(tiny_model_dir, tmp_path / "run"))
     folder, _, _ = checkpoint.save(core, step=1)
-    files = sorted(folder.glob("*.pt"))
-    assert [p.name for p in files] == ["actor.pt", "critic.pt", "rng_rank0.pt"]
-    for p in files:
-        torch.load(p, map_location="cpu", weights_only=True)  # raises on any object
+    doc = json.loads((folder / "actor.json").read_text())
+    doc["state"] = {"tensor": "t999999"}
+    (folder / "actor.json").write_text(json.dumps(doc))
+    with pytest.raises(checkpoint.CheckpointRefused, match="t999999"):
+        checkpoint.load(core)
 
 
-@pytest.mark.parametrize("name", ["actor.pt", "rng_rank0.pt"])
-def test_checkpoint_with_a_pickled_object_is_refused(
+@pytest.mark.parametrize("name", ["actor", "rng_rank0"])
+def test_legacy_checkpoint_with_a_pickled_object_is_refused(
     tiny_model_dir: Path, tmp_path: Path, name: str
 ) -> None:
+    """A checkpoint of an earlier version (``.pt`` files) still loads with
+    ``weights_only``, which refuses a pickled object instead of running it."""
     core = TrainerCore(_config(tiny_model_dir, tmp_path / "run"))
     folder, _, _ = checkpoint.save(core, step=1)
+    for stem in ("actor", "critic", "rng_rank0"):  # as an earlier version wrote it
+        torch.save(checkpoint.read_state(folder / stem), folder / f"{stem}.pt")
+        for suffix in (".safetensors", ".json"):
+            (folder / f"{stem}{suffix}").unlink()
+    assert checkpoint.load(core)[1] == 1
+    name = f"{name}.pt"
     # The payload is live: a plain unpickling runs it.
     probe = tmp_path / "probe"
     torch.save({"x": _RunsCodeWhenUnpickled(probe)}, tmp_path / "probe.pt")
