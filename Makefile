@@ -90,7 +90,7 @@ $(VLLM_STAMP): pyproject.toml
 	@touch $@
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q tests/integration/test_vllm_engine.py
+	$(VLLM_VENV)/bin/python -m pytest -q tests/integration/test_vllm_engine.py tests/integration/test_vllm_lora.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -371,6 +371,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "between two decode steps and the batch goes on under the new weights "
         "(default: the config's trainer.pipeline.enable and partial_rollout; else off)",
     )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="vllm engine: serve the actor's LoRA adapters with vLLM's own LoRA support, "
+        "adapters up to this rank (0: merge them into the weights instead; default: the "
+        "config's actor.lora_rank)",
+    )
     parser.add_argument("--log-level", default="INFO")
     add_openai_arguments(parser)
     add_security_arguments(parser)
@@ -384,6 +392,7 @@ _FLAG_DEFAULTS: dict[str, Any] = {
     "gpu_memory_utilization": 0.5,
     "max_num_batched_tokens": 0,
     "partial_rollout": False,
+    "lora_rank": 0,
     **OPENAI_FLAG_DEFAULTS,
 }
 
@@ -413,6 +422,7 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
             gpu_memory_utilization=r.gpu_memory_utilization,
             max_num_batched_tokens=r.max_num_batched_tokens or 0,
             partial_rollout=cfg.trainer.pipeline.enable and cfg.trainer.pipeline.partial_rollout,
+            lora_rank=cfg.actor.lora_rank,
             **openai_config_defaults(r.openai),
         )
     for name, value in defaults.items():
@@ -503,6 +513,8 @@ def serve_main(args: argparse.Namespace) -> int:
         extra["gpu_memory_utilization"] = args.gpu_memory_utilization
         if args.kv_cache_memory_bytes:
             extra["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+        if args.lora_rank:
+            extra["lora_rank"] = args.lora_rank
     metrics = RolloutMetrics(args.replica_id or "")
     try:  # before the model loads: tools unreachable or a template that cannot do it
         multi_turn = load_multi_turn(args.run_config, args.model, metrics.registry)

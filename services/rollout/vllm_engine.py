@@ -144,6 +144,14 @@ def _wire(t: Any) -> tuple[str, list[int], bytes]:
     return dtype, [int(d) for d in t.shape], data
 
 
+def _lora_slot_rank(rank: int) -> int:
+    """The smallest adapter rank vLLM accepts as ``max_lora_rank`` that holds ``rank``."""
+    for slot in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if slot >= rank:
+            return slot
+    raise ValueError(f"LoRA rank {rank} is above what vLLM serves (512)")
+
+
 class VLLMEngine:
     """Generation on ``vllm.LLM``.
 
@@ -164,6 +172,7 @@ class VLLMEngine:
         enable_sleep_mode: bool | None = None,
         weight_version: int = 0,
         seed: int = 0,
+        lora_rank: int = 0,
         **llm_kwargs: Any,
     ) -> None:
         import torch
@@ -176,6 +185,13 @@ class VLLMEngine:
             enable_sleep_mode = bool(current_platform.is_sleep_mode_available())
         self._name = str(model_path)
         self._sleep_mode = enable_sleep_mode
+        if lora_rank > 0:  # adapters served by vLLM itself (see update_weights)
+            llm_kwargs.update(
+                enable_lora=True, max_loras=1, max_lora_rank=_lora_slot_rank(lora_rank)
+            )
+        self._native_lora = lora_rank > 0
+        self._lora_dir: Path | None = None
+        self._lora_request: Any = None  # the adapter every generation uses, if any
         self.llm = vllm.LLM(
             model=self._name,
             dtype=dtype,
@@ -287,7 +303,9 @@ class VLLMEngine:
         with self._lock:
             if self._sleep_level:
                 raise FailedPrecondition("the engine is asleep", code="ENGINE_ASLEEP")
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self.llm.generate(
+                prompts, params, use_tqdm=False, lora_request=self._lora_request
+            )
             version = self._version
         results: list[list[SampleOutput]] = [[] for _ in requests]
         emitted: list[tuple[int, SampleOutput]] = []
@@ -412,6 +430,9 @@ class VLLMEngine:
         }
         self.check_weights(specs)
         lora = any(is_lora_name(n) for n in specs)
+        if lora and self._native_lora:
+            self._load_adapter(named_tensors, version)
+            return False
         with self._lock:
             if lora:
                 if self._base_replaced:
@@ -429,6 +450,7 @@ class VLLMEngine:
             if not lora:
                 self._base_replaced = True
                 self._lora_base.clear()
+                self._drop_adapter()  # a full update stands alone
             self._version = version
         if lora:
             logger.info(
@@ -437,6 +459,86 @@ class VLLMEngine:
                 len(specs) // 2,
             )
         return False
+
+    def _load_adapter(self, named_tensors: Mapping[str, Any], version: int) -> None:
+        """A LoRA update served by vLLM's LoRA support: written as a PEFT adapter folder
+        (``adapter_config.json``, ``adapter_model.safetensors``; ``lora_B`` arrives
+        scaled, so ``lora_alpha`` is the rank), loaded under a new adapter id, and used
+        by every generation from now on; the previous adapter is removed."""
+        import json
+        import tempfile
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        modules = lora_modules(named_tensors)
+        ranks = {int(named_tensors[m + LORA_A].shape[0]) for m in modules}
+        if len(ranks) != 1:
+            raise InvalidArgument(
+                f"a LoRA update's adapters have ranks {sorted(ranks)}: one rank expected",
+                field="weights",
+            )
+        (rank,) = ranks
+        limit = int(self.llm.llm_engine.vllm_config.lora_config.max_lora_rank)
+        if rank > limit:
+            raise InvalidArgument(
+                f"LoRA rank {rank} is above the rank this engine was started for ({limit}: "
+                "--lora-rank / actor.lora_rank)",
+                field="weights",
+                value=rank,
+            )
+        with self._lock:
+            if self._lora_dir is None:
+                self._lora_dir = Path(tempfile.mkdtemp(prefix="rlfleet-lora-"))
+            folder = self._lora_dir / f"v{version}"
+            folder.mkdir(parents=True, exist_ok=True)
+            tensors = {
+                f"base_model.model.{m}.lora_{kind}.weight": named_tensors[f"{m}.lora_{kind}"]
+                .detach()
+                .to("cpu")
+                .contiguous()
+                for m in modules
+                for kind in ("A", "B")
+            }
+            save_file(tensors, str(folder / "adapter_model.safetensors"))
+            config = {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": rank,
+                "lora_alpha": rank,  # lora_B carries lora_alpha / r already
+                "target_modules": sorted({m.rpartition(".")[2] for m in modules}),
+                "bias": "none",
+                "lora_dropout": 0.0,
+                "base_model_name_or_path": self._name,
+            }
+            (folder / "adapter_config.json").write_text(json.dumps(config), encoding="utf-8")
+            request = LoRARequest(f"rlfleet-v{version}", version + 1, str(folder))
+            if not self.llm.llm_engine.add_lora(request):
+                raise FailedPrecondition(
+                    f"vLLM did not load the adapter of version {version}",
+                    field="weights",
+                    code="LORA_NOT_LOADED",
+                )
+            previous, self._lora_request = self._lora_request, request
+            if previous is not None:
+                self._remove_adapter(previous)
+            self.llm.reset_prefix_cache()
+            self._version = version
+        logger.info(
+            "weights updated to version %d (LoRA: %d adapted modules, rank %d, served by "
+            "vLLM's LoRA)", version, len(modules), rank,
+        )  # fmt: skip
+
+    def _remove_adapter(self, request: Any) -> None:
+        import shutil
+
+        self.llm.llm_engine.remove_lora(request.lora_int_id)
+        shutil.rmtree(request.lora_path, ignore_errors=True)
+
+    def _drop_adapter(self) -> None:
+        if self._lora_request is not None:
+            self._remove_adapter(self._lora_request)
+            self._lora_request = None
 
     def _merged(self, named_tensors: Mapping[str, Any]) -> dict[str, Any]:
         """The full weights a LoRA update stands for: for every module it adapts (and
@@ -489,6 +591,10 @@ class VLLMEngine:
         when logging may already be closed)."""
         with self._lock:
             self.llm.llm_engine.engine_core.shutdown()
+            if self._lora_dir is not None:
+                import shutil
+
+                shutil.rmtree(self._lora_dir, ignore_errors=True)
 
     def sleep(self, level: int = 1) -> int:
         if level not in (1, 2):

@@ -146,6 +146,13 @@ def test_server_takes_its_settings_from_the_run_config(tmp_path: Path) -> None:
         "/models/actor", "vllm", "bfloat16", "cuda",
     )  # fmt: skip
     assert (args.gpu_memory_utilization, args.max_num_batched_tokens) == (0.7, 4096)
+    assert args.lora_rank == 0  # a full-weight actor: no adapter slot
+    lora = resolve_arguments(
+        parser.parse_args(["--config", str(config), "-o", "actor.lora_rank=8"])
+    )
+    assert lora.lora_rank == 8  # vLLM serves the actor's adapters itself
+    flag = ["--config", str(config), "-o", "actor.lora_rank=8", "--lora-rank", "0"]
+    assert resolve_arguments(parser.parse_args(flag)).lora_rank == 0  # merge them instead
     args = resolve_arguments(
         parser.parse_args(["--config", str(config), "--model", "/m", "--dtype", "float32",
                            "-o", "rollout.engine=hf", "-o", "rollout.max_num_batched_tokens=null",
