@@ -119,12 +119,12 @@ def _error(e: grpc.RpcError) -> RlfleetError:
 
 
 DEFAULT_LIVENESS_S = 4.0
-PROBE_TIMEOUT_S = 1.0
-"""Deadline of a ``status(probe=True)`` call: a replica that does not answer its load
-within it is treated as the most loaded one."""
 """How long a ``Generate`` stream may go without a sample before the replica is
 probed (``GetStatus`` with the same deadline); a replica that is stopped or stuck
 is thus given up within about three times this (12 s), not the stream's deadline."""
+PROBE_TIMEOUT_S = 1.0
+"""Deadline of a ``status(probe=True)`` call: a replica that does not answer its load
+within it is treated as the most loaded one."""
 
 
 class RemoteRolloutClient:

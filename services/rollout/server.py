@@ -490,6 +490,8 @@ def serve_main(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--max-num-batched-tokens must be >= 0, got {args.max_num_batched_tokens}"
             )
+        if args.lora_rank < 0:
+            raise ValueError(f"--lora-rank must be >= 0, got {args.lora_rank}")
         trajectories = None
         if args.openai_port is not None:
             if args.openai_port < 0:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -514,6 +515,7 @@ class VLLMEngine:
             (folder / "adapter_config.json").write_text(json.dumps(config), encoding="utf-8")
             request = LoRARequest(f"rlfleet-v{version}", version + 1, str(folder))
             if not self.llm.llm_engine.add_lora(request):
+                shutil.rmtree(folder, ignore_errors=True)
                 raise FailedPrecondition(
                     f"vLLM did not load the adapter of version {version}",
                     field="weights",
@@ -530,8 +532,6 @@ class VLLMEngine:
         )  # fmt: skip
 
     def _remove_adapter(self, request: Any) -> None:
-        import shutil
-
         self.llm.llm_engine.remove_lora(request.lora_int_id)
         shutil.rmtree(request.lora_path, ignore_errors=True)
 
@@ -592,8 +592,6 @@ class VLLMEngine:
         with self._lock:
             self.llm.llm_engine.engine_core.shutdown()
             if self._lora_dir is not None:
-                import shutil
-
                 shutil.rmtree(self._lora_dir, ignore_errors=True)
 
     def sleep(self, level: int = 1) -> int:

@@ -79,6 +79,7 @@ __all__ = [
     "CheckpointRefused",
     "checkpoint_root",
     "find_latest",
+    "has_state",
     "load",
     "read_rank_state",
     "read_state",
@@ -150,6 +151,12 @@ def _fsync_tree(root: Path) -> None:
 
 def _write_state(obj: Any, stem: Path) -> None:
     state_file.write_state(obj, stem)
+
+
+def has_state(stem: Path) -> bool:
+    """Whether a state is saved at ``stem``, in this version's files or an earlier
+    version's ``<stem>.pt``."""
+    return state_file.exists(stem) or stem.with_name(stem.name + ".pt").is_file()
 
 
 def read_state(stem: Path) -> Any:
@@ -439,8 +446,7 @@ def read_rank_state(
     meta = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
     rng = None
     rng_stem = folder / f"rng_rank{rank}"
-    present = state_file.exists(rng_stem) or rng_stem.with_name(rng_stem.name + ".pt").is_file()
-    if meta.get("world_size") == world_size and present:
+    if meta.get("world_size") == world_size and has_state(rng_stem):
         rng = _rng_from_file(read_state(rng_stem))
     return states, rng
 

@@ -146,10 +146,10 @@ def _rebuild(folder: Path, config_file: Path, out: Path) -> None:
     """The Hugging Face folder of a checkpoint saved without one (see the module
     docstring)."""
     from rlfleet.common.config import load_config
-    from rlfleet.trainer import checkpoint, state_file
+    from rlfleet.trainer import checkpoint
 
     actor_file = folder / "actor"
-    has_actor = state_file.exists(actor_file) or (folder / "actor.pt").is_file()
+    has_actor = checkpoint.has_state(actor_file)
     if not config_file.is_file() or not has_actor:
         missing = [str(config_file)] if not config_file.is_file() else []
         missing += [] if has_actor else [f"{actor_file}.safetensors / .json"]

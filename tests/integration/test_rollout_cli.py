@@ -125,3 +125,29 @@ def test_serve_torch_threads_set_before_the_engine_loads(
     )
     assert "--torch-threads must be >= 1, got 0" in capsys.readouterr().err
     assert calls == []
+
+
+def test_serve_lora_rank_reaches_the_vllm_engine_and_is_checked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--lora-rank R` starts the vLLM engine with an adapter slot of rank R; a negative
+    rank is refused before the model loads."""
+    from rlfleet.rollout import server
+
+    seen: dict[str, object] = {}
+
+    def no_engine(engine: str, model: str, **kw: object) -> None:
+        seen.update(kw, engine=engine)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(server, "build_engine", no_engine)
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    base = ["--model", "m", "--engine", "vllm", "--insecure"]
+    with pytest.raises(RuntimeError, match="stop here"):
+        server.serve_main(parser.parse_args([*base, "--lora-rank", "8"]))
+    assert seen["engine"] == "vllm" and seen["lora_rank"] == 8
+    seen.clear()
+    assert server.serve_main(parser.parse_args([*base, "--lora-rank", "-1"])) == 2
+    assert "--lora-rank must be >= 0, got -1" in capsys.readouterr().err
+    assert seen == {}
