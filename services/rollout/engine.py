@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -39,6 +40,7 @@ __all__ = [
     "SampleCallback",
     "SampleOutput",
     "SamplingParams",
+    "WeightHandOver",
     "validate_requests",
     "validate_sampling",
 ]
@@ -397,3 +399,81 @@ def _out_of_vocab(ids: Sequence[int], vocab_size: int) -> list[int]:
     """Up to five ids outside ``[0, vocab_size)``, in order."""
     a = np.asarray(ids, dtype=np.int64)
     return [int(x) for x in a[(a < 0) | (a >= vocab_size)][:5]]
+
+
+class WeightHandOver:
+    """Partial rollouts: a weight update handed from the thread that received it to
+    the thread that generates, which applies it between two decode steps.
+
+    The engine's ``lock`` is held by the generating thread for a whole batch. The
+    poster (:meth:`post`) leaves the update here and returns once it is applied:
+    by the generating thread, which looks at every step (:meth:`take`), or by the
+    poster itself as soon as it gets the lock (no batch running). One update at a
+    time; a second poster waits for the first.
+    """
+
+    #: How often a waiting poster looks for a free engine (the generating thread
+    #: wakes it at once when it applies the update).
+    POLL_S = 0.05
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self._lock = lock
+        self._cond = threading.Condition()
+        self._posted: _Posted | None = None
+
+    @property
+    def pending(self) -> bool:
+        """An update waits for the running batch's next step."""
+        return self._posted is not None
+
+    def post(self, apply: Callable[[], None]) -> None:
+        """Hand ``apply`` over and return once it ran (its exception raised here)."""
+        item = _Posted(apply)
+        with self._cond:
+            while self._posted is not None:
+                self._cond.wait(self.POLL_S)
+            self._posted = item
+            try:
+                while not item.done:
+                    if self._lock.acquire(blocking=False):
+                        try:
+                            if not item.done:
+                                item.done = True
+                                apply()
+                        finally:
+                            self._lock.release()
+                        break
+                    # Woken by the generating thread once applied; the time-out covers
+                    # a lock held by something that does not look (sleep, wake_up).
+                    self._cond.wait(self.POLL_S)
+            finally:
+                self._posted = None
+                self._cond.notify_all()
+        if item.error is not None:
+            raise item.error
+
+    def take(self) -> bool:
+        """On the generating thread (which holds the lock): run a posted update now.
+        Returns whether one ran; its exception is raised to the poster and here."""
+        if self._posted is None:  # unlocked read: one is seen at the next step at worst
+            return False
+        with self._cond:
+            item = self._posted
+            if item is None or item.done:
+                return False
+            try:
+                item.apply()
+            except BaseException as e:
+                item.error = e
+                raise
+            finally:
+                item.done = True
+                self._cond.notify_all()
+        return True
+
+
+@dataclass(slots=True, eq=False)
+class _Posted:
+    apply: Callable[[], None]
+    done: bool = False
+    error: BaseException | None = None

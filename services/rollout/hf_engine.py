@@ -56,6 +56,7 @@ from rlfleet.rollout.engine import (
     GenerationRequest,
     SampleCallback,
     SampleOutput,
+    WeightHandOver,
     validate_requests,
 )
 from rlfleet.weightsync.lora import (
@@ -163,8 +164,7 @@ class HFEngine:
         self._release: Callable[[], None] | None = None
         # Partial rollouts: an update waiting to be applied between two decode steps.
         self.partial_rollout = partial_rollout
-        self._swap = threading.Condition()
-        self._pending: _PendingUpdate | None = None
+        self._handover = WeightHandOver(self._lock)
         cfg = model.config
         gen = getattr(model, "generation_config", None)
         eos: Any = getattr(gen, "eos_token_id", None)
@@ -218,7 +218,7 @@ class HFEngine:
     @property
     def update_pending(self) -> bool:
         """Partial rollouts: a weight update waits for the running batch's next step."""
-        return self._pending is not None
+        return self._handover.pending
 
     # ------------------------------------------------------------------ generation
 
@@ -544,7 +544,7 @@ class HFEngine:
         )
         update = _PendingUpdate(named_tensors, version, adopt, on_release)
         if self.partial_rollout:
-            self._hand_over(update)
+            self._handover.post(lambda: self._apply(update))
         else:
             with self._lock:
                 self._apply(update)
@@ -576,51 +576,12 @@ class HFEngine:
         self._weights_dropped = False
         self._version = u.version
 
-    def _hand_over(self, u: _PendingUpdate) -> None:
-        """Partial rollouts: post ``u`` for the generating thread, which applies it at
-        its next decode step (:meth:`_take_pending`), or apply it here as soon as the
-        engine is free. Returns once it is applied."""
-        with self._swap:
-            while self._pending is not None:  # one update at a time
-                self._swap.wait(_HAND_OVER_POLL_S)
-            self._pending = u
-            try:
-                while not u.done:
-                    if self._lock.acquire(blocking=False):
-                        try:
-                            if not u.done:
-                                self._apply(u)
-                                u.done = True
-                        finally:
-                            self._lock.release()
-                        break
-                    # Woken by the generating thread once applied; the time-out covers
-                    # a lock held by something that does not look (sleep, wake_up).
-                    self._swap.wait(_HAND_OVER_POLL_S)
-            finally:
-                self._pending = None
-                self._swap.notify_all()
-        if u.error is not None:
-            raise u.error
-
     def _take_pending(self) -> bool:
         """Partial rollouts, on the generating thread (which holds the lock): apply a
         posted weight update now. Returns whether one was applied."""
-        if self._pending is None:  # unlocked read: one is seen at the next step at worst
+        if not self._handover.take():
             return False
-        with self._swap:
-            u = self._pending
-            if u is None or u.done:
-                return False
-            try:
-                self._apply(u)
-            except BaseException as e:  # the poster raises it; the batch fails too
-                u.error = e
-                raise
-            finally:
-                u.done = True
-                self._swap.notify_all()
-        logger.info("weights version %d applied between two decode steps", u.version)
+        logger.info("weights version %d applied between two decode steps", self._version)
         return True
 
     # ------------------------------------------------------------------ sleep
@@ -678,8 +639,6 @@ class HFEngine:
 
 
 _GROUPED_DECODE = "rlfleet_grouped_decode_sdpa"
-#: Partial rollouts: how often a posted weight update looks for a free engine.
-_HAND_OVER_POLL_S = 0.05
 
 
 @dataclass(slots=True, eq=False)
@@ -690,9 +649,7 @@ class _PendingUpdate:
     version: int
     adopt: bool
     on_release: Callable[[], None] | None
-    done: bool = False
     released: Callable[[], None] | None = None  # to call once applied, off the lock
-    error: BaseException | None = None
 
 
 def _grouped_decode_sdpa(

