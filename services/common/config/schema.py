@@ -927,7 +927,8 @@ class PipelineConfig(_Section):
         "two decode steps: the samples keep their tokens so far and go on under the new "
         "weights (their cache rebuilt), each token tagged with its weight version "
         "(AReaL's interruptible generation; verl's async_training.partial_rollout). "
-        "Off: the push waits for the running batch. hf engine only",
+        "Off: the push waits for the running batch. Both engines (vllm: a full update; "
+        "adapters served by vLLM's LoRA wait for the batch)",
     )
 
 
