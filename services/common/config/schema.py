@@ -563,6 +563,12 @@ class RolloutConfig(_Section):
         le=1,
         description="vllm: fraction of device memory for weights + KV cache",
     )
+    kv_cache_memory_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="vllm: the KV cache's size in bytes, instead of gpu_memory_utilization "
+        "(on vLLM's CPU build that fraction is of the host's memory: give this there)",
+    )
     tensor_parallel_size: int = Field(default=1, ge=1, description="devices per rollout replica")
     max_num_batched_tokens: int | None = Field(
         default=None,
