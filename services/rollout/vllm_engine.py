@@ -654,6 +654,7 @@ class VLLMEngine:
             if previous is not None:
                 self._remove_adapter(previous)
             self.llm.reset_prefix_cache()
+            self.llm.llm_engine.set_weight_version(str(version))  # the tokens' label
             self._version = version
         logger.info(
             "weights updated to version %d (LoRA: %d adapted modules, rank %d, served by "
