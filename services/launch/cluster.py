@@ -662,6 +662,7 @@ class LocalCluster:
             ]
         for proc in dead:
             code = proc.popen.returncode if proc.popen is not None else None
+            kill_leftovers(proc.pid, proc.name)
             # The scheduler too: on its address, its registry rebuilt from the replicas'
             # re-registrations and the launcher's own (reward, trainer).
             restartable = {"rollout", "reward", "tools", "scheduler"}
@@ -1156,6 +1157,21 @@ def _group_alive(pgid: int) -> bool:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
         return False
+    return True
+
+
+def kill_leftovers(pid: int, name: str) -> bool:
+    """SIGKILL what a dead service left in its process group (services start in a
+    session of their own, so the group's id is the service's pid, and Linux hands a
+    pid out again only once no group uses it). A child that outlives its service --
+    vLLM's engine-core and worker processes, which do not follow their parent --
+    would keep the device memory and ports a restart needs. Returns whether anything
+    was left."""
+    if not _group_alive(pid):
+        return False
+    logger.warning("%s (pid %d) died and left processes in its group: killing them", name, pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
     return True
 
 

@@ -73,6 +73,7 @@ from rlfleet.launch.cluster import (
     deregister_address,
     drain_time,
     fleet_metrics,
+    kill_leftovers,
     log_tail,
     needs_tools_service,
     replica_number,
@@ -225,6 +226,7 @@ class ServiceActor:
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
+        self._label = "service"  # its log's name (rollout-3, trainer-rank1, ...)
 
     def node(self) -> dict[str, Any]:
         import ray
@@ -268,6 +270,7 @@ class ServiceActor:
             Path(address_file).unlink(missing_ok=True)
         log = Path(log_path)
         log.parent.mkdir(parents=True, exist_ok=True)
+        self._label = log.stem
         launcher = (
             "import ctypes, os, signal, sys\n"
             "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
@@ -310,7 +313,14 @@ class ServiceActor:
         raise RuntimeError(f"did not report its address within {timeout_s}s; log {log}")
 
     def poll(self) -> int | None:
-        return None if self._proc is None else self._proc.poll()
+        """The service's exit code, None while it runs; once it has exited, what it
+        left in its process group is killed here, on its node (see kill_leftovers)."""
+        if self._proc is None:
+            return None
+        code = self._proc.poll()
+        if code is not None:
+            kill_leftovers(self._proc.pid, self._label)
+        return code
 
     def stop(self, grace_s: float) -> int | None:
         proc = self._proc

@@ -12,10 +12,14 @@ run keeps within its staleness bound. Where a push lands mid-batch is timing her
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +93,56 @@ def test_pipelined_run_with_partial_rollouts_on_vllm(tiny_model_dir: Path, tmp_p
         assert m["staleness/max"] <= 1.0
         assert 0.0 <= m["rollout/partial_sample_frac"] <= 1.0
     assert [v for v, _ in _pushes(run_dir)] == list(range(1, STEPS + 1))
+
+
+def _group(pgid: int) -> list[int]:
+    """The live pids of process group ``pgid`` (from /proc; zombies, which hold nothing
+    but their exit status until init reaps them, are not counted)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError):
+            state, _ppid, pgrp = stat.read_text().rpartition(")")[2].split()[:3]
+            if int(pgrp) == pgid and state != "Z":
+                out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_killed_vllm_replica_leaves_nothing_behind_and_comes_back(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM's engine-core and worker processes do not follow their parent: SIGKILL the
+    replica alone and they would stay, holding the KV cache's memory (the device's, on
+    a GPU) that its restart needs. The launcher kills what is left in the replica's
+    process group before it restarts it on its address."""
+    from rlfleet.common.config import config_from_dict
+    from rlfleet.common.rpc import check_health, create_channel
+    from rlfleet.launch.cluster import LocalCluster
+
+    raw = grpo_config(
+        tiny_model_dir,
+        tmp_path / "data",
+        tmp_path / "run",
+        rollout={"engine": "vllm", "kv_cache_memory_bytes": 64 << 20},
+        services={"max_restarts": 1, "restart_backoff_s": 0.2},
+    )
+    with LocalCluster(config_from_dict(raw), tmp_path / "run", grace_s=10) as cluster:
+        h = cluster.start(timeout_s=300)
+        old = h.pids["rollout-0"]
+        left = [p for p in _group(old) if p != old]
+        assert left, "vLLM should run its engine core in processes of its own"
+        os.kill(old, signal.SIGKILL)  # the replica alone, as the OOM killer would
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and cluster.restarts.get("rollout-0") != 1:
+            time.sleep(0.5)
+        assert cluster.restarts.get("rollout-0") == 1
+        end = time.monotonic() + 10  # SIGKILL is delivered asynchronously
+        while _group(old) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert _group(old) == [], "the dead replica's engine processes are still running"
+        channel = create_channel(h.rollout[0], retry_unavailable=False)
+        try:
+            while time.monotonic() < deadline and not check_health(channel, timeout_s=5.0):
+                time.sleep(0.5)
+            assert check_health(channel, timeout_s=5.0)  # back on its address
+        finally:
+            channel.close()
