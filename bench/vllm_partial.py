@@ -67,7 +67,7 @@ def _bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         raw_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         raw_params = VSamplingParams(
             n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=1, ignore_eos=True,
-            logprobs=0, detokenize=False,
+            logprobs=0, flat_logprobs=True, detokenize=False,
         )  # fmt: skip
 
         def ours() -> float:

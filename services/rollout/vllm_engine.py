@@ -143,6 +143,19 @@ class WorkerWeightLoader:
         return len(caches)
 
 
+def _logprobs(logprobs: Any, tokens: list[int]) -> list[float]:
+    """The sampled tokens' log-probs from a completion's ``logprobs``. Asked with
+    ``logprobs=0, flat_logprobs=True``, vLLM keeps exactly the sampled token at each
+    position in flat lists (``FlatLogprobs``): taken as they are, no object per token.
+    Otherwise (another layout), looked up position by position."""
+    if logprobs is None:
+        return []
+    flat_ids = getattr(logprobs, "token_ids", None)
+    if flat_ids == tokens:  # one entry per position, the sampled token's
+        return list(logprobs.logprobs)
+    return [float(step[t].logprob) for step, t in zip(logprobs, tokens, strict=True)]
+
+
 def _tied_parameters(model: Any) -> list[list[str]]:
     """Names of parameters that share one tensor (e.g. embed_tokens / lm_head), grouped,
     in registration order."""
@@ -319,6 +332,9 @@ class VLLMEngine:
                 max_tokens=p.max_tokens,
                 stop_token_ids=list(p.stop_token_ids),
                 logprobs=0 if p.logprobs else None,
+                # The sampled token's log-prob per position in one flat list, not a
+                # dict per token (see _logprobs).
+                flat_logprobs=bool(p.logprobs),
                 ignore_eos=p.ignore_eos,
                 detokenize=False,
             )
@@ -430,11 +446,7 @@ class VLLMEngine:
         samples = []
         for k, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
             tokens = list(comp.token_ids)
-            lps: list[float] = []
-            if want_logprobs and comp.logprobs is not None:
-                lps = [
-                    float(step[t].logprob) for step, t in zip(comp.logprobs, tokens, strict=True)
-                ]
+            lps = _logprobs(comp.logprobs, tokens) if want_logprobs else []
             spans = [
                 (self._label_version(s.version, version), s.end - s.start)
                 for s in (comp.weight_versions or ())
