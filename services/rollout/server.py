@@ -492,6 +492,10 @@ def serve_main(args: argparse.Namespace) -> int:
             )
         if args.lora_rank < 0:
             raise ValueError(f"--lora-rank must be >= 0, got {args.lora_rank}")
+        if args.kv_cache_memory_bytes < 0:
+            raise ValueError(
+                f"--kv-cache-memory-bytes must be >= 0, got {args.kv_cache_memory_bytes}"
+            )
         trajectories = None
         if args.openai_port is not None:
             if args.openai_port < 0:

@@ -151,3 +151,12 @@ def test_serve_lora_rank_reaches_the_vllm_engine_and_is_checked(
     assert server.serve_main(parser.parse_args([*base, "--lora-rank", "-1"])) == 2
     assert "--lora-rank must be >= 0, got -1" in capsys.readouterr().err
     assert seen == {}
+    # The KV cache's size and partial rollouts reach the vLLM engine too.
+    flags = [*base, "--kv-cache-memory-bytes", "1048576", "--partial-rollout"]
+    with pytest.raises(RuntimeError, match="stop here"):
+        server.serve_main(parser.parse_args(flags))
+    assert seen["kv_cache_memory_bytes"] == 1 << 20 and seen["partial_rollout"] is True
+    seen.clear()
+    assert server.serve_main(parser.parse_args([*base, "--kv-cache-memory-bytes", "-1"])) == 2
+    assert "--kv-cache-memory-bytes must be >= 0, got -1" in capsys.readouterr().err
+    assert seen == {}
