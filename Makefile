@@ -93,7 +93,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/integration/test_vllm_engine.py \
 		tests/integration/test_vllm_lora.py tests/integration/test_vllm_agentic.py \
-		tests/e2e/test_vllm_train.py
+		tests/integration/test_partial_rollout.py tests/e2e/test_vllm_train.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

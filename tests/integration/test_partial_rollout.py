@@ -397,3 +397,83 @@ def test_pipelined_run_over_grpc_with_bulk_pushes(
     assert all(r.metrics.get("weight_sync/transport/tcp") == 1.0 for r in records)
     assert applied and applied > 0 and engine.weight_version == 3
     assert spare > 0
+
+
+def _run_holding_step_2_on_vllm(trainer: Any, engine: Any) -> list[Any]:
+    """``trainer.fit()`` with step 2's generation held after its first vLLM step until
+    step 1's push is posted, so that it lands mid-generation. vLLM's engine core steps
+    on its own while this thread waits, so the hold also pauses its scheduler (the
+    update's own pause and resume then take over)."""
+    producing: dict[str, int] = {"step": 0, "calls": 0}
+    produce = trainer._produce
+    vllm_step = engine.llm.llm_engine.step
+
+    def tracked(step: int, min_version: int) -> Any:
+        producing.update(step=step, calls=0)
+        return produce(step, min_version)
+
+    def held_step() -> Any:
+        out = vllm_step()  # returns once vLLM has run a step: the first tokens exist
+        if producing["step"] == 2:
+            producing["calls"] += 1
+            if producing["calls"] == 1:  # step 2's first step is done: hold here
+                engine._core_call("pause_scheduler", "keep", False)
+                deadline = time.monotonic() + 120
+                while (
+                    not engine.update_pending
+                    and engine.info().weight_version < 1
+                    and time.monotonic() < deadline
+                ):
+                    time.sleep(0.005)
+                assert engine.update_pending, "the push of version 1 never came"
+        return out
+
+    trainer._produce = tracked
+    engine.llm.llm_engine.step = held_step
+    try:
+        return list(trainer.fit())
+    finally:
+        engine.llm.llm_engine.step = vllm_step
+
+
+def test_pipelined_run_over_grpc_on_the_vllm_engine(
+    tiny_model_dir: Path, arithmetic_dir: Path, tmp_path: Path
+) -> None:
+    """The same run with the replica on vLLM (``make test-vllm``): step 1's push lands
+    between two of vLLM's steps of step 2's generation, and the token staleness says
+    so. 64-token responses (the random tiny model seldom ends earlier) keep the
+    requests running while the push arrives."""
+    pytest.importorskip("vllm", reason="vllm is not installed: run `make test-vllm`")
+    from rlfleet.common.rpc import create_server
+    from rlfleet.driver.clients import Role, remote_workers
+    from rlfleet.driver.loop import PPOTrainer
+    from rlfleet.reward.client import InProcessRewardClient
+    from rlfleet.reward.core import RewardManager
+    from rlfleet.rollout.vllm_engine import VLLMEngine
+    from rlfleet.trainer.core import TrainerCore
+    from rlfleet.trainer.servicer import TrainerServicer
+    from rlfleet.trainer.servicer import add_to_server as trainer_add_to_server
+
+    cfg = _pipelined_config(
+        tiny_model_dir, arithmetic_dir, tmp_path / "run", "data.max_response_length=64"
+    )
+    trainer_core = TrainerCore(cfg)
+    trainer_server = create_server([(trainer_add_to_server, TrainerServicer(trainer_core))])
+    engine = VLLMEngine(
+        tiny_model_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20,
+        partial_rollout=True,
+    )  # fmt: skip
+    replica = RolloutCore(engine, replica_id="r0")
+    replica_server = start_rollout_server(replica)
+    try:
+        mapping = remote_workers(trainer_server.address, [replica_server.address])
+        mapping[Role.RewardModel] = InProcessRewardClient(RewardManager(cfg.reward, num_workers=0))
+        with PPOTrainer(config=cfg, role_worker_mapping=mapping) as trainer:
+            records = _run_holding_step_2_on_vllm(trainer, engine)
+    finally:
+        replica_server.stop(0)
+        replica.close()
+        trainer_server.stop(0)
+        engine.close()
+    _check_token_staleness(records)
+    assert engine.info().weight_version == 3
