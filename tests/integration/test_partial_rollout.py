@@ -356,12 +356,12 @@ def test_pipelined_run_with_partial_rollouts_reports_token_staleness(
     _check_token_staleness(records)
 
 
-def test_pipelined_run_over_grpc_with_bulk_pushes(
-    tiny_model_dir: Path, arithmetic_dir: Path, tmp_path: Path
-) -> None:
-    """A trainer service and a replica on real gRPC servers; the pushes take the bulk
-    TCP plane, whose verified tensors the engine adopts as its weights (the swap, and
-    the release of the tensors it held before, now happen mid-generation)."""
+def _run_over_grpc(
+    cfg: Any, engine: Any, run: Callable[[Any, Any], list[Any]]
+) -> tuple[list[Any], RolloutCore, Any]:
+    """``run(trainer, engine)`` with a trainer service and a replica on ``engine`` on
+    real gRPC servers (the reward in process); returns the records, the replica
+    (closed) and its status read before it closed."""
     from rlfleet.common.rpc import create_server
     from rlfleet.driver.clients import Role, remote_workers
     from rlfleet.driver.loop import PPOTrainer
@@ -371,28 +371,39 @@ def test_pipelined_run_over_grpc_with_bulk_pushes(
     from rlfleet.trainer.servicer import TrainerServicer
     from rlfleet.trainer.servicer import add_to_server as trainer_add_to_server
 
-    cfg = _pipelined_config(
-        tiny_model_dir, arithmetic_dir, tmp_path / "run", "rollout.weight_transport=tcp"
-    )
     trainer_core = TrainerCore(cfg)
     trainer_server = create_server([(trainer_add_to_server, TrainerServicer(trainer_core))])
-    engine = HFEngine(tiny_model_dir, partial_rollout=True)
     replica = RolloutCore(engine, replica_id="r0")
     replica_server = start_rollout_server(replica)
     try:
         mapping = remote_workers(trainer_server.address, [replica_server.address])
         mapping[Role.RewardModel] = InProcessRewardClient(RewardManager(cfg.reward, num_workers=0))
         with PPOTrainer(config=cfg, role_worker_mapping=mapping) as trainer:
-            records = _run_holding_step_2(trainer, engine)
-        applied = replica.metrics.registry.get_sample_value(
-            "rlfleet_rollout_weight_update_bytes_total", {"transport": "tcp"}
-        )
-        # Tensors an adopting update replaced went back to the receiver for reuse.
-        spare = replica.status().weight_spare_bytes
+            records = run(trainer, engine)
+        status = replica.status()
     finally:
         replica_server.stop(0)
         replica.close()
         trainer_server.stop(0)
+    return records, replica, status
+
+
+def test_pipelined_run_over_grpc_with_bulk_pushes(
+    tiny_model_dir: Path, arithmetic_dir: Path, tmp_path: Path
+) -> None:
+    """A trainer service and a replica on real gRPC servers; the pushes take the bulk
+    TCP plane, whose verified tensors the engine adopts as its weights (the swap, and
+    the release of the tensors it held before, now happen mid-generation)."""
+    cfg = _pipelined_config(
+        tiny_model_dir, arithmetic_dir, tmp_path / "run", "rollout.weight_transport=tcp"
+    )
+    engine = HFEngine(tiny_model_dir, partial_rollout=True)
+    records, replica, status = _run_over_grpc(cfg, engine, _run_holding_step_2)
+    applied = replica.metrics.registry.get_sample_value(
+        "rlfleet_rollout_weight_update_bytes_total", {"transport": "tcp"}
+    )
+    # Tensors an adopting update replaced went back to the receiver for reuse.
+    spare = status.weight_spare_bytes
     _check_token_staleness(records)
     assert all(r.metrics.get("weight_sync/transport/tcp") == 1.0 for r in records)
     assert applied and applied > 0 and engine.weight_version == 3
@@ -444,36 +455,18 @@ def test_pipelined_run_over_grpc_on_the_vllm_engine(
     so. 64-token responses (the random tiny model seldom ends earlier) keep the
     requests running while the push arrives."""
     pytest.importorskip("vllm", reason="vllm is not installed: run `make test-vllm`")
-    from rlfleet.common.rpc import create_server
-    from rlfleet.driver.clients import Role, remote_workers
-    from rlfleet.driver.loop import PPOTrainer
-    from rlfleet.reward.client import InProcessRewardClient
-    from rlfleet.reward.core import RewardManager
     from rlfleet.rollout.vllm_engine import VLLMEngine
-    from rlfleet.trainer.core import TrainerCore
-    from rlfleet.trainer.servicer import TrainerServicer
-    from rlfleet.trainer.servicer import add_to_server as trainer_add_to_server
 
     cfg = _pipelined_config(
         tiny_model_dir, arithmetic_dir, tmp_path / "run", "data.max_response_length=64"
     )
-    trainer_core = TrainerCore(cfg)
-    trainer_server = create_server([(trainer_add_to_server, TrainerServicer(trainer_core))])
     engine = VLLMEngine(
         tiny_model_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20,
         partial_rollout=True,
     )  # fmt: skip
-    replica = RolloutCore(engine, replica_id="r0")
-    replica_server = start_rollout_server(replica)
     try:
-        mapping = remote_workers(trainer_server.address, [replica_server.address])
-        mapping[Role.RewardModel] = InProcessRewardClient(RewardManager(cfg.reward, num_workers=0))
-        with PPOTrainer(config=cfg, role_worker_mapping=mapping) as trainer:
-            records = _run_holding_step_2_on_vllm(trainer, engine)
+        records, _, _ = _run_over_grpc(cfg, engine, _run_holding_step_2_on_vllm)
     finally:
-        replica_server.stop(0)
-        replica.close()
-        trainer_server.stop(0)
         engine.close()
     _check_token_staleness(records)
     assert engine.info().weight_version == 3
