@@ -12,6 +12,10 @@ per-token log-probs differ from a Hugging Face teacher-forced forward pass by at
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -394,3 +398,56 @@ def test_partial_rollout_update_lands_between_two_steps(
             assert logits.argmax(-1).tolist() == s.token_ids[lo:hi]
             ref = logprobs_from_logits(logits, torch.tensor(s.token_ids[lo:hi]))
             assert (ref - torch.tensor(s.logprobs[lo:hi])).abs().max().item() < LOGPROB_ATOL
+
+
+# vLLM's engine core in the caller's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): its
+# scheduler is paused and resumed through the core object itself, not call_utility.
+_IN_PROCESS_RUN = """
+import json, sys, threading, time
+from safetensors.torch import load_file
+from rlfleet.rollout.engine import GenerationRequest, SamplingParams
+from rlfleet.rollout.vllm_engine import VLLMEngine
+
+engine = VLLMEngine(sys.argv[1], dtype="float32", max_model_len=256,
+                    kv_cache_memory_bytes=32 << 20, partial_rollout=True)
+new = {n: t + 0.1 for n, t in load_file(sys.argv[1] + "/model.safetensors").items()}
+pushes = []
+
+def push_once(_r, _sample):
+    if pushes:
+        return
+    pushes.append(threading.Thread(target=engine.update_weights, args=(new, 7)))
+    pushes[0].start()
+    deadline = time.monotonic() + 30
+    while not engine.update_pending and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+_, samples = engine.generate(
+    [GenerationRequest([[5, 6, 7]], short), GenerationRequest([[5, 6, 7], [8, 9]], long)],
+    on_sample=push_once,
+)
+pushes[0].join(timeout=60)
+print(json.dumps({"core": type(engine.llm.llm_engine.engine_core).__name__,
+                  "version": engine.info().weight_version,
+                  "versions": [s.token_weight_versions for s in samples]}))
+engine.close()
+"""
+
+
+def test_partial_rollout_with_the_engine_core_in_process(tiny_model_dir: Path) -> None:
+    """The same mid-batch landing with vLLM's engine core in this process: the
+    update lands between two steps and the tokens after it carry the new version."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", _IN_PROCESS_RUN, str(tiny_model_dir)],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["core"] == "InprocClient" and report["version"] == 7
+    for versions in report["versions"]:
+        assert len(versions) == 100
+        k = versions.index(7)
+        assert k > 0 and versions == [0] * k + [7] * (100 - k)
