@@ -14,6 +14,18 @@ A cluster has one *credential set*: a random bearer token per role
 tell which role a caller holds without being able to act as any role but its own:
 a rollout replica that is broken into cannot mint the driver's token.
 
+**Tokens bound to an audience.** A process never sends its token itself. On every
+call it sends :func:`audience_token`: an HMAC of its token over the *audience*, the
+gRPC service called (``rlfleet.v1.RolloutService``, ...) or the HTTP endpoint
+(:data:`HTTP_METRICS`, :data:`HTTP_OPENAI`). ``audiences`` in each file holds the
+SHA-256 of every role's token for every audience, so a server tells the role of an
+audience token as it does of a token. The driver and the trainer dial addresses the
+scheduler's registry lists, which anyone holding the rollout credential can fill:
+what such a fake replica receives is good for the rollout service's methods only
+(where that credential already reaches), never for the scheduler, the trainer or
+the reward service. Servers also take a role's token itself, for tools outside
+rlfleet (``grpcurl``, Prometheus' ``observer.token``, an agent's ``agent.token``).
+
 A process finds its credentials in the environment, never on its command line
 (where ``ps`` shows them):
 
@@ -37,6 +49,7 @@ Nothing here imports torch or grpc.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import contextvars
 import dataclasses
@@ -53,8 +66,11 @@ from typing import Any
 __all__ = [
     "ADMIN",
     "ALL_ROLES",
+    "AUDIENCES",
     "CREDENTIALS_ENV",
     "CREDENTIALS_JSON_ENV",
+    "HTTP_METRICS",
+    "HTTP_OPENAI",
     "INSECURE_ENV",
     "METHOD_ROLES",
     "OPENAI_ENDPOINT_ROLES",
@@ -65,11 +81,14 @@ __all__ = [
     "CredentialError",
     "Credentials",
     "allowed",
+    "audience_token",
     "caller_role",
     "credential_set",
     "credentials_env",
     "generate_tokens",
+    "http_audience",
     "load_credentials",
+    "method_audience",
     "read_credential_set",
     "token_digest",
     "using_caller",
@@ -167,6 +186,51 @@ OPENAI_ENDPOINT_ROLES: frozenset[str] = frozenset({"agent", "driver"})
 
 _REFLECTION_PREFIX = "/grpc.reflection."
 
+HTTP_METRICS = "http:metrics"
+"""The audience of every service's ``/metrics`` and the scheduler's ``/sd``."""
+HTTP_OPENAI = "http:openai"
+"""The audience of a rollout replica's OpenAI-compatible endpoint."""
+
+#: What a token can be bound to: each gRPC service of the cluster (reflection too)
+#: and each kind of HTTP endpoint. A caller of anything else (health checks, open to
+#: all) sends no token.
+AUDIENCES: tuple[str, ...] = (
+    "rlfleet.v1.SchedulerService",
+    "rlfleet.v1.RolloutService",
+    "rlfleet.v1.RewardService",
+    "rlfleet.v1.TrainerService",
+    "rlfleet.v1.ToolService",
+    "grpc.reflection.v1.ServerReflection",
+    "grpc.reflection.v1alpha.ServerReflection",
+    HTTP_METRICS,
+    HTTP_OPENAI,
+)
+
+
+def method_audience(method: str) -> str | None:
+    """The audience of a full gRPC method name (``/pkg.Service/Method``), or None."""
+    service = method[1:].split("/", 1)[0] if method.startswith("/") else ""
+    return service if service in AUDIENCES else None
+
+
+def http_audience(path: str) -> str:
+    """The audience of an HTTP path on an rlfleet endpoint."""
+    return HTTP_OPENAI if path == "/v1" or path.startswith("/v1/") else HTTP_METRICS
+
+
+def audience_token(token: str, audience: str) -> str:
+    """What a holder of ``token`` sends to ``audience``: base64url of
+    HMAC-SHA256(token, audience), 43 characters. Good at that audience only."""
+    mac = hmac.new(token.encode(), b"rlfleet audience " + audience.encode(), hashlib.sha256)
+    return base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode()
+
+
+def _audience_verifiers(tokens: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    return {
+        a: {role: token_digest(audience_token(t, a)) for role, t in tokens.items()}
+        for a in AUDIENCES
+    }
+
 
 def allowed(role: str, method: str) -> bool:
     """Whether ``role`` may call the full gRPC ``method`` (``/pkg.Service/Method``)."""
@@ -206,25 +270,38 @@ class Authenticator:
 
     Args:
         verifiers: role -> :func:`token_digest` of that role's token.
+        audiences: audience -> role -> :func:`token_digest` of that role's
+            :func:`audience_token` for the audience.
     """
 
-    def __init__(self, verifiers: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        verifiers: Mapping[str, str],
+        audiences: Mapping[str, Mapping[str, str]] | None = None,
+    ) -> None:
         if not verifiers:
             raise CredentialError("an authenticator needs at least one verifier")
         self._verifiers = {role: bytes.fromhex(d) for role, d in verifiers.items()}
+        self._audiences = {
+            a: {role: bytes.fromhex(d) for role, d in by_role.items()}
+            for a, by_role in (audiences or {}).items()
+        }
 
     @property
     def roles(self) -> tuple[str, ...]:
         return tuple(self._verifiers)
 
-    def role_of(self, token: str | bytes) -> str | None:
-        """The role whose token this is, or None. Every verifier is compared."""
+    def role_of(self, token: str | bytes, audience: str | None = None) -> str | None:
+        """The role whose token this is, or whose token for ``audience`` it is; None
+        for neither. Every verifier is compared."""
         raw = token.encode() if isinstance(token, str) else bytes(token)
         digest = hashlib.sha256(raw).digest()
         found = None
-        for role, expected in self._verifiers.items():
-            if hmac.compare_digest(digest, expected):
-                found = role
+        bound = self._audiences.get(audience, {}) if audience is not None else {}
+        for verifiers in (self._verifiers, bound):
+            for role, expected in verifiers.items():
+                if hmac.compare_digest(digest, expected):
+                    found = role
         return found
 
 
@@ -237,22 +314,30 @@ class Credentials:
         token: bearer token it presents on outgoing calls.
         verifiers: role -> token digest of every role its servers accept.
         source: where they were read from (for messages; never the token).
+        audiences: audience -> role -> digest of that role's :func:`audience_token`.
     """
 
     role: str
     token: str = dataclasses.field(repr=False)
     verifiers: Mapping[str, str]
     source: str = ""
+    audiences: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
 
     def authenticator(self) -> Authenticator:
-        return Authenticator(self.verifiers)
+        return Authenticator(self.verifiers, self.audiences)
 
     @classmethod
     def shared(cls, token: str, source: str = SHARED_TOKEN_ENV) -> Credentials:
         """A single shared token: every holder is :data:`ADMIN`."""
         if not token or not token.isascii() or not token.isprintable() or " " in token:
             raise CredentialError(f"{source}: the token must be printable ASCII without spaces")
-        return cls(role=ADMIN, token=token, verifiers={ADMIN: token_digest(token)}, source=source)
+        return cls(
+            role=ADMIN,
+            token=token,
+            verifiers={ADMIN: token_digest(token)},
+            source=source,
+            audiences=_audience_verifiers({ADMIN: token}),
+        )
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], source: str) -> Credentials:
@@ -274,10 +359,52 @@ class Credentials:
                 raise CredentialError(f"{source}: verifiers.{r}: {e}") from e
         if verifiers.get(role) != token_digest(token):
             raise CredentialError(f"{source}: the token does not match verifiers.{role}")
-        return cls(role=str(role), token=token, verifiers=dict(verifiers), source=source)
+        audiences = _read_audiences(data.get("audiences"), verifiers, str(role), token, source)
+        return cls(
+            role=str(role),
+            token=token,
+            verifiers=dict(verifiers),
+            source=source,
+            audiences=audiences,
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"role": self.role, "token": self.token, "verifiers": dict(self.verifiers)}
+        return {
+            "role": self.role,
+            "token": self.token,
+            "verifiers": dict(self.verifiers),
+            "audiences": {a: dict(v) for a, v in self.audiences.items()},
+        }
+
+
+def _read_audiences(
+    audiences: Any, verifiers: Mapping[str, Any], role: str, token: str, source: str
+) -> dict[str, dict[str, str]]:
+    """The ``audiences`` of a credential file, checked: every audience, the roles of
+    ``verifiers``, digests, and this role's own entries matching its token."""
+    if audiences is None:
+        raise CredentialError(
+            f"{source}: no 'audiences' (a credential set made by an older rlfleet): "
+            "`rlfleet secrets rotate --dir DIR` rewrites it"
+        )
+    if not isinstance(audiences, Mapping) or set(audiences) != set(AUDIENCES):
+        raise CredentialError(f"{source}: audiences must be an object with keys {AUDIENCES}")
+    checked: dict[str, dict[str, str]] = {}
+    for a, by_role in audiences.items():
+        if not isinstance(by_role, Mapping) or set(by_role) != set(verifiers):
+            raise CredentialError(f"{source}: audiences.{a}: one digest per role of verifiers")
+        for r, d in by_role.items():
+            try:
+                if not isinstance(d, str) or len(bytes.fromhex(d)) != 32:
+                    raise ValueError("not 32 bytes")
+            except ValueError as e:
+                raise CredentialError(
+                    f"{source}: audiences.{a}.{r}: not a SHA-256 hex digest"
+                ) from e
+        if by_role[role] != token_digest(audience_token(token, a)):
+            raise CredentialError(f"{source}: the token does not match audiences.{a}.{role}")
+        checked[a] = dict(by_role)
+    return checked
 
 
 def generate_tokens() -> dict[str, str]:
@@ -288,8 +415,9 @@ def generate_tokens() -> dict[str, str]:
 def credential_set(tokens: Mapping[str, str]) -> dict[str, Credentials]:
     """Role -> :class:`Credentials` of a token set (each verifying every role)."""
     verifiers = {role: token_digest(t) for role, t in tokens.items()}
+    audiences = _audience_verifiers(tokens)
     return {
-        role: Credentials(role=role, token=t, verifiers=verifiers, source=role)
+        role: Credentials(role=role, token=t, verifiers=verifiers, source=role, audiences=audiences)
         for role, t in tokens.items()
     }
 

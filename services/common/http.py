@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from rlfleet.common.auth import Authenticator
+from rlfleet.common.auth import Authenticator, audience_token, http_audience
 from rlfleet.common.rpc import Security, current_security
 
 __all__ = [
@@ -145,7 +145,8 @@ class _Handler(BaseHTTPRequestHandler):
         values = self.headers.get_all("Authorization") or []
         if len(values) != 1 or not values[0].startswith("Bearer "):
             return False
-        return auth.role_of(values[0][len("Bearer ") :].strip()) is not None
+        token = values[0][len("Bearer ") :].strip()
+        return auth.role_of(token, http_audience(self.path)) is not None
 
     def _reply(self, code: int, content_type: str, body: bytes) -> None:
         self.send_response(code)
@@ -263,7 +264,8 @@ def http_get(
     headers = {}
     if security is not None:
         if security.credentials is not None:
-            headers["Authorization"] = f"Bearer {security.credentials.token}"
+            token = audience_token(security.credentials.token, http_audience(path))
+            headers["Authorization"] = f"Bearer {token}"
         tls = security.client_tls()
         if tls is not None and security.server_tls() is not None:
             scheme = "https"

@@ -528,7 +528,9 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
             auth = Credentials.shared(_check_token(auth)).authenticator()
         self._auth = auth
 
-    def _role(self, metadata: Iterable[tuple[str, Any]] | None) -> tuple[str | None, str]:
+    def _role(
+        self, metadata: Iterable[tuple[str, Any]] | None, method: str
+    ) -> tuple[str | None, str]:
         """``(role, "")`` when authenticated, else ``(None, why not)``."""
         values = [value for key, value in metadata or () if key == AUTH_METADATA_KEY]
         if not values:
@@ -539,7 +541,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         raw = value.encode() if isinstance(value, str) else bytes(value)
         if not raw.startswith(b"Bearer ") or len(raw) > 512:
             return None, "invalid bearer token"
-        role = self._auth.role_of(raw[len(b"Bearer ") :])
+        role = self._auth.role_of(raw[len(b"Bearer ") :], auth.method_audience(method))
         if role is None:
             return None, "invalid bearer token"
         return role, ""
@@ -552,7 +554,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         method: str = handler_call_details.method
         if method.startswith(_OPEN_METHOD_PREFIXES):
             return continuation(handler_call_details)
-        role, reason = self._role(handler_call_details.invocation_metadata)
+        role, reason = self._role(handler_call_details.invocation_metadata, method)
         handler = continuation(handler_call_details)
         if role is not None and auth.allowed(role, method):
             if handler is None:
@@ -661,30 +663,45 @@ class _BearerTokenClientInterceptor(
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    """Adds ``authorization: Bearer <token>`` (with a token) and the current trace
-    span (``rlfleet-trace``, :mod:`rlfleet.common.tracing`) to every call of a channel.
+    """Adds ``authorization: Bearer <token for the service called>`` (with a token)
+    and the current trace span (``rlfleet-trace``, :mod:`rlfleet.common.tracing`) to
+    every call of a channel.
+
+    The token sent is :func:`rlfleet.common.auth.audience_token` of the service the
+    method belongs to, never the token itself: whoever answers at the address (a
+    fake replica the registry lists, say) learns a token good for that service's
+    methods only. Calls outside :data:`~rlfleet.common.auth.AUDIENCES` (health
+    checks, which need none) carry no token.
 
     An interceptor rather than call credentials: gRPC only sends call
     credentials over TLS, and loopback services run in plaintext.
     """
 
     def __init__(self, token: str | None) -> None:
-        self._header = (
-            (AUTH_METADATA_KEY, f"Bearer {_check_token(token)}") if token is not None else None
-        )
+        self._token = _check_token(token) if token is not None else None
+        self._headers: dict[str, tuple[str, str] | None] = {}
+
+    def _header(self, method: str) -> tuple[str, str] | None:
+        audience = auth.method_audience(method)
+        header = self._headers.get(audience or "")
+        if header is None and self._token is not None and audience is not None:
+            token = auth.audience_token(self._token, audience)
+            header = self._headers[audience] = (AUTH_METADATA_KEY, f"Bearer {token}")
+        return header
 
     def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
         # What this interceptor sets replaces what the call carries; the rest (a token
         # given per call on a channel without one, say) passes as it is.
         trace = tracing.header()
+        header = self._header(details.method)
         drop = set()
-        if self._header is not None:
+        if self._token is not None:
             drop.add(AUTH_METADATA_KEY)
         if trace is not None:
             drop.add(tracing.TRACE_METADATA_KEY)
         metadata = [(k, v) for k, v in details.metadata or () if k not in drop]
-        if self._header is not None:
-            metadata.append(self._header)
+        if header is not None:
+            metadata.append(header)
         if trace is not None:
             metadata.append((tracing.TRACE_METADATA_KEY, trace))
         return _CallDetails(

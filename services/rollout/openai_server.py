@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from rlfleet.common.auth import ADMIN, OPENAI_ENDPOINT_ROLES
+from rlfleet.common.auth import ADMIN, HTTP_OPENAI, OPENAI_ENDPOINT_ROLES
 from rlfleet.common.http import HttpEndpoint, serve_handler
 from rlfleet.common.rpc import Security
 from rlfleet.rollout.core import RolloutCore
@@ -106,7 +106,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "set: agent.token)",
                 code="invalid_api_key",
             )
-        role = auth.role_of(values[0][len("Bearer ") :].strip())
+        role = auth.role_of(values[0][len("Bearer ") :].strip(), HTTP_OPENAI)
         if role is None:
             raise ApiError(401, "the api key is not valid for this cluster", code="invalid_api_key")
         if role != ADMIN and role not in OPENAI_ENDPOINT_ROLES:

@@ -10,6 +10,7 @@ plain strings; nothing but 127.0.0.1 is ever dialed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -22,7 +23,7 @@ import pytest
 
 from rlfleet.common.auth import read_credential_set
 from rlfleet.common.config import config_from_dict
-from rlfleet.common.rpc import Security, create_channel
+from rlfleet.common.rpc import Security, create_channel, using_security
 from rlfleet.launch.cluster import ClusterHandle, LocalCluster
 from rlfleet.v1 import (
     rollout_pb2,
@@ -307,3 +308,118 @@ def test_a_stolen_trainer_token_cannot_poison_or_stall_a_replica(
             )  # fmt: skip
         assert info.value.code == code
     assert version() == before
+
+
+class _Catcher(grpc.ServerInterceptor):
+    """What a fake replica records: every bearer token its callers send."""
+
+    def __init__(self) -> None:
+        self.tokens: list[tuple[str, str]] = []
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                self.tokens.append((details.method, str(value)[len("Bearer ") :]))
+        return continuation(details)
+
+
+def test_a_fake_replica_learns_no_token_beyond_the_rollout_service(
+    cluster: tuple[ClusterHandle, dict[str, str]],
+) -> None:
+    """Someone with the rollout credential registers a replica of their own: the
+    registry lists it, so the driver asks it for its status and the trainer pushes
+    it weights. What they send is bound to the rollout service: it works there (where
+    the rollout credential already reaches), and nowhere else -- not to deregister
+    the real replica, not to drive the trainer, not to score."""
+    from concurrent import futures
+
+    from rlfleet.common.auth import credential_set
+    from rlfleet.common.errors import Internal
+    from rlfleet.rollout.client import RemoteRolloutClient
+    from rlfleet.v1 import reward_pb2, reward_pb2_grpc
+
+    h, tokens = cluster
+    catcher = _Catcher()
+    fake = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=[catcher])
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(
+        rollout_pb2_grpc.RolloutServiceServicer(), fake
+    )
+    port = fake.add_insecure_port("127.0.0.1:0")
+    fake.start()
+    address = f"127.0.0.1:{port}"
+    sched = _as(h.scheduler or "", tokens["rollout"], scheduler_pb2_grpc.SchedulerServiceStub)
+    try:
+        sched.Register(
+            scheduler_pb2.RegisterRequest(
+                info=scheduler_pb2.ServiceInfo(role=scheduler_pb2.ROLE_ROLLOUT, address=address)
+            ),
+            timeout=10,
+        )
+        listed = sched.ListServices(scheduler_pb2.ListServicesRequest(), timeout=10).services
+        assert address in [e.info.address for e in listed]
+        # The driver's own client asks the listed replica for its status; the driver
+        # has the trainer push to it (both fail: the fake answers UNIMPLEMENTED).
+        driver = Security(credentials=credential_set(tokens)["driver"])
+        with using_security(driver), pytest.raises(Internal):
+            RemoteRolloutClient(address, liveness_s=None).status()
+        trainer = create_channel(h.trainer, security=driver)
+        with contextlib.suppress(grpc.RpcError):
+            trainer_pb2_grpc.TrainerServiceStub(trainer).PushWeights(
+                trainer_pb2.PushWeightsRequest(
+                    targets=[trainer_pb2.RolloutTarget(address=address)]
+                ),
+                timeout=60,
+            )
+    finally:
+        fake.stop(0)
+    caught = {token for _, token in catcher.tokens}
+    assert len(
+        caught
+    ) == 2 and {  # the driver's and the trainer'sm.split("/")[1] for m, _ in catcher.tokens} == {
+        "rlfleet.v1.RolloutService"
+    }
+    assert not caught & set(tokens.values())  # no role's token itself
+    replica = next(e for e in listed if e.info.address == h.rollout[0])
+    for token in caught:
+        # Good at the rollout service (the caller's role there) ...
+        real = _as(h.rollout[0], None, rollout_pb2_grpc.RolloutServiceStub)
+        metadata = (("authorization", f"Bearer {token}"),)
+        assert (
+            real.GetStatus(
+                rollout_pb2.GetRolloutStatusRequest(), metadata=metadata, timeout=10
+            ).weight_version
+            >= 0
+        )
+        # ... and nowhere else.
+        refused = grpc.StatusCode.UNAUTHENTICATED
+        scheduler = _as(h.scheduler or "", None, scheduler_pb2_grpc.SchedulerServiceStub)
+        assert (
+            _code(
+                lambda s=scheduler, m=metadata: s.Deregister(
+                    scheduler_pb2.DeregisterRequest(service_id=replica.info.service_id),
+                    metadata=m,
+                    timeout=10,
+                )
+            )
+            == refused
+        )
+        stub = _as(h.trainer, None, trainer_pb2_grpc.TrainerServiceStub)
+        assert (
+            _code(
+                lambda s=stub, m=metadata: s.SaveCheckpoint(
+                    trainer_pb2.SaveCheckpointRequest(path="stolen"), metadata=m, timeout=10
+                )
+            )
+            == refused
+        )
+        reward = _as(h.reward or "", None, reward_pb2_grpc.RewardServiceStub)
+        assert (
+            _code(
+                lambda s=reward, m=metadata: s.Score(
+                    reward_pb2.ScoreRequest(), metadata=m, timeout=10
+                )
+            )
+            == refused
+        )
+    after = sched.ListServices(scheduler_pb2.ListServicesRequest(), timeout=10).services
+    assert replica.info.service_id in [e.info.service_id for e in after]

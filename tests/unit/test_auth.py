@@ -57,6 +57,45 @@ def test_the_authenticator_tells_roles_apart_and_refuses_the_rest() -> None:
         Authenticator({})
 
 
+def test_tokens_sent_are_bound_to_the_service_called() -> None:
+    """What a process sends is an HMAC of its token over the audience: each service
+    tells the role from it, and it means nothing to any other audience."""
+    tokens = generate_tokens()
+    a = credential_set(tokens)["reward"].authenticator()
+    rollout, reward = "rlfleet.v1.RolloutService", "rlfleet.v1.RewardService"
+    for role, token in tokens.items():
+        sent = auth.audience_token(token, rollout)
+        assert len(sent) == 43 and sent != token
+        assert sent != auth.audience_token(token, reward)
+        assert a.role_of(sent, rollout) == role
+        assert a.role_of(sent, reward) is None and a.role_of(sent) is None
+        assert a.role_of(token, rollout) == role  # the token itself still works
+    assert auth.method_audience("/rlfleet.v1.TrainerService/TrainStep") == (
+        "rlfleet.v1.TrainerService"
+    )
+    assert auth.method_audience("/grpc.health.v1.Health/Check") is None
+    assert auth.http_audience("/v1/chat/completions") == auth.HTTP_OPENAI
+    assert auth.http_audience("/metrics") == auth.http_audience("/sd") == auth.HTTP_METRICS
+    shared = Credentials.shared("a-shared-token-of-some-length").authenticator()
+    sent = auth.audience_token("a-shared-token-of-some-length", reward)
+    assert shared.role_of(sent, reward) == ADMIN and shared.role_of(sent, rollout) is None
+
+
+def test_a_credential_file_without_audiences_says_how_to_renew_it(tmp_path: Path) -> None:
+    root = write_credential_set(tmp_path / "s")
+    data = json.loads((root / "rollout.json").read_text())
+    old = {k: v for k, v in data.items() if k != "audiences"}
+    (root / "rollout.json").write_text(json.dumps(old))
+    with pytest.raises(CredentialError, match="secrets rotate"):
+        load_credentials({auth.CREDENTIALS_ENV: str(root / "rollout.json")})
+    forged = dict(data)
+    forged["audiences"] = {a: dict(v) for a, v in data["audiences"].items()}
+    forged["audiences"][auth.HTTP_METRICS]["rollout"] = "0" * 64
+    (root / "rollout.json").write_text(json.dumps(forged))
+    with pytest.raises(CredentialError, match="does not match audiences"):
+        load_credentials({auth.CREDENTIALS_ENV: str(root / "rollout.json")})
+
+
 def test_every_method_of_every_service_has_a_policy() -> None:
     methods = {
         f"/rlfleet.v1.{svc.name}/{m.name}"
@@ -92,7 +131,7 @@ def test_credentials_from_the_environment(tmp_path: Path) -> None:
     assert creds is not None and creds.role == "trainer"
     inline = load_credentials({auth.CREDENTIALS_JSON_ENV: json.dumps(creds.to_json())})
     assert inline == Credentials(
-        creds.role, creds.token, creds.verifiers, auth.CREDENTIALS_JSON_ENV
+        creds.role, creds.token, creds.verifiers, auth.CREDENTIALS_JSON_ENV, creds.audiences
     )
     shared = load_credentials({auth.SHARED_TOKEN_ENV: "s3cret"})
     assert shared is not None and shared.role == ADMIN
