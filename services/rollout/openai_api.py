@@ -71,7 +71,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -666,16 +666,24 @@ class OpenAIFrontend:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prep: Prepared) -> Generator[Choice, None, None]:
+    def generate(
+        self, prep: Prepared, *, on_submit: Callable[[Callable[[], None]], None] | None = None
+    ) -> Generator[Choice, None, None]:
         """Choices as they finish; each is recorded in the store before it is yielded's
         caller sees the next. Raises :class:`ApiError` (504 at the time-out, 400 for
-        what the core's checks refuse, 503 when the core is shutting down)."""
+        what the core's checks refuse, 503 when the core is shutting down or the
+        generation was cancelled).
+
+        ``on_submit`` gets the generation's cancel function once it is queued (the
+        HTTP handler cancels when its client goes away)."""
         try:
             handle = self.core.submit(prep.prompts, prep.params)
         except InvalidArgument as e:
             raise _api_error(e, prep.kind) from None
         except (Unavailable, FailedPrecondition) as e:
             raise _unavailable(e) from None
+        if on_submit is not None:
+            on_submit(handle.cancel)
         fired = threading.Event()
 
         def expire() -> None:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import select
+import threading
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
@@ -52,6 +54,46 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+_HANGUP = getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP | select.POLLERR
+
+
+class _ClientWatch:
+    """Cancels a generation whose client closed its connection: the socket is polled
+    for a hang-up every :data:`WATCH_INTERVAL_S` on a thread of its own while the
+    generation runs, so an abandoned request frees the replica at once rather than
+    when its answer is written (or at ``request_timeout_s``)."""
+
+    WATCH_INTERVAL_S = 0.1
+
+    def __init__(self, connection: Any) -> None:
+        self._fd = connection.fileno()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.gone = False
+
+    def arm(self, cancel: Callable[[], None]) -> None:
+        """Start watching; ``cancel`` stops the generation."""
+        self._thread = threading.Thread(
+            target=self._watch, args=(cancel,), name="rlfleet-openai-watch", daemon=True
+        )
+        self._thread.start()
+
+    def _watch(self, cancel: Callable[[], None]) -> None:
+        poller = select.poll()
+        poller.register(self._fd, _HANGUP)
+        interval_ms = int(self.WATCH_INTERVAL_S * 1000)
+        while not self._stopped.is_set():
+            if any(ev & _HANGUP for _, ev in poller.poll(interval_ms)):
+                self.gone = True
+                cancel()
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -208,16 +250,29 @@ class _Handler(BaseHTTPRequestHandler):
     # ------------------------------------------------------------------ generation
 
     def _generate(self, kind: str, body: dict[str, Any]) -> None:
+        prep = self.app.prepare(kind, body, self.headers.get(SESSION_HEADER))
+        watch = _ClientWatch(self.connection)
+        try:
+            self._answer(prep, watch)
+        except (ApiError, OSError):
+            if not watch.gone:
+                raise
+            logger.info("openai: client of session %s went away: generation cancelled",
+                        prep.session_id)  # fmt: skip
+            self.close_connection = True
+        finally:
+            watch.stop()
+
+    def _answer(self, prep: Any, watch: _ClientWatch) -> None:
         app = self.app
-        prep = app.prepare(kind, body, self.headers.get(SESSION_HEADER))
         headers = {SESSION_HEADER: prep.session_id}
         if not prep.stream:
-            choices = sorted(app.generate(prep), key=lambda c: c.index)
+            choices = sorted(app.generate(prep, on_submit=watch.arm), key=lambda c: c.index)
             for c in choices:  # recorded once the whole answer is there to return
                 app.record(prep, c)
             self._send_json(200, app.response(prep, choices), headers)
             return
-        gen = app.generate(prep)
+        gen = app.generate(prep, on_submit=watch.arm)
         try:
             first = next(gen)  # errors before any event still answer with a status
         except StopIteration:

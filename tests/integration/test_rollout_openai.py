@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -387,6 +388,61 @@ def test_a_generation_past_its_time_limit_is_cancelled_with_504(
         assert replica.store.state("slow-1") is None  # nothing returned, nothing recorded
     finally:
         endpoint.stop()
+
+
+class _GatedEngine:
+    """An HFEngine whose batches wait at a gate until released or all cancelled."""
+
+    def __init__(self, inner: HFEngine) -> None:
+        self.inner = inner
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def generate(self, requests: Any, on_sample: Any = None, cancelled: Any = None) -> Any:
+        self.started.set()
+        while not self.release.wait(0.01):
+            if cancelled is not None and all(cancelled(r) for r in range(len(requests))):
+                break
+        return self.inner.generate(requests, on_sample, cancelled)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_has_its_generation_cancelled(
+    tiny_model_dir: Path, tokens: dict[str, str], stream: bool
+) -> None:
+    """A client sends a request and closes its connection before any answer: the
+    replica cancels the generation at once (it would otherwise wait at the gate,
+    then run to its end or the request time-out)."""
+    engine = _GatedEngine(HFEngine(tiny_model_dir))
+    core = RolloutCore(engine, replica_id="oai-gone")  # type: ignore[arg-type]
+    store = TrajectoryStore(max_tokens=1 << 16)
+    endpoint = start_openai_server(
+        core, load_tokenizer(str(tiny_model_dir)), store,
+        security=Security(credentials=credential_set(tokens)["rollout"]),
+    )  # fmt: skip
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", endpoint.port, timeout=30)
+        body = {"model": "p", "messages": MESSAGES, "n": 4, "max_tokens": 64, "stream": stream}
+        conn.request(
+            "POST", "/v1/chat/completions", body=json.dumps(body),
+            headers={"Authorization": f"Bearer {tokens['agent']}",
+                     "Content-Type": "application/json"},
+        )  # fmt: skip
+        assert engine.started.wait(30)
+        conn.close()
+        deadline = time.monotonic() + 10
+        while core.status().requests_cancelled < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        status = core.status()
+        assert status.requests_cancelled == 1 and status.generated_tokens_total == 0
+        assert store.stats()["completions"] == 0  # nothing was returned, nothing recorded
+    finally:
+        engine.release.set()
+        endpoint.stop()
+        core.close()
 
 
 # ------------------------------------------------------------------ sessions
