@@ -13,8 +13,10 @@ otherwise), and the listener speaks TLS when the security has a certificate
 token (``authorization: {credentials_file: .../observer.token}``).
 
 Bounds: GET only, a 10 s socket time-out per connection (a slow client holds one
-thread at most that long), at most :data:`MAX_CONNECTIONS` at once (more are
-closed at once), request lines and headers as limited by ``http.server``.
+thread at most that long), at most :data:`MAX_CONNECTIONS` connections that have
+sent an authenticated request and as many that have not yet (a new one beyond that
+closes the oldest of those: idle sockets opened without a token never lock out a
+caller with one), request lines and headers as limited by ``http.server``.
 
 Nothing here imports torch.
 """
@@ -22,6 +24,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import logging
+import socket
 import ssl
 import threading
 import urllib.request
@@ -85,9 +88,12 @@ class _Server(ThreadingHTTPServer):
         self.app = app  # what a custom handler serves (``self.server.app``)
         self.max_connections = max_connections
         self.request_queue_size = 2 * max_connections
-        self.slots = threading.BoundedSemaphore(max_connections)
         self.open = 0  # connections being handled now
         self._count = threading.Lock()
+        # Connections not yet admitted (no authenticated request yet), oldest first,
+        # and the number admitted: each pool has max_connections places.
+        self._strangers: dict[int, Any] = {}
+        self._admitted: set[int] = set()
         super().__init__(address, handler or _Handler)
         if context is not None:
             # The handshake happens on the handler's thread (first read), never in
@@ -97,13 +103,35 @@ class _Server(ThreadingHTTPServer):
             )
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
-            logger.warning("http: %d connections open, closing one more", self.max_connections)
-            self.shutdown_request(request)
-            return
+        # A new connection is a stranger until a request on it authenticates
+        # (admit). Strangers beyond the cap push out the oldest stranger, never an
+        # admitted caller: idle sockets opened without a token cannot lock callers
+        # with one out, they only push each other out.
         with self._count:
+            if len(self._strangers) >= self.max_connections:
+                oldest = next(iter(self._strangers))
+                _hang_up(self._strangers.pop(oldest))
+                logger.warning(
+                    "http: %d connections without an authenticated request: closed the "
+                    "oldest",
+                    self.max_connections,
+                )
+            self._strangers[id(request)] = request
             self.open += 1
         super().process_request(request, client_address)
+
+    def admit(self, request: Any) -> bool:
+        """Count ``request``'s connection as a caller's (it sent an authenticated
+        request); False when :attr:`max_connections` callers are connected already."""
+        key = id(request)
+        with self._count:
+            if key in self._admitted:
+                return True
+            if len(self._admitted) >= self.max_connections:
+                return False
+            self._strangers.pop(key, None)
+            self._admitted.add(key)
+            return True
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
@@ -111,10 +139,19 @@ class _Server(ThreadingHTTPServer):
         finally:
             with self._count:
                 self.open -= 1
-            self.slots.release()
+                self._strangers.pop(id(request), None)
+                self._admitted.discard(id(request))
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         logger.debug("http: connection from %s failed", client_address, exc_info=True)
+
+
+def _hang_up(request: Any) -> None:
+    """End a connection another thread is serving: its next read or write fails."""
+    try:
+        request.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -124,6 +161,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if not self._authorized():
             self._reply(401, "text/plain", b"unauthorized: send Authorization: Bearer <token>\n")
+            return
+        if not self.server.admit(self.request):
+            self.close_connection = True
+            self._reply(503, "text/plain", b"too many connections\n")
             return
         route = self.server.routes.get(self.path.split("?", 1)[0])
         if route is None:

@@ -137,6 +137,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(e.status, e.body())
 
     def _authorize(self) -> None:
+        self._check_token()
+        if not self.server.admit(self.request):
+            self.close_connection = True
+            raise ApiError(503, "too many connections: try again later", code="overloaded")
+
+    def _check_token(self) -> None:
         auth = self.server.authenticator
         if auth is None:
             return

@@ -23,6 +23,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -716,3 +717,18 @@ def test_rlfleet_serve_rollout_with_an_openai_port(tiny_model_dir: Path, tmp_pat
         for f in (proc.stdout, proc.stderr):
             if f:
                 f.close()
+
+
+def test_idle_connections_without_a_key_do_not_lock_out_an_agent(replica: Replica) -> None:
+    """More idle sockets than the endpoint's connection cap, none sending anything:
+    an agent with its key is still answered (each new connection beyond the cap
+    closes the oldest one that has not authenticated)."""
+    cap = replica.endpoint._server.max_connections
+    host, port = replica.url.split("//")[1].split("/")[0].split(":")
+    idle = [socket.create_connection((host, int(port))) for _ in range(cap + 4)]
+    try:
+        models = replica.client().models.list()
+        assert [m.id for m in models.data]
+    finally:
+        for s in idle:
+            s.close()

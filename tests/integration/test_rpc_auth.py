@@ -125,7 +125,8 @@ def test_http_endpoint_needs_a_token_and_is_bounded() -> None:
         post = urllib.request.Request(url, data=b"x", method="POST")
         with pytest.raises(urllib.error.HTTPError, match="405"):
             urllib.request.urlopen(post, timeout=5)
-        # Idle connections beyond the cap are closed at once; the cap frees up after.
+        # Idle connections without a token never lock a caller with one out: beyond
+        # the cap, each new connection closes the oldest idle one.
         idle = [
             socket.create_connection(("127.0.0.1", endpoint.port)) for _ in range(MAX_CONNECTIONS)
         ]
@@ -134,10 +135,18 @@ def test_http_endpoint_needs_a_token_and_is_bounded() -> None:
             while endpoint.connections < MAX_CONNECTIONS:  # every idle one is held
                 assert time.monotonic() < deadline, endpoint.connections
                 time.sleep(0.05)
-            extra = socket.create_connection(("127.0.0.1", endpoint.port))
-            extra.settimeout(5)
-            assert extra.recv(1) == b""  # closed without an answer
-            extra.close()
+            for _ in range(3):
+                assert http_get(endpoint.address, "/metrics", security=observer) == b"hello\n"
+            idle[0].settimeout(5)
+            assert idle[0].recv(1) == b""  # the oldest stranger was closed, unanswered
+            extra = [socket.create_connection(("127.0.0.1", endpoint.port)) for _ in range(8)]
+            assert http_get(endpoint.address, "/metrics", security=observer) == b"hello\n"
+            deadline = time.monotonic() + 10  # the pushed-out ones' threads end
+            while endpoint.connections > MAX_CONNECTIONS:
+                assert time.monotonic() < deadline, endpoint.connections
+                time.sleep(0.05)
+            for s in extra:
+                s.close()
         finally:
             for s in idle:
                 s.close()
