@@ -23,6 +23,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import ssl
@@ -148,10 +149,8 @@ class _Server(ThreadingHTTPServer):
 
 def _hang_up(request: Any) -> None:
     """End a connection another thread is serving: its next read or write fails."""
-    try:
+    with contextlib.suppress(OSError):
         request.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
 
 
 class _Handler(BaseHTTPRequestHandler):
