@@ -113,8 +113,7 @@ class _Server(ThreadingHTTPServer):
                 oldest = next(iter(self._strangers))
                 _hang_up(self._strangers.pop(oldest))
                 logger.warning(
-                    "http: %d connections without an authenticated request: closed the "
-                    "oldest",
+                    "http: %d connections without an authenticated request: closed the oldest",
                     self.max_connections,
                 )
             self._strangers[id(request)] = request
