@@ -10,12 +10,14 @@ buffer with ``recv_into`` (no copy beyond the kernel's) and publishes the count 
 bytes received, which its verifier thread follows
 (:class:`rlfleet.weightsync.checksum.StreamVerifier`).
 
-**Who may connect.** The listener accepts up to :data:`MAX_PENDING_CONNECTIONS` at
+**Who may connect.** The listener keeps up to :data:`MAX_PENDING_CONNECTIONS` at
 once, each given ``token_timeout_s`` (:data:`TOKEN_TIMEOUT_S`) to send the token as
 its first bytes: a wrong token, a close or silence drops that connection alone,
 and the first with the right token is the data connection (the listener and every
-other connection close then). A stranger that connects and stalls cannot hold the
-real sender up; one that connects after the sender is refused.
+other connection close then). One more connection drops the oldest waiting one, so
+strangers that connect and stall, however many, cannot hold the real sender up (it
+sends its token as soon as it connects); one that connects after the sender is
+refused.
 
 **TLS.** Where the cluster runs with TLS, so does this transport: the listener
 wraps each connection in the replica's server context (client certificates
@@ -302,13 +304,15 @@ def _accept_one(
     except (BlockingIOError, InterruptedError):
         return
     if len(waiting) >= MAX_PENDING_CONNECTIONS:
+        # The oldest waiting one goes, not the newcomer: strangers that connect early
+        # and stall cannot keep the real sender (who sends its token at once) out.
+        oldest = min(waiting, key=lambda c: waiting[c].due)
         logger.warning(
-            "transfer %s: %d connections already wait to present the token: one more dropped",
+            "transfer %s: %d connections wait to present the token: the oldest dropped",
             label,
             len(waiting),
         )
-        conn.close()
-        return
+        _drop_conn(sel, waiting, oldest)
     conn.setblocking(False)
     if tls is not None:
         try:

@@ -457,6 +457,32 @@ def test_a_stranger_on_the_listener_does_not_hold_up_the_push(served, tiny_model
     assert _greedy(address) == [s.token_ids for s in out]
 
 
+def test_more_strangers_than_the_listener_keeps_do_not_shut_the_sender_out(
+    served, tiny_model_dir
+) -> None:
+    """More silent connections than the listener keeps waiting, all made before the
+    sender: each newcomer drops the oldest, so the real sender still gets in."""
+    from rlfleet.weightsync.tcp import MAX_PENDING_CONNECTIONS
+
+    core, address, engine = served
+    w = _perturbed(engine.inner, 13)
+    channel, stub, offer, plan = _open_tcp(address, w, 4)
+    strangers = [_connect(plan.endpoint) for _ in range(MAX_PENDING_CONNECTIONS + 4)]
+    try:
+        crcs = send_tcp(plan, w, offer.tensors, timeout_s=60)
+        result = stub.CommitWeightTransfer(
+            rollout_pb2.WeightTransferCommit(transfer_id=plan.transfer_id, crc32c=crcs),
+            timeout=60,
+        )
+        assert result.version == 4
+        assert strangers[0].recv(1) == b""  # the oldest were dropped
+    finally:
+        for s in strangers:
+            s.close()
+        channel.close()
+    assert core.status().weight_version == 4
+
+
 def test_a_silent_connection_is_dropped_after_the_token_deadline(tiny_model_dir: Path) -> None:
     """With a short token deadline, a connection that never sends its token is closed
     by the replica while the transfer stays open; the real sender then pushes."""
