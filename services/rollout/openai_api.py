@@ -194,6 +194,11 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+MAX_ABS_REWARD = 1e6
+"""The largest reward an agent may post (either sign): rewards train in float32, where
+1e308 is infinity, and anything near such a size would swamp every advantage."""
+
+
 def _is_number(v: Any) -> bool:
     return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(v)
 
@@ -912,8 +917,12 @@ class OpenAIFrontend:
         if reward is None:
             if reward_required:
                 raise ApiError(400, "reward (a finite number) is required", param="reward")
-        elif not _is_number(reward):
-            raise ApiError(400, f"reward must be a finite number, got {reward!r}", param="reward")
+        elif not _is_number(reward) or abs(reward) > MAX_ABS_REWARD:
+            raise ApiError(
+                400,
+                f"reward must be a finite number within +-{MAX_ABS_REWARD:g}, got {reward!r}",
+                param="reward",
+            )
         info: dict[str, str] = {}
         for key in ("group", "data_source", "ground_truth"):
             v = _opt_str(body, key, MAX_INFO_CHARS)

@@ -457,6 +457,9 @@ def test_sessions_end_with_a_reward_and_the_driver_takes_them_once(replica: Repl
     client.chat.completions.create(
         model="p", messages=MESSAGES, max_tokens=3, metadata={"session_id": sid}
     )
+    for bad in (1e308, -2e6, "1"):  # 1e308 is infinity in float32, where rewards train
+        status, body = replica.post(f"/sessions/{sid}/reward", {"reward": bad})
+        assert status == 400 and body["error"]["param"] == "reward", body
     status, body = replica.post(f"/sessions/{sid}/reward", {"reward": 0.75, "group": "task-1"})
     assert status == 200 and body["completions"] == 2 and body["reward"] == 0.75
     assert replica.post(f"/sessions/{sid}/reward", {"reward": 1})[0] == 409
