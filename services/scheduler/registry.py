@@ -34,6 +34,7 @@ The driver publishes its progress with :meth:`SchedulerCore.set_training_status`
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import secrets
 import threading
@@ -166,6 +167,7 @@ class _Record:
     load: ServiceLoad = ServiceLoad()
     dead_since: float | None = None
     lease: str = ""
+    keys: frozenset[str] = frozenset()  # its address as written and as resolved
 
 
 # Callers that may act on any entry: in-process (None: auth off or no server), the
@@ -214,9 +216,31 @@ def _check_text(value: str, field_name: str, limit: int = MAX_TEXT_CHARS) -> Non
 
 
 def _check_host_port(value: str, field_name: str) -> None:
+    """``host:port`` written one way only: a port without leading zeros, an IP
+    address as Python writes it (not ``127.1``), so one endpoint has one spelling."""
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise InvalidArgument("expected host:port", field=field_name, value=value)
+    if port != str(int(port)):
+        raise InvalidArgument("the port has leading zeros", field=field_name, value=value)
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    looks_ip = ":" in bare or all(c.isdigit() or c == "." for c in bare)
+    if looks_ip:
+        try:
+            canonical = str(ipaddress.ip_address(bare))
+        except ValueError:
+            canonical = ""
+        if canonical != bare or (":" in bare) != (bare != host):
+            raise InvalidArgument(
+                f"not an IP address as written canonically ({canonical or 'invalid'})",
+                field=field_name,
+                value=value,
+            )
+
+
+def endpoint_key(address: str) -> str:
+    """How an address is compared in the registry: lowercase (host names are)."""
+    return address.lower()
 
 
 def check_spec(spec: ServiceSpec) -> None:
@@ -302,7 +326,12 @@ class Registry:
     # ---------------------------------------------------------------- mutations
 
     def register(
-        self, spec: ServiceSpec, *, caller: str | None = None, lease: str = ""
+        self,
+        spec: ServiceSpec,
+        *,
+        caller: str | None = None,
+        lease: str = "",
+        endpoint: str = "",
     ) -> ServiceEntry:
         """Add (or replace) a service; returns its entry with the assigned id and lease.
 
@@ -311,6 +340,9 @@ class Registry:
             caller: the authenticated role registering it (None: auth is off). A
                 service role may only register an entry of its own kind.
             lease: re-registering: the lease its entry was given.
+            endpoint: the address as the scheduler resolved it (``ip:port``), which
+                entries are compared by: ``localhost:P`` and ``127.0.0.1:P`` are one
+                endpoint; "": :func:`endpoint_key` of ``spec.address``.
 
         An entry at the same address (or with the asked-for id) is replaced only
         when it is DEAD, the caller holds its lease, or the caller is the driver;
@@ -326,7 +358,8 @@ class Registry:
         now = self._clock()
         with self._lock:
             self._expire(now)
-            same_address = [i for i, r in self._records.items() if r.spec.address == spec.address]
+            keys = frozenset({endpoint or endpoint_key(spec.address), endpoint_key(spec.address)})
+            same_address = [i for i, r in self._records.items() if keys & r.keys]
             service_id = spec.service_id
             if not service_id and same_address:
                 service_id = same_address[0]
@@ -363,7 +396,13 @@ class Registry:
             if not service_id:
                 service_id = self._new_id(spec.role)
             spec = replace(spec, service_id=service_id)
-            record = _Record(spec, registered=now, last_seen=now, lease=secrets.token_urlsafe(24))
+            record = _Record(
+                spec,
+                registered=now,
+                last_seen=now,
+                lease=secrets.token_urlsafe(24),
+                keys=keys,
+            )
             self._records[service_id] = record
             logger.info("registered %s (%s at %s)", service_id, spec.role, spec.address)
             return self._entry(record, now)
@@ -611,9 +650,9 @@ class SchedulerCore:
     # ---- registry
 
     def register(
-        self, spec: ServiceSpec, *, caller: str | None = None, lease: str = ""
+        self, spec: ServiceSpec, *, caller: str | None = None, lease: str = "", endpoint: str = ""
     ) -> ServiceEntry:
-        return self.registry.register(spec, caller=caller, lease=lease)
+        return self.registry.register(spec, caller=caller, lease=lease, endpoint=endpoint)
 
     def heartbeat(
         self,

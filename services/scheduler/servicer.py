@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import urllib.parse
 from collections.abc import Sequence
 
 import grpc
@@ -55,21 +56,48 @@ def _host_ips(host: str) -> set[str]:
     return {str(info[4][0]) for info in infos}
 
 
-def check_own_address(spec: ServiceSpec, peer: str, allowed_hosts: Sequence[str] = ()) -> None:
+def _openai_address(url: str) -> str:
+    """``host:port`` of an ``openai_url`` capability (InvalidArgument if it is no
+    http(s) URL with a host and a port)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        port = None
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or not port:
+        raise InvalidArgument(
+            "expected http(s)://host:port/...",
+            field="info.capabilities[openai_url]",
+            value=url,
+        )
+    host = parts.hostname
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_own_address(spec: ServiceSpec, peer: str, allowed_hosts: Sequence[str] = ()) -> str:
     """A service may only register addresses on its own host (the connection's peer).
 
-    ``address`` and ``metrics_address`` must name the peer's IP (or a name resolving
-    to it); hosts in ``allowed_hosts`` are accepted as they are (NAT, proxies).
+    ``address``, ``metrics_address`` and an ``openai_url`` capability (where agents
+    send their key) must name the peer's IP (or a name resolving to it); hosts in
+    ``allowed_hosts`` are accepted as they are (NAT, proxies).
+
+    Returns:
+        ``address`` as the scheduler resolved it (``peer ip:port``), which the
+        registry compares entries by; "" where no peer IP is known or the host is
+        an allowed one.
 
     Raises:
         PermissionDenied: naming the field and the address.
     """
     caller_ip = peer_host(peer)
     if not caller_ip:
-        return  # unix socket or in-process: the host is this one
+        return ""  # unix socket or in-process: the host is this one
+    openai = spec.capabilities.get("openai_url")
     for field_name, address in (
         ("info.address", spec.address),
         ("info.metrics_address", spec.metrics_address),
+        ("info.capabilities[openai_url]", _openai_address(openai) if openai else ""),
     ):
         if not address:
             continue
@@ -85,6 +113,10 @@ def check_own_address(spec: ServiceSpec, peer: str, allowed_hosts: Sequence[str]
             field=field_name,
             value=address,
         )
+    host, _, port = spec.address.rpartition(":")
+    if host.strip("[]") in allowed_hosts:
+        return ""
+    return f"[{caller_ip}]:{port}" if ":" in caller_ip else f"{caller_ip}:{port}"
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -105,9 +137,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.RegisterResponse:
         spec = spec_from_proto(request.info)
         caller = caller_role()
+        endpoint = ""
         if caller not in (None, "driver", ADMIN):
-            check_own_address(spec, context.peer(), self.allowed_hosts)
-        entry = self.core.register(spec, caller=caller, lease=request.lease)
+            endpoint = check_own_address(spec, context.peer(), self.allowed_hosts)
+        entry = self.core.register(spec, caller=caller, lease=request.lease, endpoint=endpoint)
         return scheduler_pb2.RegisterResponse(
             service_id=entry.service_id,
             heartbeat_interval_s=self.core.heartbeat_interval_s,

@@ -227,6 +227,18 @@ def test_registry_cannot_be_rewritten_with_a_rollout_token(
     # Take over the replica's entry by registering its address, or its id.
     assert _code(lambda: register(address=replica.info.address)) == denied
     assert _code(lambda: register(service_id=replica.info.service_id)) == denied
+    # The same replica spelled another way is the same endpoint; odd spellings are
+    # refused outright.
+    port = replica.info.address.rpartition(":")[2]
+    assert _code(lambda: register(address=f"localhost:{port}")) == denied
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    assert _code(lambda: register(address=f"127.0.0.1:0{port}")) == invalid
+    assert _code(lambda: register(address=f"127.1:{port}")) == invalid
+    # Point agents (who send their key there) at another host, or at no URL at all.
+    assert _code(lambda: register(capabilities={"openai_url": "http://192.0.2.7:80/v1"})) == (
+        denied
+    )
+    assert _code(lambda: register(capabilities={"openai_url": "file:///etc/passwd"})) == invalid
     # Put another host's address (cloud metadata) into /sd, or register another role.
     assert _code(lambda: register(metrics_address="169.254.169.254:80")) == denied
     assert _code(lambda: register(address="192.0.2.7:50051")) == denied
