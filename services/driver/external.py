@@ -45,6 +45,7 @@ import torch
 
 from rlfleet.common.errors import DeadlineExceeded, RlfleetError
 from rlfleet.driver.batch import Batch, GeneratedBatch
+from rlfleet.driver.reward import reward_error_metrics
 from rlfleet.rollout.engine import FinishReason, SampleOutput
 from rlfleet.rollout.trajectories import Trajectory, TrajectoryStore
 
@@ -356,7 +357,8 @@ class ExternalRollouts:
             SampleOutput(j, 0, c.token_ids.tolist(), [], FinishReason.STOP, c.weight_version)
             for j, c in enumerate(last)
         ]
-        scores, _details = self.reward.score(batch, samples)
+        scores, details = self.reward.score(batch, samples)
+        reward_error_metrics(details, self.config.reward.max_error_fraction)
         for i, s in zip(todo, scores, strict=True):
             rewards[i] = float(s)
         stats["external/scored_by_reward_fn"] += len(todo)

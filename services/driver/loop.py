@@ -107,7 +107,12 @@ from rlfleet.driver.clients import (
 from rlfleet.driver.external import ExternalRollouts, TrajectorySource, sources_for
 from rlfleet.driver.fleet import RolloutFleet
 from rlfleet.driver.health import Guard, GuardAction, HealthMonitor, sampled_entropy
-from rlfleet.driver.reward import RewardAdapter, RewardFn
+from rlfleet.driver.reward import (
+    RewardAdapter,
+    RewardFn,
+    reward_error_fractions,
+    reward_error_metrics,
+)
 from rlfleet.driver.tracking import SchedulerMetrics, Tracking, start_metrics_server
 from rlfleet.rollout.engine import SampleOutput, SamplingParams
 from rlfleet.trainer.ppo import core_algos
@@ -572,15 +577,16 @@ class PPOTrainer:
         stats: dict[str, int] = {}
         if self._reward is None:
             raise RuntimeError("call init_workers() first (no reward adapter)")
-        samples, raw, _details, timing = self._rollout_and_score(
+        samples, raw, details, timing = self._rollout_and_score(
             prompts, params, self._reward, min_version=min_version, stats=stats
         )
+        errors = reward_error_metrics(details, self.config.reward.max_error_fraction)
         penalty = self._overlong_penalty(samples)
         scores = _add(raw, penalty)
         requeued = stats.get("requeued_samples", 0)
         return GeneratedBatch(
             step, prompts, state, epoch, samples, scores, timing, min_version, requeued,
-            sampling=self._overlong_metrics(penalty),
+            sampling={**self._overlong_metrics(penalty), **errors},
         )  # fmt: skip
 
     def _produce_filtered(
@@ -593,6 +599,7 @@ class PPOTrainer:
         kept: list[tuple[Batch, list[SampleOutput], list[float], list[float]]] = []
         have = drawn = dropped = surplus = requeued = 0
         generated: list[float] = []  # every sample's score, kept or not
+        all_details: list[Mapping[str, Any]] = []  # and its scorer's details
         timing = {"gen": 0.0, "reward": 0.0}
         first_epoch: int | None = None
         for round_ in range(fg.max_num_gen_batches):
@@ -606,6 +613,8 @@ class PPOTrainer:
                 prompts, p, self._reward, min_version=min_version, stats=stats
             )
             requeued += stats.get("requeued_samples", 0)
+            reward_error_metrics(details, self.config.reward.max_error_fraction)
+            all_details.extend(details)
             timing["gen"] += t["gen"]
             timing["reward"] += t["reward"]
             penalty = self._overlong_penalty(samples)
@@ -649,6 +658,7 @@ class PPOTrainer:
             )
         trained_penalty = [x for _, _, _, pen in kept for x in pen]
         sampling = self._overlong_metrics(trained_penalty)
+        sampling.update(reward_error_fractions(all_details))
         sampling.update(
             {
                 "train/num_gen_batches": float(round_ + 1),

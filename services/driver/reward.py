@@ -23,7 +23,16 @@ from rlfleet.rollout.engine import SampleOutput
 if TYPE_CHECKING:
     from rlfleet.reward.types import Sample
 
-__all__ = ["RETRY_S", "RewardAdapter", "RewardFn", "RewardScorer", "reward_samples"]
+__all__ = [
+    "RETRY_S",
+    "RewardAdapter",
+    "RewardFailed",
+    "RewardFn",
+    "RewardScorer",
+    "reward_error_fractions",
+    "reward_error_metrics",
+    "reward_samples",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +93,12 @@ class RewardAdapter:
                 details.append(dict(r))
             else:  # a ScoreResult
                 scores.append(float(r.score))
-                details.append({"error": r.error} if getattr(r, "error", "") else {})
+                detail: dict[str, Any] = {}
+                if getattr(r, "error", ""):
+                    detail["error"] = r.error
+                if getattr(r, "timed_out", False):
+                    detail["timed_out"] = True
+                details.append(detail)
         if len(scores) != len(items):
             raise RuntimeError(f"reward returned {len(scores)} scores for {len(items)} samples")
         return scores, details
@@ -109,6 +123,52 @@ class RewardAdapter:
                 logger.warning("reward: %s; retrying in %.0fs (attempt %d, %.0fs of "
                                "reward.retry_s left)", e, pause, attempt + 1, left)  # fmt: skip
                 time.sleep(pause)
+
+
+class RewardFailed(RuntimeError):
+    """More of a step's samples failed to score than ``reward.max_error_fraction``."""
+
+
+def reward_error_metrics(
+    details: Sequence[Mapping[str, Any]], max_error_fraction: float
+) -> dict[str, float]:
+    """``reward/error_fraction`` and ``reward/timeout_fraction`` of a step's samples.
+
+    A sample whose scorer raised (a reward function's exception, a failed reward
+    model) scored 0 with its ``error``; a time-out is not such an error. Beyond
+    ``max_error_fraction`` of the samples the run stops, naming the first error (verl
+    stops at any); below it each step with errors says so once in the log.
+
+    Raises:
+        RewardFailed: too many errors.
+    """
+    failed = _failures(details)
+    total = max(len(details), 1)
+    if failed and len(failed) / total > max_error_fraction:
+        raise RewardFailed(
+            f"{len(failed)} of {len(details)} samples failed to score (over "
+            f"reward.max_error_fraction={max_error_fraction:g}); the first: {failed[0]}"
+        )
+    if failed:
+        logger.warning(
+            "reward: %d of %d samples failed to score and count as 0 "
+            "(reward.max_error_fraction=%g); the first: %s",
+            len(failed), len(details), max_error_fraction, failed[0],
+        )  # fmt: skip
+    return reward_error_fractions(details)
+
+
+def _failures(details: Sequence[Mapping[str, Any]]) -> list[str]:
+    return [str(d["error"]) for d in details if d.get("error") and not d.get("timed_out")]
+
+
+def reward_error_fractions(details: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The share of samples whose scorer failed, and of those that timed out."""
+    total = max(len(details), 1)
+    return {
+        "reward/error_fraction": len(_failures(details)) / total,
+        "reward/timeout_fraction": sum(1 for d in details if d.get("timed_out")) / total,
+    }
 
 
 def reward_samples(

@@ -222,3 +222,33 @@ def test_prometheus_endpoint() -> None:
     assert "rlfleet_scheduler_staleness 1.0" in text
     assert "rlfleet_scheduler_global_step 3.0" in text
     assert "rlfleet_scheduler_tokens_per_second 100.0" in text
+
+
+def test_a_reward_function_that_raises_stops_the_run_by_default(
+    tiny_model_dir: Path, arithmetic_dir: Path, tmp_path: Path
+) -> None:
+    """A custom reward function that raises scores 0 per sample inside the reward
+    service; the driver stops the run on it (as verl would) naming the error, unless
+    reward.max_error_fraction allows it, and then reports the fraction per step."""
+    from rlfleet.driver.reward import RewardFailed
+
+    fn = tmp_path / "bad_reward.py"
+    fn.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    raise ValueError('boom: no score here')\n"
+    )
+    custom = [f"reward.custom_function.path={fn}", "trainer.total_training_steps=1"]
+    cfg = _config(tiny_model_dir, arithmetic_dir, tmp_path / "a", *custom)
+    with PPOTrainer(config=cfg) as trainer:
+        trainer.init_workers()
+        with pytest.raises(RewardFailed, match=r"8 of 8 samples failed to score.*boom"):
+            trainer.fit()
+    cfg = _config(
+        tiny_model_dir, arithmetic_dir, tmp_path / "b", *custom, "reward.max_error_fraction=1"
+    )
+    with PPOTrainer(config=cfg) as trainer:
+        trainer.init_workers()
+        (record,) = trainer.fit()
+    assert record.metrics["reward/error_fraction"] == 1.0
+    assert record.metrics["reward/timeout_fraction"] == 0.0
+    assert record.metrics["critic/score/mean"] == 0.0

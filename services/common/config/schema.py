@@ -769,6 +769,15 @@ class RewardConfig(_Section):
         "failed recoverably (the service restarting, or frozen and given up by its liveness "
         "probe) before the step fails; 0: no retry",
     )
+    max_error_fraction: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="rlfleet option: the share of a step's samples whose scorer may fail "
+        "(a reward function that raises, a reward model that fails; each scores 0, counted "
+        "in reward/error_fraction) before the run stops naming the first error; 0: any "
+        "failure stops the run, as in verl. Time-outs are not failures",
+    )
     num_workers: int = Field(
         default=4, ge=1, description="parallel rule-scoring workers (per server process)"
     )
