@@ -10,8 +10,9 @@ token-level reward tensor (score on the last valid response token).
 
 Which scorer a data source gets, first match wins:
 
-1. the reward model, for the data sources the table routes to it (hh-rlhf) when
-   one is enabled;
+1. the reward model when one is enabled: as in verl, for every sample (with
+   ``reward.reward_model.route_by_data_source``, an rlfleet option, only for the
+   data sources the table routes to it: hh-rlhf);
 2. the custom function when ``reward.custom_function.path`` is set: as in verl it
    replaces the built-in scorers for every data source (unless
    ``reward.custom_function.keep_builtin_scorers``, an rlfleet option: then it comes
@@ -250,6 +251,8 @@ class RewardManager:
 
     def scorer_for(self, data_source: str) -> str | None:
         """The scorer a data source gets, or None when it would be rejected."""
+        if self.reward_model is not None and not self.config.reward_model.route_by_data_source:
+            return REWARD_MODEL  # verl: the model's score is every sample's reward
         scorer = scorer_for_data_source(data_source)
         if scorer == REWARD_MODEL and self.reward_model is None:
             scorer = None

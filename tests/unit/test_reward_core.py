@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rlfleet.common.config import CustomRewardFunction, RewardConfig
+from rlfleet.common.config import CustomRewardFunction, RewardConfig, RewardModelConfig
 from rlfleet.common.errors import DeadlineExceeded, InvalidArgument
 from rlfleet.reward.core import RewardManager
 from rlfleet.reward.metrics import RewardMetrics
@@ -128,8 +128,19 @@ class _FakeRewardModel:
         return [ScoreOutcome(-1.0) for _ in samples]
 
 
-def test_an_enabled_reward_model_keeps_its_data_sources(tmp_path: Path) -> None:
+def test_an_enabled_reward_model_scores_every_sample_as_in_verl(tmp_path: Path) -> None:
     with RewardManager(_verl_config(tmp_path), num_workers=0, reward_model=_FakeRewardModel()) as m:
+        rm, gsm = m.score([Sample("hh-rlhf", "hi", None), Sample("gsm8k", "#### 1", "1")])
+    assert (rm.scorer, rm.score) == ("reward_model", -1.0)
+    assert (gsm.scorer, gsm.score) == ("reward_model", -1.0)
+
+
+def test_a_reward_model_routed_by_data_source_keeps_its_data_sources(tmp_path: Path) -> None:
+    config = _verl_config(tmp_path)
+    routed = config.model_copy(
+        update={"reward_model": RewardModelConfig(route_by_data_source=True)}
+    )
+    with RewardManager(routed, num_workers=0, reward_model=_FakeRewardModel()) as m:
         rm, gsm = m.score([Sample("hh-rlhf", "hi", None), Sample("gsm8k", "#### 1", "1")])
     assert (rm.scorer, rm.score) == ("reward_model", -1.0)
     assert (gsm.scorer, gsm.score) == ("custom", 2.5)

@@ -58,11 +58,14 @@ def test_reward_model_scores_are_batch_invariant(reward_model_dir: Path) -> None
 def test_manager_routes_alignment_data_to_the_reward_model(reward_model_dir: Path) -> None:
     from rlfleet.reward.core import RewardManager
 
-    config = RewardConfig(reward_model=RewardModelConfig(enable=True, path=str(reward_model_dir)))
-    with RewardManager(config, num_workers=0) as m:
-        results = m.score(
-            [Sample("Anthropic/hh-rlhf", "Sure.", prompt="Hi"), Sample("gsm8k", "#### 1", "1")]
-        )
+    both = [Sample("Anthropic/hh-rlhf", "Sure.", prompt="Hi"), Sample("gsm8k", "#### 1", "1")]
+    enabled = RewardModelConfig(enable=True, path=str(reward_model_dir))
+    with RewardManager(RewardConfig(reward_model=enabled), num_workers=0) as m:
+        # verl: an enabled reward model's score is every sample's reward.
+        assert [r.scorer for r in m.score(both)] == ["reward_model", "reward_model"]
+    routed = enabled.model_copy(update={"route_by_data_source": True})
+    with RewardManager(RewardConfig(reward_model=routed), num_workers=0) as m:
+        results = m.score(both)
         assert [r.scorer for r in results] == ["reward_model", "gsm8k"]
         assert results[0].error == "" and results[0].details["tokens"] > 0
         assert m.info().reward_model == str(reward_model_dir)

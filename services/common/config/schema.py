@@ -639,7 +639,17 @@ class CustomRewardFunction(_Section):
 class RewardModelConfig(_Section):
     """A learned reward model (served by the reward service)."""
 
-    enable: bool = False
+    enable: bool = Field(
+        default=False,
+        description="score with the model: as in verl, every sample (unless "
+        "route_by_data_source)",
+    )
+    route_by_data_source: bool = Field(
+        default=False,
+        description="rlfleet option: the model scores only the data sources routed to it "
+        "(hh-rlhf ...) and the others keep their rule or custom scorers; false: as verl, "
+        "the model's score is every sample's reward",
+    )
     path: str | None = Field(default=None, description="Hugging Face sequence-classification model")
     micro_batch_size: int | None = Field(
         default=None, ge=1, description="samples per device per forward"
