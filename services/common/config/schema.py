@@ -641,8 +641,7 @@ class RewardModelConfig(_Section):
 
     enable: bool = Field(
         default=False,
-        description="score with the model: as in verl, every sample (unless "
-        "route_by_data_source)",
+        description="score with the model: as in verl, every sample (unless route_by_data_source)",
     )
     route_by_data_source: bool = Field(
         default=False,
