@@ -585,3 +585,26 @@ def test_keys_of_verls_newer_generated_config_load() -> None:
         assert any(i.path == key for i in error.issues), (bad, str(error))
     climbing = dict(raw, critic={**raw["critic"], "grad_clip": "${.....x}"})
     assert "names no key" in str(_error(climbing, CPU))
+
+
+def test_keys_of_an_older_verl_release_load() -> None:
+    """Keys of verl's ``ppo_trainer.yaml`` around v0.3, at their defaults: accepted;
+    ``multi_turn.max_turns`` (today's ``max_assistant_turns``) is read, and values
+    asking for what rlfleet lacks are refused naming the key."""
+    AR, R = "actor_rollout_ref", "actor_rollout_ref.rollout"
+    older = [
+        f"+{AR}.model.return_last_hidden_state=false",
+        f"+{AR}.model.use_fused_loss=false",
+        f"+{R}.chat_scheduler=null",
+        f"+{R}.use_fire_sampling=false",
+        f"+{R}.multi_turn.max_turns=2",
+    ]
+    raw = yaml.safe_load(VERL_YAML.read_text())
+    cfg = config_from_dict(raw, [*older, *CPU])
+    assert cfg.rollout.multi_turn.max_turns == 2
+    for bad, key in (
+        (f"{AR}.model.return_last_hidden_state=true", f"{AR}.model.return_last_hidden_state"),
+        (f"{R}.use_fire_sampling=true", f"{R}.use_fire_sampling"),
+    ):
+        error = _error(raw, [*older, *CPU, bad])
+        assert any(i.path == key for i in error.issues), (bad, str(error))

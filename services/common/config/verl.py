@@ -649,6 +649,15 @@ ROWS: tuple[Row, ...] = (
     ),
     _map(f"{_AR}.model.trust_remote_code", False, "actor.trust_remote_code"),
     *_model_rows(f"{_AR}", "actor", f"{_A}.strategy"),
+    # Keys of older verl releases (about v0.3).
+    _ign(
+        f"{_AR}.model.return_last_hidden_state",
+        False,
+        "false: no hidden states are returned",
+        only=(False,),
+        missing="returning the last layer's hidden states with the log-probs",
+    ),
+    _ign(f"{_AR}.model.use_fused_loss", False, _SPEED),
     # actor
     _map(
         f"{_A}.strategy",
@@ -781,6 +790,19 @@ ROWS: tuple[Row, ...] = (
         only=("sync", "async"),
         missing="rollout modes other than sync and async",
     ),
+    _ign(
+        f"{_R}.chat_scheduler",
+        None,
+        "an older verl's chat scheduler class for rollout.mode async; rlfleet's rollout "
+        "service schedules the requests of every conversation itself",
+    ),
+    _ign(
+        f"{_R}.use_fire_sampling",
+        False,
+        "false: every token sampled at rollout.temperature",
+        only=(False,),
+        missing="FIRE sampling (a higher temperature for the first token)",
+    ),
     _map(f"{_R}.temperature", 1.0, "rollout.temperature"),
     _map(f"{_R}.top_k", -1, "rollout.top_k"),
     _map(f"{_R}.top_p", 1, "rollout.top_p"),
@@ -880,6 +902,13 @@ ROWS: tuple[Row, ...] = (
         "rollout.multi_turn.max_turns",
         convert=_none_skips,
         note="null: rlfleet's default (4)",
+    ),
+    _map(
+        f"{_R}.multi_turn.max_turns",
+        None,
+        "rollout.multi_turn.max_turns",
+        convert=_none_skips,
+        note="an older verl's name for max_assistant_turns; null: rlfleet's default (4)",
     ),
     _ign(
         f"{_R}.multi_turn.max_user_turns",
