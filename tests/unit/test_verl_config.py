@@ -608,3 +608,24 @@ def test_keys_of_an_older_verl_release_load() -> None:
     ):
         error = _error(raw, [*older, *CPU, bad])
         assert any(i.path == key for i in error.issues), (bad, str(error))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["+custom_reward_function.reward_kwargs.bonus=0.5"],
+        ["custom_reward_function.reward_kwargs.bonus=0.5"],
+        ["custom_reward_function.reward_kwargs={bonus:0.5}"],  # Hydra's dict, no spaces
+        ["custom_reward_function.reward_kwargs={bonus: 0.5}"],
+    ],
+)
+def test_reward_kwargs_as_hydra_takes_them(overrides: list[str]) -> None:
+    cfg = config_from_dict(None, [*QUICKSTART, *CPU, *overrides])
+    assert cfg.reward.custom_function.reward_kwargs == {"bonus": 0.5}
+
+
+def test_a_value_that_does_not_parse_is_one_line() -> None:
+    err = _error(None, [*QUICKSTART, *CPU, "data.train_batch_size=[1,2"])
+    [issue] = err.issues
+    assert issue.path == "data.train_batch_size" and "\n" not in str(issue)
+    assert "not a YAML value" in str(issue)

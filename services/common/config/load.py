@@ -4,6 +4,7 @@ at once; and the resolved config saved with a run."""
 from __future__ import annotations
 
 import difflib
+import re
 import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -95,6 +96,37 @@ def _issues_from(error: ValidationError, prefix: Sequence[str | int]) -> list[Co
 # --------------------------------------------------------------------------- loading
 
 
+class OverrideValueError(ValueError):
+    """An override's value that does not parse (the message is one line)."""
+
+
+_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
+# A key right after ``{`` or ``,`` with its colon not followed by a space: Hydra's
+# ``{bonus:0.5}``, which YAML would read as the one key ``bonus:0.5``.
+_TIGHT_KEY = re.compile(r"([{,]\s*)([A-Za-z_][\w.-]*):(?=[^\s/])")
+
+
+def parse_override_value(text: str) -> Any:
+    """An override's value as Hydra reads it: YAML, plus ``1e-6`` as a number (YAML 1.1
+    wants ``1.0e-6``) and ``{a:1,b:2}`` as a mapping (YAML wants ``{a: 1, b: 2}``).
+
+    Raises:
+        OverrideValueError: not a value, said in one line.
+    """
+    if text.lstrip().startswith("{"):
+        text = _TIGHT_KEY.sub(r"\1\2: ", text)
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at character {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise OverrideValueError(f"not a YAML value ({problem}{where})") from None
+    if isinstance(value, str) and _FLOAT.match(value):
+        return float(value)
+    return value
+
+
 def apply_overrides(
     raw: Mapping[str, Any], overrides: Sequence[str]
 ) -> tuple[dict[str, Any], list[ConfigIssue]]:
@@ -117,9 +149,9 @@ def apply_overrides(
             issues.append(ConfigIssue(issue.path, f"in overrides: {issue.message}", text))
             continue
         try:
-            value = yaml.safe_load(value_text)
-        except yaml.YAMLError as exc:
-            issues.append(ConfigIssue(key, f"override value is not YAML: {exc}", value_text))
+            value = parse_override_value(value_text)
+        except OverrideValueError as exc:
+            issues.append(ConfigIssue(key, f"override value is {exc}", value_text))
             continue
         if parts[0] not in out and len(parts) > 1:
             out[parts[0]] = _seed(parts[0])

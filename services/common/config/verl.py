@@ -32,7 +32,11 @@ from typing import Any, Literal
 
 import yaml
 
-from rlfleet.common.config.load import _check_key
+from rlfleet.common.config.load import (
+    OverrideValueError,
+    _check_key,
+    parse_override_value,
+)
 from rlfleet.common.config.schema import ConfigIssue
 
 __all__ = [
@@ -1521,8 +1525,16 @@ def _is_unit(path: str) -> bool:
 
 
 def _known_prefix(path: str) -> bool:
-    """``path`` is a verl key or a section holding verl keys."""
-    return _row_for(path) is not None or any(r.key.startswith(path + ".") for r in ROWS)
+    """``path`` is a verl key, a section holding verl keys, or a key inside a mapping a
+    row takes whole (``custom_reward_function.reward_kwargs.bonus``, as Hydra's
+    ``+custom_reward_function.reward_kwargs.bonus=0.5`` adds one)."""
+    if _row_for(path) is not None or any(r.key.startswith(path + ".") for r in ROWS):
+        return True
+    parts = path.split(".")
+    return any(
+        isinstance(getattr(_EXACT.get(".".join(parts[:i])), "default", None), Mapping)
+        for i in range(1, len(parts))
+    )
 
 
 # --------------------------------------------------------------------------- translating
@@ -1626,20 +1638,6 @@ def _override_key(text: str) -> str:
     return text.partition("=")[0].strip().lstrip("+~")
 
 
-def _parse_value(text: str) -> Any:
-    """An override value as YAML, with Hydra's ``1e-6`` read as a number."""
-    value = yaml.safe_load(text)
-    if isinstance(value, str):
-        try:
-            return float(value) if _FLOAT.match(value) else value
-        except ValueError:
-            return value
-    return value
-
-
-_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
-
-
 def _defaults() -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for row in ROWS:
@@ -1701,7 +1699,7 @@ def _resolve(tree: dict[str, Any], issues: list[ConfigIssue]) -> None:
         has_default = False
         if expr.startswith("oc.select:"):
             expr, _, rest = expr.removeprefix("oc.select:").partition(",")
-            default, has_default = (_parse_value(rest) if rest else None), True
+            default, has_default = (parse_override_value(rest) if rest else None), True
         elif ":" in expr:
             raise _InterpError(f"interpolation resolver {expr.split(':')[0]!r} is not supported")
         key = _absolute(expr, where)
@@ -1800,9 +1798,9 @@ def translate(raw: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> T
                 parent.pop(parts[-1], None)
             continue
         try:
-            value = _parse_value(value_text)
-        except yaml.YAMLError as exc:
-            issues.append(ConfigIssue(key, f"override value is not YAML: {exc}", value_text))
+            value = parse_override_value(value_text)
+        except OverrideValueError as exc:
+            issues.append(ConfigIssue(key, f"override value is {exc}", value_text))
             continue
         blocked = _set(given, parts, value)
         if blocked is not None:
