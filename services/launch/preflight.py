@@ -19,6 +19,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from rlfleet.common import auth
 from rlfleet.common.config import Config, ConfigIssue
 from rlfleet.common.rpc import port_taken
 
@@ -119,6 +120,27 @@ def _enough_rows(cfg: Config) -> Iterable[ConfigIssue]:
         )
 
 
+def _credentials_for_services(cfg: Config) -> Iterable[ConfigIssue]:
+    """Services given by address (a cluster `rlfleet up` or a deployer started) with
+    authentication on: the driver needs that cluster's credentials, not a fresh set."""
+    s = cfg.services
+    given = [k for k in ("scheduler", "trainer", "reward") if getattr(s, k)] + (
+        ["rollout"] if s.rollout else []
+    )
+    if not given or not cfg.security.auth or cfg.security.credentials_dir:
+        return
+    names = (auth.CREDENTIALS_ENV, auth.CREDENTIALS_JSON_ENV, auth.SHARED_TOKEN_ENV)
+    if any(os.environ.get(n) for n in names):
+        return
+    yield ConfigIssue(
+        f"services.{given[0]}",
+        "is a running service: the driver needs its cluster's credentials (set "
+        f"{auth.CREDENTIALS_ENV}=<its secrets dir>/driver.json, `rlfleet up` writes "
+        "<run dir>/secrets/, or security.credentials_dir: DIR)",
+        getattr(s, given[0]) or ",".join(s.rollout),
+    )
+
+
 def preflight(
     config: Config,
     *,
@@ -191,6 +213,8 @@ def preflight(
             issues.append(
                 ConfigIssue("rollout.openai.port", f"cannot be bound: {why}", openai_port)
             )
+    if driver and not in_process:
+        issues += _credentials_for_services(cfg)
     if metrics_port:
         why = port_taken("127.0.0.1", metrics_port)
         if why is not None:

@@ -79,3 +79,28 @@ def test_unusable_credentials_are_an_error(clean_env: pytest.MonkeyPatch, tmp_pa
     clean_env.setenv("RLFLEET_CREDENTIALS", str(tmp_path / "missing.json"))
     with pytest.raises(CredentialError, match=r"missing\.json"):
         _deployed_security(config_from_dict(RAW, EVERY_SERVICE))
+
+
+def test_services_given_without_their_credentials_are_a_one_line_start_up_error(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Training against a running cluster (`rlfleet up`, compose) without its
+    credentials: refused before anything starts or is written, naming what to set;
+    a fresh credential set would only make its services refuse the driver."""
+    from rlfleet.launch.preflight import preflight
+
+    def issues(overrides: list[str]) -> list[str]:
+        found = preflight(config_from_dict(RAW, overrides))
+        return [str(i) for i in found if i.path.startswith("services.")]
+
+    [line] = issues(EVERY_SERVICE)
+    assert line.startswith("services.scheduler:") and "RLFLEET_CREDENTIALS" in line
+    assert "\n" not in line
+    [line] = issues(["services.reward=127.0.0.1:2"])  # one service given is enough
+    assert line.startswith("services.reward:")
+    assert issues([]) == []  # nothing given: the launcher makes the credentials
+    assert issues([*EVERY_SERVICE, f"security.credentials_dir={tmp_path}"]) == []
+    assert issues([*EVERY_SERVICE, "security.auth=false"]) == []
+    secrets = write_credential_set(tmp_path / "secrets")
+    clean_env.setenv("RLFLEET_CREDENTIALS", str(secrets / "driver.json"))
+    assert issues(EVERY_SERVICE) == []
