@@ -83,11 +83,24 @@ def _load(module: str, attr: str) -> Callable[..., int]:
     return fn
 
 
+def _is_override(arg: str) -> bool:
+    """``key.path=value`` (Hydra's ``+key=value`` and ``~key`` too), not a flag."""
+    return not arg.startswith("-") and ("=" in arg or arg.startswith("~"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in SUBCOMMANDS else None)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Overrides anywhere on the line, as Hydra takes them (`train --config X a=1
+    # --in-process b=2`): what argparse left over after a flag joins the rest.
+    if extra and isinstance(getattr(args, "overrides", None), list):
+        overrides = [a for a in extra if _is_override(a)]
+        args.overrides.extend(overrides)
+        extra = [a for a in extra if not _is_override(a)]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 2

@@ -42,3 +42,18 @@ def test_unknown_command_is_an_error(capsys: pytest.CaptureFixture[str]) -> None
         main(["no-such-command"])
     assert exc.value.code == 2
     assert "no-such-command" in capsys.readouterr().err
+
+
+def test_overrides_go_anywhere_on_the_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """As with Hydra, `key=value` after a flag is an override too; a stray flag is not."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "arithmetic_ppo.yaml"
+    code = main([
+        "train", "--config", str(example), "actor.model_path=/nowhere/a",
+        "--in-process", "data.train_files=/nowhere/b.parquet",
+    ])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "'/nowhere/a'" in err and "'/nowhere/b.parquet'" in err
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(example), "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
