@@ -163,9 +163,15 @@ def preflight(
     reward_here = in_process or s.reward is None
     if trainer_here:
         issues += _model_dir("actor.model_path", cfg.actor.model_path, "config.json")
-        if "critic" in roles:
+        actor_missing = bool(issues)
+        if "critic" in roles and not (
+            actor_missing and cfg.critic.model_path in (None, cfg.actor.model_path)
+        ):  # (the actor's folder, already reported, is not reported again)
             issues += _model_dir("critic.model_path", cfg.critic.model_path, "config.json")
-    if driver or trainer_here:
+    model_missing = any(i.path == "actor.model_path" for i in issues)
+    same_folder = cfg.actor.tokenizer_path in (None, cfg.actor.model_path)
+    if (driver or trainer_here) and not (model_missing and same_folder):
+        # (A tokenizer read from the model folder is not reported twice.)
         issues += _tokenizer_dir("actor.tokenizer_path", cfg.actor.tokenizer_path)
     rollout_model = cfg.rollout.model_path or cfg.actor.model_path
     if rollout_here and not (trainer_here and rollout_model == cfg.actor.model_path):

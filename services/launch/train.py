@@ -78,6 +78,11 @@ def run(args: argparse.Namespace) -> int:
 
     problems = preflight(config, metrics_port=args.metrics_port, in_process=args.in_process)
     if problems:  # one line each, before any service starts or any model loads
+        from rlfleet.common.config.verl import load_translation
+
+        translation = load_translation(args.config, args.overrides)
+        if translation is not None:  # named as the input names them: verl's keys
+            problems = [translation.named_as_given(p) for p in problems]
         print("\n".join(f"rlfleet train: {p}" for p in problems), file=sys.stderr)
         return 2
     if args.torch_threads:

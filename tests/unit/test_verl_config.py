@@ -214,7 +214,8 @@ def test_refusals_come_with_rlfleets_own_errors_at_once() -> None:
     )
     paths = {i.path for i in err.issues}
     assert "actor_rollout_ref.rollout.name" in paths
-    assert "actor.ppo_mini_batch_size" in paths  # 64 does not divide 100
+    # 64 does not divide 100: rlfleet's check, named by the verl key the input used
+    assert "actor_rollout_ref.actor.ppo_mini_batch_size" in paths
 
 
 def test_an_unknown_key_names_the_close_verl_key() -> None:
@@ -442,7 +443,7 @@ def test_a_budget_below_the_longest_sequence_is_refused() -> None:
     )
     paths = {i.path for i in err.issues}
     # prompt 512 + response 256 = 768 tokens; ref and rollout inherit the budget
-    assert "actor.ppo_max_token_len_per_gpu" in paths
+    assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu" in paths
     assert "768" in str(err)
 
 
@@ -523,7 +524,7 @@ def test_lora_with_vllm_is_accepted_and_with_megatron_refused_in_one_line() -> N
     cfg = config_from_dict(None, lora_vllm)
     assert (cfg.actor.lora_rank, cfg.rollout.engine) == (8, "vllm")
     err = _error(None, [*lora_vllm, "actor_rollout_ref.actor.strategy=megatron"])
-    lines = [str(i) for i in err.issues if i.path == "actor.lora_rank"]
+    lines = [str(i) for i in err.issues if i.path == "actor_rollout_ref.model.lora_rank"]
     assert len(lines) == 1 and "\n" not in lines[0]
     assert "megatron" in lines[0] and "8" in lines[0]
 
@@ -629,3 +630,16 @@ def test_a_value_that_does_not_parse_is_one_line() -> None:
     [issue] = err.issues
     assert issue.path == "data.train_batch_size" and "\n" not in str(issue)
     assert "not a YAML value" in str(issue)
+
+
+def test_errors_name_the_verl_keys_the_input_used() -> None:
+    for override, key, rlfleet in (
+        ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n", "rollout.n"),
+        ("actor_rollout_ref.rollout.temperature=hot", "actor_rollout_ref.rollout.temperature",
+         "rollout.temperature"),
+        ("actor_rollout_ref.actor.optim.lr=-1", "actor_rollout_ref.actor.optim.lr", "actor.lr"),
+    ):  # fmt: skip
+        [issue] = _error(None, [*QUICKSTART, *CPU, override]).issues
+        assert issue.path == key and f"(as rlfleet's {rlfleet})" in issue.message
+    [issue] = _error(None, [*QUICKSTART, *CPU, "+trainer.foo=1"]).issues
+    assert issue.path == "trainer.foo" and str(issue).endswith("(got '1')")

@@ -245,11 +245,11 @@ def config_from_dict(
     verl_issues: list[ConfigIssue] = []
     from rlfleet.common.config import verl as verl_config  # imports this module: deferred
 
+    translation = None
     if verl_config.is_verl_shaped(raw, overrides):  # verl's layout: see verl.py
         translation = verl_config.translate(raw, overrides)
         raw, overrides, verl_issues = translation.raw, translation.overrides, translation.issues
     data, issues = apply_overrides(raw, overrides)
-    issues = verl_issues + issues
     data = verl_default_pools(data)
 
     sections: dict[str, Any] = {}
@@ -268,6 +268,9 @@ def config_from_dict(
 
     partial = Config.model_construct(**sections)
     issues.extend(run_checks(partial, invalid))
+    if translation is not None:  # named as the input names them: verl's keys
+        issues = [translation.named_as_given(i) for i in issues]
+    issues = verl_issues + issues
     if issues:
         raise ConfigError(issues)
     return Config.model_validate(sections)

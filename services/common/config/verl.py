@@ -1563,6 +1563,22 @@ class Translation:
     entries: list[Entry] = field(default_factory=list)
     issues: list[ConfigIssue] = field(default_factory=list)
 
+    def source_keys(self) -> dict[str, str]:
+        """rlfleet key -> the verl key that set it (one the input gave wins over a verl
+        default mapped to the same place): how errors about it name it."""
+        keys: dict[str, str] = {}
+        for e in sorted(self.entries, key=lambda e: e.given):
+            if e.kind == "mapped" and e.to and e.to != e.key:
+                keys[e.to] = e.key
+        return keys
+
+    def named_as_given(self, issue: ConfigIssue) -> ConfigIssue:
+        """``issue`` about an rlfleet key, named by the verl key that set it."""
+        verl_key = self.source_keys().get(issue.path)
+        if verl_key is None:
+            return issue
+        return ConfigIssue(verl_key, f"{issue.message} (as rlfleet's {issue.path})", issue.value)
+
     def ignored(self) -> list[Entry]:
         """The ignored keys the input gave (verl defaults that change nothing are not listed)."""
         return [e for e in self.entries if e.kind == "ignored" and e.given]
@@ -1790,7 +1806,7 @@ def translate(raw: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> T
             if _check_key(parts) is None:
                 rlfleet_overrides.append(f"{key}={value_text}")
             else:
-                issues.append(_unknown(key, text))
+                issues.append(_unknown(key, value_text if sep else text))
             continue
         if delete:
             parent = _get(given, ".".join(parts[:-1])) if len(parts) > 1 else given
