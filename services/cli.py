@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -115,7 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CredentialError as e:
         print(f"rlfleet {args.command}: {e}", file=sys.stderr)
         return 2
-    return _load(args._module, "run")(args)
+    try:
+        return _load(args._module, "run")(args)
+    except BrokenPipeError:
+        # The reader went away (`rlfleet reward score ... | head`): stop quietly, as
+        # Unix tools do; stdout is pointed at /dev/null so the flush at exit is quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 ::
 
-    rlfleet up --config examples/ppo_tiny.yaml [key.path=value ...] [--state-dir .rlfleet]
+    rlfleet up --config examples/arithmetic_ppo.yaml [key.path=value ...] [--state-dir .rlfleet]
     rlfleet status [--scheduler HOST:PORT] [--json]
     rlfleet down [--state-dir .rlfleet]
 

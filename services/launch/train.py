@@ -92,7 +92,12 @@ def run(args: argparse.Namespace) -> int:
     run_dir = config.run_dir()
     save_resolved(config, run_dir)
     _note_verl_translation(args.config, args.overrides, run_dir)
-    print(f"run dir {run_dir} (config.yaml, metrics.jsonl, checkpoints/)", file=sys.stderr)
+    written = ["config.yaml"]
+    if "jsonl" in config.trainer.logger:
+        written.append("metrics.jsonl")
+    if "tensorboard" in config.trainer.logger:
+        written.append("tensorboard/")
+    print(f"run dir {run_dir} ({', '.join([*written, 'checkpoints/'])})", file=sys.stderr)
     try:
         summary = train(
             config,

@@ -57,3 +57,34 @@ def test_overrides_go_anywhere_on_the_line(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit):
         main(["train", "--config", str(example), "--bogus"])
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+_WRITES_A_LOT = """
+import sys
+from rlfleet import cli
+real = cli._load
+def load(module, attr):
+    if attr != "run":
+        return real(module, attr)
+    def run(args):
+        for _ in range(200_000):
+            print("x" * 100)
+        return 0
+    return run
+cli._load = load
+sys.exit(cli.main(["status"]))
+"""
+
+
+def test_a_reader_that_goes_away_ends_a_command_quietly() -> None:
+    """`rlfleet reward score ... | head`: the pipe closes early; no traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITES_A_LOT],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(10) == b"x" * 10
+    proc.stdout.close()  # as head does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
