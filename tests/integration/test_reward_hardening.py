@@ -121,7 +121,8 @@ def test_a_nan_ground_truth_never_scores_over_grpc(
         ]
     )
     assert [r.score for r in results] == [0.0, 0.0, 0.0, 1.0]
-    assert all("finite" in r.error or "not a number" in r.error for r in results[:3])
+    # math refuses them by name; gsm8k, as verl, compares text: nothing equals NaN.
+    assert all("finite" in r.error or "not a number" in r.error for r in results[:2])
     # A raw number NaN (another client) is refused with the field and index named.
     request = reward_pb2.ScoreRequest()
     ok = request.samples.add(data_source="math500", response=r"$\boxed{1}$")

@@ -153,10 +153,10 @@ def _mixed_rule_batch(n: int) -> list[Sample]:
     return samples
 
 
-def _gsm8k_errors(service: RewardService) -> float:
-    line = 'rlfleet_reward_sample_errors_total{scorer="gsm8k"} '
+def _scorer_errors(service: RewardService, scorer: str) -> float:
+    line = f'rlfleet_reward_sample_errors_total{{scorer="{scorer}"}} '
     text = service.metrics.render()
-    return float(text.split(line, 1)[1].split()[0])
+    return float(text.split(line, 1)[1].split()[0]) if line in text else 0.0
 
 
 def test_large_rule_batch_matches_the_in_process_scores(client: RemoteRewardClient) -> None:
@@ -179,15 +179,16 @@ def test_large_batch_problems_are_reported_like_small_ones(
     with pytest.raises(InvalidArgument) as exc:
         client.score(samples)
     assert exc.value.field == "samples[150].ground_truth" and exc.value.sample_index == 150
-    # A scorer that raises on one sample (gsm8k: in the handler thread): that
-    # sample scores 0, flagged and counted; the others are unaffected.
-    errors_before = _gsm8k_errors(service)
+    # A scorer that raises on one sample (multiple choice, in the handler thread,
+    # on a reference that is no option): that sample scores 0, flagged and counted;
+    # the others are unaffected.
+    errors_before = _scorer_errors(service, "multiple_choice")
     samples = _gsm8k(200)
-    samples[7] = Sample("gsm8k", "#### 1", "not a number")
+    samples[7] = Sample("hellaswag", "A", "not an option")
     results = client.score(samples)
     assert results[7].score == 0.0 and "ValueError" in results[7].error
     assert all(r.score == 1.0 and not r.error for i, r in enumerate(results) if i != 7)
-    assert _gsm8k_errors(service) == errors_before + 1
+    assert _scorer_errors(service, "multiple_choice") == errors_before + 1
     # Inline, pooled and custom samples in one request.
     results = client.score([*_mixed_rule_batch(100), Sample("other", "abc", "abc")])
     assert [r.scorer for r in results[-3:]] == ["math", "multiple_choice", "custom"]

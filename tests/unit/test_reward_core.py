@@ -351,12 +351,13 @@ def test_inline_scorer_errors_are_flagged_and_counted(manager: RewardManager) ->
     assert "gsm8k" in manager.inline_scorers and "math" not in manager.inline_scorers
 
     def errors() -> float:
-        line = 'rlfleet_reward_sample_errors_total{scorer="gsm8k"} '
-        return float(manager.metrics.render().split(line, 1)[1].split()[0])
+        line = 'rlfleet_reward_sample_errors_total{scorer="multiple_choice"} '
+        text = manager.metrics.render()
+        return float(text.split(line, 1)[1].split()[0]) if line in text else 0.0
 
     before = errors()
     results = manager.score(
-        [Sample("gsm8k", "#### 1", "not a number"), Sample("gsm8k", "#### 2", "2")]
+        [Sample("hellaswag", "A", "not an option"), Sample("gsm8k", "#### 2", "2")]
     )
     assert results[0].score == 0.0 and results[0].error.startswith("ValueError: ground_truth")
     assert results[1].score == 1.0 and not results[1].error

@@ -7,9 +7,10 @@ By default the score is verl's (``verl/utils/reward_score/gsm8k.py``), exactly:
   ``.`` and ``,``, commas then dropped; no such marker scores 0;
 * ``flexible``: the last run of ``-``, digits, ``.`` and ``,`` anywhere that is not a
   lone ``.``, as written (commas kept, as verl keeps them);
-* the answer is compared as a string with the reference: equal scores ``score``,
-  different scores ``format_score``. So ``#### 18.00``, ``#### 18.`` and
-  ``#### $18`` do not match ``18``.
+* the answer is compared as a string with the reference as given: equal scores
+  ``score``, different scores ``format_score``. So ``#### 18.00``, ``#### 18.`` and
+  ``#### $18`` do not match ``18``, and nothing matches a reference that is not a
+  string (``18``, ``18.0``).
 
 ``lenient=True`` (``reward.gsm8k_lenient``, an rlfleet option) is the older rule:
 numbers may carry a ``$``, separators, a trailing period and any spacing after
@@ -21,7 +22,6 @@ Both modes are linear-time over a clipped tail, so bounded on a hostile 1 MB res
 
 from __future__ import annotations
 
-import math as _math
 import re
 from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
@@ -44,8 +44,6 @@ LENIENT_TAIL_CHARS = 1000
 # verl's patterns, made of one character class: linear time.
 _VERL_STRICT = re.compile(r"#### (-?[0-9.,]+)")
 _VERL_NUMBER = re.compile(r"-?[0-9.,]+")
-_VERL_REFERENCE = re.compile(r"-?[0-9.,]+")
-_DIGIT = re.compile(r"[0-9]")
 
 # Linear-time patterns: no nested quantifiers over overlapping classes.
 _NUMBER = r"-?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
@@ -89,24 +87,6 @@ def extract_verl_answer(
     found = next((n for n in reversed(numbers) if n != "."), None)
     # All lone dots: verl's loop ends on the first one, which then matches nothing.
     return (numbers[0] if found is None else found), format_ok
-
-
-def _verl_reference(ground_truth: Any) -> str | None:
-    """The reference as the text an answer must equal; None when no number."""
-    if isinstance(ground_truth, bool):
-        return None
-    if isinstance(ground_truth, int):
-        return str(ground_truth)
-    if isinstance(ground_truth, float):
-        # verl's references are strings; a float is compared as Python writes it.
-        return repr(ground_truth) if _math.isfinite(ground_truth) else None
-    if (
-        isinstance(ground_truth, str)
-        and _VERL_REFERENCE.fullmatch(ground_truth)
-        and _DIGIT.search(ground_truth)
-    ):
-        return ground_truth
-    return None
 
 
 def extract_answer(
@@ -159,26 +139,27 @@ def compute_score(
 
     Args:
         response: the model's text.
-        ground_truth: the reference: a numeric string as verl's data has it (``"18"``),
-            or an int / float (compared as Python writes it: ``18.0`` is ``"18.0"``).
-            Lenient: also ``"1,234"``, or a whole GSM8K answer ending in ``#### N``.
+        ground_truth: the reference: a numeric string as verl's data has it (``"18"``);
+            as in verl, anything else (``18``, ``18.0``, ``"eighteen"``) equals no
+            answer. Lenient: also an int or float, ``"1,234"``, or a whole GSM8K answer
+            ending in ``#### N``.
         method: ``strict`` (``#### N``) or ``flexible`` (last number).
         format_score: score of an answer found but different from the reference.
         score: score of a correct answer.
         lenient: rlfleet's decimal comparison (module docstring) instead of verl's.
 
     Raises:
-        ValueError: the reference is not a number (no answer could ever match it).
+        ValueError: lenient only: the reference is not a number (no answer could
+            ever match it).
     """
     if not lenient:
-        reference = _verl_reference(ground_truth)
-        if reference is None:
-            raise ValueError(f"ground_truth is not a number: {ground_truth!r}")
+        # verl compares the answer text with the reference as given: a reference that
+        # is not a string (18, 18.0) or no number ("eighteen") equals no answer.
         found, format_ok = extract_verl_answer(response, method)
         details: dict[str, Any] = {"extracted": found, "format_ok": format_ok}
         if found is None:
             return ScoreOutcome(0.0, details)
-        return ScoreOutcome(score if found == reference else format_score, details)
+        return ScoreOutcome(score if found == ground_truth else format_score, details)
     number = _reference(ground_truth)
     if number is None:
         raise ValueError(f"ground_truth is not a number: {ground_truth!r}")
