@@ -192,9 +192,10 @@ class HealthMonitor:
         if value is None or not math.isfinite(value):
             return None
         self._rewards.append(float(value))
-        if len(self._rewards) < c.window:
-            return None
+        # The average of what there is until the window fills: a collapse in the first
+        # steps is seen then, not measured against an already collapsed best.
         ma = float(np.mean(self._rewards))
+        n = len(self._rewards)
         self._falls = self._falls + 1 if self._ma_prev is not None and ma < self._ma_prev else 0
         self._ma_prev = ma
         if self._ma_best is None or ma > self._ma_best:
@@ -203,14 +204,14 @@ class HealthMonitor:
         try_ = "try a lower actor.lr or a smaller actor.clip_ratio, or turn on trainer.health.guard"
         if c.reward_drop_ratio > 0 and best - ma > c.reward_drop_ratio * abs(best) > 0:
             return (
-                f"reward drop: the mean score over the last {c.window} steps, {_fmt(ma)}, is "
+                f"reward drop: the mean score over the last {n} steps, {_fmt(ma)}, is "
                 f"{(best - ma) / abs(best):.0%} below its best {_fmt(best)} (step "
                 f"{self._ma_best_step}; {_KEY}.reward_drop_ratio {c.reward_drop_ratio:g}): "
                 f"the policy is getting worse; {try_}"
             )
         if c.reward_drop_steps > 0 and self._falls >= c.reward_drop_steps:
             return (
-                f"reward drop: the mean score over the last {c.window} steps fell "
+                f"reward drop: the mean score over the last {n} steps fell "
                 f"{self._falls} steps in a row, to {_fmt(ma)} ({_KEY}.reward_drop_steps "
                 f"{c.reward_drop_steps}); {try_}"
             )

@@ -222,3 +222,10 @@ def test_validation_drop_from_its_best_holds_until_the_next_validation() -> None
     assert "val/test_score/mean 0.3 is 40% below its best 0.5 (step 6" in msg
     mon.restart(7, cooldown=0)  # after a rollback the old verdict no longer applies
     assert mon.observe(8, {}) == [] and not mon.active["val_drop"]
+
+
+def test_a_reward_that_collapses_before_the_window_fills_is_seen() -> None:
+    """0.47 then nothing: the average of what there is counts from the first step."""
+    mon = HealthMonitor(_cfg(window=5, reward_drop_ratio=0.5))
+    fired = _run(mon, [{"critic/score/mean": x} for x in (0.469, 0.0, 0.0, 0.0, 0.0)])
+    assert ["reward_drop"] in fired[:3]
