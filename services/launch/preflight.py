@@ -58,6 +58,53 @@ def _model_dir(key: str, value: str | None, needs: str) -> Iterable[ConfigIssue]
     yield ConfigIssue(key, "no such folder", value)
 
 
+def _weight_shapes(folder: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape of a model folder's safetensors files, from their headers
+    alone (8 bytes of length, then JSON); {} when there are none or one is unreadable."""
+    import json
+    import struct
+
+    shapes: dict[str, list[int]] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with f.open("rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                if size > 100_000_000:
+                    return {}
+                header = json.loads(fh.read(size))
+        except (OSError, ValueError, struct.error):
+            return {}
+        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def _lora_targets(cfg: Config) -> Iterable[ConfigIssue]:
+    """``actor.target_modules`` name modules the actor's model has (peft's matching:
+    a list entry is a module name's last part(s), a string other than ``all-linear``
+    a regular expression over whole names)."""
+    targets = cfg.actor.target_modules
+    if cfg.actor.lora_rank <= 0 or targets == "all-linear" or not cfg.actor.model_path:
+        return
+    shapes = _weight_shapes(Path(cfg.actor.model_path))
+    modules = {k.rsplit(".", 1)[0] for k in shapes}
+    if not modules:
+        return  # a hub id or another format: the trainer's peft says it at load
+    if isinstance(targets, str):
+        if not any(re.fullmatch(targets, m) for m in modules):
+            yield ConfigIssue("actor.target_modules", "matches no module of the model", targets)
+        return
+    missing = [t for t in targets if not any(m == t or m.endswith("." + t) for m in modules)]
+    if missing:
+        linear = sorted({k.rsplit(".", 2)[-2] for k, v in shapes.items()
+                         if k.endswith(".weight") and len(v) == 2 and "embed" not in k})  # fmt: skip
+        yield ConfigIssue(
+            "actor.target_modules",
+            f"the model has no module named {', '.join(missing)} (its linear layers: "
+            f"{', '.join(linear)})",
+            targets,
+        )
+
+
 def _tokenizer_dir(key: str, value: str | None) -> Iterable[ConfigIssue]:
     if not value:
         return
@@ -169,6 +216,8 @@ def preflight(
         ):  # (the actor's folder, already reported, is not reported again)
             issues += _model_dir("critic.model_path", cfg.critic.model_path, "config.json")
     model_missing = any(i.path == "actor.model_path" for i in issues)
+    if trainer_here and not model_missing:
+        issues += _lora_targets(cfg)
     same_folder = cfg.actor.tokenizer_path in (None, cfg.actor.model_path)
     if (driver or trainer_here) and not (model_missing and same_folder):
         # (A tokenizer read from the model folder is not reported twice.)

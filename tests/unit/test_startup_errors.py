@@ -80,6 +80,10 @@ def test_invalid_yaml_is_one_line_with_where(
         ({"data__train_files": "missing.parquet"}, "data.train_files: no such file"),
         ({"reward__custom_function": {"path": "nowhere.py"}}, "reward.custom_function.path"),
         ({"resource_pools__train_pool": [64]}, "resource_pools:"),
+        (
+            {"actor__lora_rank": 8, "actor__target_modules": ["q_proj", "foo_proj"]},
+            "actor.target_modules: the model has no module named foo_proj",
+        ),
     ],
 )
 def test_each_bad_input_is_one_line_naming_its_key(
