@@ -1,23 +1,24 @@
 """The agentic calculator demo: a tiny model learns to call a tool, on a CPU.
 
-    python -m rlfleet.launch.agentic_demo --out outputs        # ~2 minutes on 2 cores
+    python -m rlfleet.launch.agentic_demo --out outputs        # 2 to 4 minutes on 2 cores
 
 Steps, each skipped when its output already exists (``--fresh`` redoes them):
 
 1. ``outputs/models/tiny`` -- the tiny Llama and its tokenizer;
-2. ``outputs/data/calculator`` -- two-digit multiplications whose prompt says a
-   calculator tool is available (:func:`rlfleet.driver.data.recipes.calculator`),
+2. ``outputs/data/calculator`` -- remainders of three-digit numbers by a one-digit
+   divisor (``482 % 7``) whose prompt says a calculator tool is available (:func:`rlfleet.driver.data.recipes.calculator`),
    scored by the gsm8k rule (``#### N``);
 3. ``outputs/models/tiny-calculator-sft`` -- a supervised warm start on
    conversations the project writes (:func:`sft_warm_start`): a ``tool_fraction`` of
    the problems as the tool-call transcript (the call, the calculator's answer as a
    tool turn, ``#### N``), the others answered directly. A ~1M-parameter model cannot
-   multiply two-digit numbers, so its direct answers are mostly wrong and its
+   take remainders of three-digit numbers, so its direct answers are mostly wrong and its
    copied tool answers mostly right;
 4. GRPO with multi-turn rollouts and the built-in calculator
    (``examples/agentic_calculator.yaml``): the reward rises as the policy learns to
-   call the tool instead of guessing. Greedy test accuracy and the share of
-   responses that call the tool are printed before and after.
+   call the tool instead of guessing. Greedy test accuracy before and after is
+   printed (one JSON line: ``accuracy_before``, ``accuracy_after``, ``steps``,
+   ``seconds``).
 
 The warm start builds each conversation's tokens exactly as the multi-turn rollout
 does (the model's turns, then the tool turn from

@@ -643,3 +643,9 @@ def test_errors_name_the_verl_keys_the_input_used() -> None:
         assert issue.path == key and f"(as rlfleet's {rlfleet})" in issue.message
     [issue] = _error(None, [*QUICKSTART, *CPU, "+trainer.foo=1"]).issues
     assert issue.path == "trainer.foo" and str(issue).endswith("(got '1')")
+
+
+def test_a_lower_clip_at_or_past_one_is_refused() -> None:
+    """1 - clip_ratio_low is the ratio's lower bound: at 1 or more it never clips."""
+    [issue] = _error(None, [*QUICKSTART, *CPU, "actor_rollout_ref.actor.clip_ratio_low=1.5"]).issues
+    assert issue.path == "actor_rollout_ref.actor.clip_ratio_low" and "less than 1" in str(issue)

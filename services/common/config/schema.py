@@ -279,7 +279,10 @@ class ActorConfig(_Section):
     )
     clip_ratio: float = Field(default=0.2, gt=0, description="PPO clip epsilon")
     clip_ratio_low: float | None = Field(
-        default=None, gt=0, description="lower epsilon; None: clip_ratio"
+        default=None,
+        gt=0,
+        lt=1,
+        description="lower epsilon (the ratio is clipped at 1 - it, so below 1); None: clip_ratio",
     )
     clip_ratio_high: float | None = Field(
         default=None, gt=0, description="upper epsilon (DAPO clip-higher); None: clip_ratio"
