@@ -351,6 +351,31 @@ class RolloutFleet:
         with self._lock:
             self.workers.rollouts = keep + joined
 
+    def prune(self) -> None:
+        """Drop the replicas the registry listed and lists alive no longer (frozen and
+        declared dead, scaled down, lost with their node), adopting no newcomer: what a
+        weight push does first, so that it does not wait on a replica the scheduler
+        already gave up. One that comes back is adopted again by :meth:`refresh`, with
+        the weights of then. No scheduler, a failed listing or none left alive: no-op."""
+        if self.scheduler is None:
+            return
+        try:
+            entries = self.scheduler.list_services("rollout", alive_only=True)
+        except RlfleetError:
+            return
+        alive = {e.spec.address for e in entries if e.spec.address}
+        self._registered |= alive
+        current = self.replicas
+        keep = [r for r in current if r.address not in self._registered or r.address in alive]
+        if not keep or len(keep) == len(current):
+            return
+        for r in current:
+            if r not in keep:
+                logger.info("rollout replica %s (%s) is not alive in the registry: not "
+                            "pushed to, dropped", r.replica_id, r.address)  # fmt: skip
+        with self._lock:
+            self.workers.rollouts = keep
+
     def adopt(self, entry: ServiceEntry) -> RolloutReplica | None:
         """A replica for a newly registered rollout service, at the current weight
         version; None (logged, retried next step) when it cannot be brought there."""

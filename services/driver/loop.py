@@ -738,6 +738,7 @@ class PPOTrainer:
         if version < self._policy_version:  # replicas never go back: renumber
             self._version_offset += self._policy_version - version
             version = self._policy_version
+        self._fleet.prune()  # no waiting on a replica the scheduler gave up
         replicas = self._fleet.replicas
         with tracing.span("weight_sync", version=version, replicas=len(replicas)):
             self._push_weights(replicas, version)
