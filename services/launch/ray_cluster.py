@@ -981,8 +981,10 @@ class RayCluster:
                 if svc not in self._services:
                     continue  # replaced this round (a trainer rank restarted with rank 0)
             try:
-                if "_pending" in svc.info:
-                    continue  # still starting (a scale-up's): its actor answers after
+                if "_pending" in svc.info or svc.address is None:
+                    # Still starting (a scale-up's, a replacement's): its actor answers
+                    # after, and a start that fails is its starter's to handle.
+                    continue
                 code = ray.get(svc.actor.poll.remote(), timeout=15)
             except ray.exceptions.GetTimeoutError:
                 continue  # slow to answer is not gone: ask again next round
@@ -1040,38 +1042,51 @@ class RayCluster:
             daemon=True,
         ).start()
 
+    #: Tries at placing a lost replica's replacement, and the pause between them: Ray
+    #: may still count a node that just died as alive (its bundles on it) for seconds.
+    REPLACE_TRIES = 4
+    REPLACE_PAUSE_S = 5.0
+
     def _replace_rollout(self, ray: Any, svc: _Service) -> None:
         """A lost replica's replacement: in a bundle of its pool on a live node with
-        room (the most room first), else in its own bundle (Ray moves that one to a
-        live node when one has room)."""
+        room (the most room first) other than the one the replica was lost on, else
+        in its own bundle (Ray moves that one to a live node when one has room); tried
+        again while the node it lands on turns out dead."""
         assert svc.pool is not None
-        live = self._live_bundles(ray, svc.pool)
-        with self._lock:
-            taken = [(s.bundle or 0, s.slot) for s in self._services if s.kind == "rollout"]
-        bundle: int | None
-        try:
-            bundle, slot = self.gpus.place_rollout(svc.pool, taken, allowed=live)
-        except ServiceStartError:
-            bundle, slot = svc.bundle, svc.slot
-        moved = dataclasses.replace(svc, bundle=bundle, slot=slot)
-        try:
-            new = self._relaunch(ray, moved, timeout_s=self.config.ray.start_timeout_s)
-        except Exception as e:
-            self.events["replacement_failed"] += 1
-            logger.error("no replacement for %s: %s", svc.name, e)
-            return
+        lost_node = svc.info.get("node_id")
+        for attempt in range(1, self.REPLACE_TRIES + 1):
+            live = self._live_bundles(ray, svc.pool, avoid=lost_node)
+            with self._lock:
+                taken = [(s.bundle or 0, s.slot) for s in self._services if s.kind == "rollout"]
+            bundle: int | None
+            try:
+                bundle, slot = self.gpus.place_rollout(svc.pool, taken, allowed=live)
+            except ServiceStartError:
+                bundle, slot = svc.bundle, svc.slot
+            moved = dataclasses.replace(svc, bundle=bundle, slot=slot)
+            try:
+                new = self._relaunch(ray, moved, timeout_s=self.config.ray.start_timeout_s)
+                break
+            except Exception as e:
+                if self._stopped or attempt == self.REPLACE_TRIES:
+                    self.events["replacement_failed"] += 1
+                    logger.error("no replacement for %s: %s", svc.name, e)
+                    return
+                logger.warning("replacement %d of %s failed (%s): trying again in %gs",
+                               attempt, svc.name, e, self.REPLACE_PAUSE_S)  # fmt: skip
+                time.sleep(self.REPLACE_PAUSE_S)
         self.events["replaced"] += 1
         logger.warning(
             "%s replaced at %s on node %s (bundle %s of %s)",
             new.name, new.address, new.info.get("ip"), bundle, svc.pool,
         )  # fmt: skip
 
-    def _live_bundles(self, ray: Any, pool: str) -> set[int] | None:
-        """Bundles of ``pool``'s placement group placed on a node that is alive now
-        (None: Ray would not say)."""
+    def _live_bundles(self, ray: Any, pool: str, avoid: Any = None) -> set[int] | None:
+        """Bundles of ``pool``'s placement group placed on a node that is alive now and
+        is not ``avoid`` (None: Ray would not say)."""
         try:
             table = ray.util.placement_group_table(self.placement_groups[pool])
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} - {avoid}
             placed = table.get("bundles_to_node_id", {})
             return {int(b) for b, node in placed.items() if node in alive}
         except Exception as e:  # a Ray without this table: its own bundle, as before
