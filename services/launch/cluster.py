@@ -719,6 +719,11 @@ class LocalCluster:
             logger.error("restarting %s failed: %s", proc.name, e)
             return
         logger.warning("%s restarted at %s (pid %d)", fresh.name, fresh.address, fresh.pid)
+        if fresh.kind in ("reward", "trainer") and self.scheduler_address:
+            try:  # its entry names the new process (pid), not the dead one
+                self._register_probed([fresh], time.monotonic() + 30.0)
+            except Exception as e:  # the registry keeps the old entry; it still answers
+                logger.warning("registering the restarted %s failed: %s", fresh.name, e)
         if fresh.kind == "scheduler" and self.scheduler_address:
             self._scale_generation = 0  # a new scheduler numbers its requests from 1 again
             with self._lock:
@@ -1002,7 +1007,9 @@ class LocalCluster:
                     metrics_address=proc.metrics_address or "",
                     pid=proc.pid,
                 )
-                self._registered.append(client.register(spec).service_id)
+                service_id = client.register(spec).service_id
+                if service_id not in self._registered:  # (re-registered after a restart)
+                    self._registered.append(service_id)
 
     def _make_handle(self, plan: PlacementPlan, config_path: Path) -> ClusterHandle:
         s = self.config.services

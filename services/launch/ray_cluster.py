@@ -1254,6 +1254,11 @@ class RayCluster:
             logger.error("restarting %s failed: %s", svc.name, e)
             return
         logger.warning("%s restarted at %s", svc.name, fresh[0].address)
+        if svc.kind in ("trainer", "reward"):
+            try:  # its entry names the new process (pid, actor), not the dead one
+                self._register_probed(time.monotonic() + 30.0, only=svc.kind)
+            except Exception as e:  # the registry keeps the old entry; it still answers
+                logger.warning("registering the restarted %s failed: %s", svc.name, e)
         if svc.kind == "scheduler":
             self._scale_generation = 0  # a new scheduler numbers its requests from 1 again
             try:

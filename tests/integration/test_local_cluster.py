@@ -279,6 +279,9 @@ def test_dead_rollout_and_reward_are_restarted_on_their_ports(
                     break
                 time.sleep(0.5)
         assert alive == h.rollout
+        with RemoteSchedulerClient(h.scheduler) as client:  # type: ignore[arg-type]
+            [reward] = client.list_services("reward")
+        assert reward.spec.pid == cluster.pids["reward"] != old["reward"]  # not the dead one
         assert cluster.pids["trainer"] == old["trainer"]
         # A second death is past max_restarts: the replica stays down.
         os.kill(cluster.pids["rollout-0"], signal.SIGKILL)
@@ -292,6 +295,9 @@ def test_dead_rollout_and_reward_are_restarted_on_their_ports(
         ):
             time.sleep(0.5)
         assert cluster.restarts.get("trainer") == 1 and healthy(h.trainer)
+        with RemoteSchedulerClient(h.scheduler) as client:  # type: ignore[arg-type]
+            [trainer] = client.list_services("trainer")
+        assert trainer.spec.pid == cluster.pids["trainer"] != old["trainer"]
     assert all(gone(pid) for pid in cluster.pids.values())
 
 
