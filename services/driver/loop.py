@@ -1081,6 +1081,7 @@ class PPOTrainer:
         except NotFound:
             source = self._rewind()
         self.history = [h for h in self.history if h.step <= self.global_steps]
+        tracking.rewind(self.global_steps)  # the redone steps are recorded once
         seconds = time.perf_counter() - t0
         self._recovery_metrics = {
             "fault/trainer_recoveries": float(self.recoveries),

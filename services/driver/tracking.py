@@ -261,6 +261,18 @@ class Tracking:
         else:
             logger.info("%s", text)
 
+    def rewind(self, step: int) -> None:
+        """Steps after ``step`` are run again (the trainer restored an earlier
+        checkpoint within the run): their JSONL records go, as on a resume."""
+        if self._jsonl is None:
+            return
+        self._jsonl.close()
+        dropped = drop_records_after(self.jsonl_path, step)
+        if dropped:
+            logger.info("%s: dropped %d records of steps after %d (to be run again)",
+                        self.jsonl_path, dropped, step)  # fmt: skip
+        self._jsonl = self.jsonl_path.open("a", encoding="utf-8")
+
     def warn(self, text: str) -> None:
         """A warning (a health check firing, the guard acting): a console line, or a
         logged warning without the console logger. The step's record carries the
