@@ -246,7 +246,8 @@ def cluster_tls(config: Config) -> TLSConfig | None:
 
 def fleet_metrics(events: Mapping[str, int], rollout_replicas: int) -> dict[str, float]:
     """A launcher's step metrics: its event counts (``fleet/restarted``, ...) and
-    ``fleet/rollout_replicas``."""
+    ``fleet/rollout_replicas``, the replicas it runs (starting ones included; the
+    driver's working set is ``rollout/replicas``)."""
     out = {f"fleet/{k}": float(v) for k, v in sorted(events.items())}
     out["fleet/rollout_replicas"] = float(rollout_replicas)
     return out
