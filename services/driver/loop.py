@@ -74,6 +74,7 @@ import dataclasses
 import json
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -783,6 +784,7 @@ class PPOTrainer:
                 pushed += list(ex.map(hand_over, local))
         if remote:
             targets = [(r.replica_id, r.address or "") for r in remote]
+            started = time.time_ns()
             outcome = self._w.trainer.push_weights(
                 targets,
                 version=version,
@@ -793,6 +795,7 @@ class PPOTrainer:
                 for r in remote
                 if outcome.ok.get(r.replica_id) and r.replica_id in outcome.transports
             ]
+            _trace_pushes(remote, outcome, started)
             if outcome.errors:
                 self.metrics.weight_sync_failures.inc()
                 failed = [r for r in remote if r.replica_id in outcome.errors]
@@ -1536,3 +1539,25 @@ STATUS_METRICS = frozenset(
 def _val_line(step: int, val: Mapping[str, float]) -> str:
     parts = [f"{k.removeprefix('val/test_score/')} {v:.3f}" for k, v in val.items() if "score" in k]
     return f"validation at step {step}: " + ", ".join(parts)
+
+
+def _trace_pushes(replicas: Sequence[RolloutReplica], outcome: Any, started: int) -> None:
+    """One ``weight_push`` span per replica under the current ``weight_sync`` one,
+    laid out from the trainer's per-replica seconds (ending now; a failed one spans
+    the whole push), so that a trace shows which replica a slow push waited on."""
+    parent = tracing.current()
+    if parent is None:
+        return
+    end = time.time_ns()
+    tracer = tracing.tracer()
+    for r in replicas:
+        seconds = outcome.seconds.get(r.replica_id)
+        if seconds is None or r.replica_id in outcome.errors:
+            seconds = (end - started) / 1e9
+        attrs: dict[str, Any] = {"replica": r.replica_id, "address": r.address or ""}
+        if r.replica_id in outcome.transports:
+            attrs["transport"] = outcome.transports[r.replica_id]
+        if r.replica_id in outcome.errors:
+            attrs["error"] = str(outcome.errors[r.replica_id])[:500]
+        ctx = tracing.SpanContext(parent.trace_id, secrets.token_hex(8))
+        tracer.record("weight_push", end - int(float(seconds) * 1e9), end, ctx, parent, attrs)

@@ -56,6 +56,7 @@ def test_a_steps_spans_cross_every_service_and_rlfleet_trace_shows_them(
         ("trainer.train_step", "trainer"),
         ("trainer.update_actor", "trainer"),
         ("weight_sync", "driver"),
+        ("weight_push", "driver"),  # one per replica: which one a slow push waited on
     ]:
         assert (name, service) in seen, (name, service, sorted(seen))
     assert main(["trace", "--run", str(run_dir), "--step", "2"]) == 0
