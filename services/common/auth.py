@@ -85,6 +85,7 @@ __all__ = [
     "caller_role",
     "credential_set",
     "credentials_env",
+    "credentials_in_env",
     "generate_tokens",
     "http_audience",
     "load_credentials",
@@ -514,6 +515,13 @@ def load_credentials(env: Mapping[str, str] | None = None) -> Credentials | None
     if shared:
         return Credentials.shared(shared)
     return None
+
+
+def credentials_in_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment names credentials (any variable :func:`load_credentials`
+    reads), usable or not."""
+    env = os.environ if env is None else env
+    return any(env.get(n) for n in (CREDENTIALS_ENV, CREDENTIALS_JSON_ENV, SHARED_TOKEN_ENV))
 
 
 def credentials_env(creds: Credentials) -> dict[str, str]:

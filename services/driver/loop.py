@@ -74,7 +74,6 @@ import dataclasses
 import json
 import logging
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -1545,11 +1544,7 @@ def _trace_pushes(replicas: Sequence[RolloutReplica], outcome: Any, started: int
     """One ``weight_push`` span per replica under the current ``weight_sync`` one,
     laid out from the trainer's per-replica seconds (ending now; a failed one spans
     the whole push), so that a trace shows which replica a slow push waited on."""
-    parent = tracing.current()
-    if parent is None:
-        return
     end = time.time_ns()
-    tracer = tracing.tracer()
     for r in replicas:
         seconds = outcome.seconds.get(r.replica_id)
         if seconds is None or r.replica_id in outcome.errors:
@@ -1559,5 +1554,4 @@ def _trace_pushes(replicas: Sequence[RolloutReplica], outcome: Any, started: int
             attrs["transport"] = outcome.transports[r.replica_id]
         if r.replica_id in outcome.errors:
             attrs["error"] = str(outcome.errors[r.replica_id])[:500]
-        ctx = tracing.SpanContext(parent.trace_id, secrets.token_hex(8))
-        tracer.record("weight_push", end - int(float(seconds) * 1e9), end, ctx, parent, attrs)
+        tracing.record_child("weight_push", end - int(float(seconds) * 1e9), end, **attrs)

@@ -176,8 +176,7 @@ def _credentials_for_services(cfg: Config) -> Iterable[ConfigIssue]:
     )
     if not given or not cfg.security.auth or cfg.security.credentials_dir:
         return
-    names = (auth.CREDENTIALS_ENV, auth.CREDENTIALS_JSON_ENV, auth.SHARED_TOKEN_ENV)
-    if any(os.environ.get(n) for n in names):
+    if auth.credentials_in_env():
         return
     yield ConfigIssue(
         f"services.{given[0]}",
@@ -208,19 +207,20 @@ def preflight(
     trainer_here = in_process or s.trainer is None
     rollout_here = in_process or not s.rollout
     reward_here = in_process or s.reward is None
+    # A folder reported missing as the actor's model is not reported again as the
+    # critic's model or the tokenizer read from it.
+    model_missing = False
     if trainer_here:
         issues += _model_dir("actor.model_path", cfg.actor.model_path, "config.json")
-        actor_missing = bool(issues)
+        model_missing = bool(issues)
         if "critic" in roles and not (
-            actor_missing and cfg.critic.model_path in (None, cfg.actor.model_path)
-        ):  # (the actor's folder, already reported, is not reported again)
+            model_missing and cfg.critic.model_path in (None, cfg.actor.model_path)
+        ):
             issues += _model_dir("critic.model_path", cfg.critic.model_path, "config.json")
-    model_missing = any(i.path == "actor.model_path" for i in issues)
-    if trainer_here and not model_missing:
-        issues += _lora_targets(cfg)
+        if not model_missing:
+            issues += _lora_targets(cfg)
     same_folder = cfg.actor.tokenizer_path in (None, cfg.actor.model_path)
     if (driver or trainer_here) and not (model_missing and same_folder):
-        # (A tokenizer read from the model folder is not reported twice.)
         issues += _tokenizer_dir("actor.tokenizer_path", cfg.actor.tokenizer_path)
     rollout_model = cfg.rollout.model_path or cfg.actor.model_path
     if rollout_here and not (trainer_here and rollout_model == cfg.actor.model_path):

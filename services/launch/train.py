@@ -210,16 +210,13 @@ def _deployed_security(config: Any) -> Any:
     """The environment's security when every service is given by address and the
     environment holds credentials (``RLFLEET_CREDENTIALS``, ``RLFLEET_CREDENTIALS_JSON``
     or ``RLFLEET_AUTH_TOKEN``, TLS from ``RLFLEET_TLS_*``); else None (LocalCluster)."""
-    import os
-
-    from rlfleet.common import auth
+    from rlfleet.common.auth import credentials_in_env
     from rlfleet.common.rpc import Security
 
     s = config.services
     if s.trainer is None or s.reward is None or not (s.rollout or s.scheduler):
         return None
-    names = (auth.CREDENTIALS_ENV, auth.CREDENTIALS_JSON_ENV, auth.SHARED_TOKEN_ENV)
-    if not any(os.environ.get(n) for n in names):
+    if not credentials_in_env():
         return None
     return Security.from_env(what="rlfleet train")
 

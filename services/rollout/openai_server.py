@@ -70,30 +70,29 @@ class _ClientWatch:
     def __init__(self, connection: Any) -> None:
         self._fd = connection.fileno()
         self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
         self.gone = False
 
     def arm(self, cancel: Callable[[], None]) -> None:
         """Start watching; ``cancel`` stops the generation."""
-        self._thread = threading.Thread(
+        threading.Thread(
             target=self._watch, args=(cancel,), name="rlfleet-openai-watch", daemon=True
-        )
-        self._thread.start()
+        ).start()
 
     def _watch(self, cancel: Callable[[], None]) -> None:
         poller = select.poll()
         poller.register(self._fd, _HANGUP)
         interval_ms = int(self.WATCH_INTERVAL_S * 1000)
         while not self._stopped.is_set():
-            if any(ev & _HANGUP for _, ev in poller.poll(interval_ms)):
+            hung_up = any(ev & _HANGUP for _, ev in poller.poll(interval_ms))
+            if hung_up and not self._stopped.is_set():
                 self.gone = True
                 cancel()
                 return
 
     def stop(self) -> None:
+        """Stop watching (the thread ends within an interval; not waited for, so the
+        answer is not held back by it)."""
         self._stopped.set()
-        if self._thread is not None:
-            self._thread.join()
 
 
 class _Handler(BaseHTTPRequestHandler):

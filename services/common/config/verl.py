@@ -24,6 +24,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -1563,6 +1564,7 @@ class Translation:
     entries: list[Entry] = field(default_factory=list)
     issues: list[ConfigIssue] = field(default_factory=list)
 
+    @functools.cached_property
     def source_keys(self) -> dict[str, str]:
         """rlfleet key -> the verl key that set it (one the input gave wins over a verl
         default mapped to the same place): how errors about it name it."""
@@ -1574,7 +1576,7 @@ class Translation:
 
     def named_as_given(self, issue: ConfigIssue) -> ConfigIssue:
         """``issue`` about an rlfleet key, named by the verl key that set it."""
-        verl_key = self.source_keys().get(issue.path)
+        verl_key = self.source_keys.get(issue.path)
         if verl_key is None:
             return issue
         return ConfigIssue(verl_key, f"{issue.message} (as rlfleet's {issue.path})", issue.value)
