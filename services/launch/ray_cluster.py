@@ -263,8 +263,13 @@ class ServiceActor:
 
         ip = ray.util.get_node_ip_address()
         for path, text in files.items():
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(text)
+            # Atomically: on one machine (or a shared file system) several actors write
+            # the same config while a service started before may be reading it.
+            target = Path(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, target)
         argv = [a.replace(_HOST, ip) for a in argv]
         if address_file:
             Path(address_file).unlink(missing_ok=True)

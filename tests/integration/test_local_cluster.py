@@ -295,8 +295,14 @@ def test_dead_rollout_and_reward_are_restarted_on_their_ports(
         ):
             time.sleep(0.5)
         assert cluster.restarts.get("trainer") == 1 and healthy(h.trainer)
+        # The launcher registers the new process once it answers: the registry names it
+        # soon after, not the dead one.
         with RemoteSchedulerClient(h.scheduler) as client:  # type: ignore[arg-type]
-            [trainer] = client.list_services("trainer")
+            while time.monotonic() < deadline:
+                [trainer] = client.list_services("trainer")
+                if trainer.spec.pid != old["trainer"]:
+                    break
+                time.sleep(0.2)
         assert trainer.spec.pid == cluster.pids["trainer"] != old["trainer"]
     assert all(gone(pid) for pid in cluster.pids.values())
 
