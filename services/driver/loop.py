@@ -85,7 +85,7 @@ import numpy as np
 import torch
 
 from rlfleet.common import tracing
-from rlfleet.common.config import Config, save_resolved
+from rlfleet.common.config import Config, run_warnings, save_resolved
 from rlfleet.common.errors import NotFound, RlfleetError, Unavailable
 from rlfleet.driver.batch import (
     Batch,
@@ -1174,6 +1174,8 @@ class PPOTrainer:
         )  # fmt: skip
         if resumed:
             tracking.note(f"resumed at step {self.global_steps}")
+        for text in run_warnings(cfg):
+            tracking.warn(text)
         records: list[StepRecord] = []
         self._publish_status("running")
         state: TrainingState = "failed"

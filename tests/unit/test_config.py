@@ -314,9 +314,9 @@ VLLM_TP2 = ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"]
         (["critic.enable=false"], "critic.enable"),
         ([*GRPO, "critic.enable=true"], "critic.enable"),
         ([*GRPO, "trainer.critic_warmup=2"], "trainer.critic_warmup"),
-        # group estimators need several responses per prompt
-        (["algorithm.adv_estimator=grpo", "rollout.n=1"], "rollout.n"),
-        (["algorithm.adv_estimator=rloo", "rollout.n=1"], "rollout.n"),
+        # group estimators with one response per prompt run as verl runs them (a warning)
+        (["algorithm.adv_estimator=grpo", "rollout.n=1"], None),
+        (["algorithm.adv_estimator=rloo", "rollout.n=1"], None),
         (["algorithm.adv_estimator=reinforce_plus_plus", "rollout.n=1"], None),
         # field constraints
         (["actor.clip_ratio_c=1.0"], "actor.clip_ratio_c"),
@@ -807,3 +807,20 @@ def test_tensor_parallel_rollout_needs_the_vllm_engine_on_gpus() -> None:
     assert "rollout.tensor_parallel_size" in str(info.value) and "vllm" in str(info.value)
     cfg = config_from_dict({**base, "rollout": {**base["rollout"], "engine": "vllm"}})
     assert cfg.rollout.tensor_parallel_size == 2 and cfg.rollout_replicas() == 2
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_a_group_estimator_with_one_response_per_prompt_runs_with_a_warning(
+    estimator: str,
+) -> None:
+    from rlfleet.common.config import run_warnings
+
+    cfg = config_from_dict(None, [f"algorithm.adv_estimator={estimator}", "rollout.n=1"])
+    [warning] = run_warnings(cfg)
+    assert "rollout.n=1" in warning and estimator in warning
+    assert (
+        run_warnings(
+            config_from_dict(None, [f"algorithm.adv_estimator={estimator}", "rollout.n=2"])
+        )
+        == []
+    )

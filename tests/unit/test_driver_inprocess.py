@@ -252,3 +252,31 @@ def test_a_reward_function_that_raises_stops_the_run_by_default(
     assert record.metrics["reward/error_fraction"] == 1.0
     assert record.metrics["reward/timeout_fraction"] == 0.0
     assert record.metrics["critic/score/mean"] == 0.0
+
+
+def test_grpo_with_one_response_per_prompt_trains_on_raw_scores(
+    tiny_model_dir: Path,
+    arithmetic_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """verl runs GRPO with ``rollout.n=1``: a group of one has baseline 0 and std 1, so
+    each response's advantage is its score. The run says so when it starts."""
+    cfg = _config(
+        tiny_model_dir, arithmetic_dir, tmp_path, "rollout.n=1", "algorithm.adv_estimator=grpo",
+        "critic.enable=false", "trainer.total_training_steps=2",
+    )  # fmt: skip
+
+    def spread(samples: list[Any]) -> list[float]:  # scores -1, 0.5 and 2 by prompt
+        return [(-1.0, 0.5, 2.0)[int(s.ground_truth) % 3] for s in samples]
+
+    with caplog.at_level("WARNING"), PPOTrainer(config=cfg, reward_fn=spread) as trainer:
+        records = trainer.fit()
+    assert [r.step for r in records] == [1, 2]
+    assert any(r.metrics["critic/score/max"] > r.metrics["critic/score/min"] for r in records)
+    assert any("rollout.n=1 with adv_estimator grpo" in r.getMessage() for r in caplog.records)
+    for r in records:
+        m = r.metrics
+        assert len(r.indices) == 4  # four prompts, one response each
+        assert m["critic/advantages/max"] == pytest.approx(m["critic/score/max"], abs=1e-4)
+        assert m["critic/advantages/min"] == pytest.approx(m["critic/score/min"], abs=1e-4)

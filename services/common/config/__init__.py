@@ -37,6 +37,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+from rlfleet.common.config.checks import run_warnings
 from rlfleet.common.config.load import apply_overrides, config_from_dict, load_config, save_resolved
 from rlfleet.common.config.schema import (
     GROUP_ESTIMATORS,
@@ -127,5 +128,6 @@ __all__ = [
     "apply_overrides",
     "config_from_dict",
     "load_config",
+    "run_warnings",
     "save_resolved",
 ]

@@ -179,15 +179,19 @@ def _check_critic_tokenizer(cfg: Config) -> Iterator[ConfigIssue]:
         )
 
 
-@_check("algorithm.adv_estimator", "rollout.n")
-def _check_group_size(cfg: Config) -> Iterator[ConfigIssue]:
+def run_warnings(cfg: Config) -> list[str]:
+    """What a valid configuration still does that its author may not expect: one line
+    each, shown when the run starts."""
+    out = []
     adv = cfg.algorithm.adv_estimator
     if adv in GROUP_ESTIMATORS and cfg.rollout.n < 2:
-        yield ConfigIssue(
-            "rollout.n",
-            f"adv_estimator {adv} compares responses to one prompt: needs n >= 2",
-            cfg.rollout.n,
+        # verl runs it: a group of one has baseline 0 (and std 1).
+        out.append(
+            f"rollout.n=1 with adv_estimator {adv}: every group holds one response, so "
+            "its advantage is its own score (no group baseline); set rollout.n >= 2 "
+            "to compare responses to one prompt"
         )
+    return out
 
 
 @_check(
