@@ -321,6 +321,11 @@ VLLM_TP2 = ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"]
         # field constraints
         (["actor.clip_ratio_c=1.0"], "actor.clip_ratio_c"),
         (["actor.clip_ratio_c=1.5"], None),
+        (
+            ["algorithm.rollout_correction.rollout_is_threshold=0.5"],
+            "algorithm.rollout_correction.rollout_is_threshold",
+        ),
+        (["algorithm.rollout_correction.rollout_is_threshold=1.0"], None),
         (["algorithm.lam=0.95", "algorithm.gamma=0.99"], None),
         (["algorithm.lam=1.1"], "algorithm.lam"),
         (["algorithm.gamma=-0.1"], "algorithm.gamma"),

@@ -921,7 +921,10 @@ class RolloutCorrectionConfig(_Section):
         "(the product of its token ratios)",
     )
     rollout_is_threshold: float = Field(
-        default=2.0, gt=0, description="C, the truncation of the weights"
+        default=2.0,
+        ge=1,
+        description="C, the truncation of the weights; at least 1 (an on-policy token's "
+        "weight is 1: a C below it would shrink every token's loss)",
     )
 
 
