@@ -1002,6 +1002,7 @@ class LocalCluster:
                 spec = ServiceSpec(
                     role="reward" if proc.kind == "reward" else "trainer",
                     address=proc.address,
+                    service_id=proc.name,  # the launcher's name: one name everywhere
                     node=node,
                     devices=devices,
                     capabilities=caps,

@@ -911,6 +911,7 @@ class RayCluster:
                 spec = ServiceSpec(
                     role="reward" if svc.name == "reward" else "trainer",
                     address=svc.address,
+                    service_id=svc.name,  # the actor's name: one name everywhere
                     node=str(svc.info.get("ip", "")),
                     devices=tuple(d for s in group for d in self._device_list(s)),
                     capabilities=caps,

@@ -173,7 +173,10 @@ class SchedulerRegistration:
 
     Args:
         address: the scheduler's ``host:port``.
-        info: what this replica advertises (``service_id`` is assigned by Register).
+        info: what this replica advertises. ``service_id``: the id asked for (a
+            launcher's name for the replica, ``rollout-3``), "" to get one assigned;
+            an asked-for id that another live replica holds is given up for an
+            assigned one (with a warning), never taken from it.
         load: current load for heartbeats.
     """
 
@@ -189,6 +192,7 @@ class SchedulerRegistration:
         self._channel = create_channel(address, auth_token=auth_token)
         self._stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
         self._info = info
+        self._asked_id = info.service_id
         self._load = load
         self._timeout_s = timeout_s
         self._stop = threading.Event()
@@ -201,11 +205,24 @@ class SchedulerRegistration:
 
     def register(self) -> scheduler_pb2.RegisterResponse:
         try:
-            resp = self._stub.Register(
-                scheduler_pb2.RegisterRequest(info=self._info, lease=self._lease),
-                timeout=self._timeout_s,
-                wait_for_ready=True,
-            )
+            try:
+                resp = self._call_register()
+            except grpc.RpcError as e:
+                if not (
+                    self._info.service_id
+                    and not self._lease
+                    and e.code() == grpc.StatusCode.PERMISSION_DENIED
+                    and "info.service_id" in (e.details() or "")
+                ):
+                    raise
+                logger.warning(
+                    "the scheduler keeps %s for another live replica: registering under "
+                    "an assigned id (%s)",
+                    self._info.service_id,
+                    e.details(),
+                )
+                self._info.service_id = ""
+                resp = self._call_register()
         except grpc.RpcError as e:
             raise Unavailable(
                 f"cannot register with the scheduler at {self.address}: {e.code().name} "
@@ -225,6 +242,14 @@ class SchedulerRegistration:
             self.service_id,
             self.interval_s,
             resp.weight_version,
+        )
+        return resp
+
+    def _call_register(self) -> scheduler_pb2.RegisterResponse:
+        resp: scheduler_pb2.RegisterResponse = self._stub.Register(
+            scheduler_pb2.RegisterRequest(info=self._info, lease=self._lease),
+            timeout=self._timeout_s,
+            wait_for_ready=True,
         )
         return resp
 
@@ -250,7 +275,8 @@ class SchedulerRegistration:
                 )
                 if not resp.known:
                     logger.warning("the scheduler forgot %s: registering again", self.service_id)
-                    self._info.service_id = ""
+                    self._info.service_id = self._asked_id
+                    self._lease = ""  # (a forgotten entry's lease means nothing now)
                     self.register()
             except (grpc.RpcError, Unavailable) as e:  # keep beating: the scheduler may come back
                 logger.warning("heartbeat to %s failed: %s", self.address, e)
@@ -317,7 +343,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "torch's own. Several processes sharing few cores generate far more steadily "
         "with 1 each (see BENCHMARKS.md, Rollout)",
     )
-    parser.add_argument("--replica-id", default=None, help="default: <host>:<port>")
+    parser.add_argument(
+        "--replica-id",
+        default=None,
+        help="the replica's name in logs and metrics, and the registry id it asks for "
+        "(default: <host>:<port>, and an id the scheduler assigns)",
+    )
     parser.add_argument(
         "--max-batch-samples", type=int, default=256, help="rows (prompts x n) per engine batch"
     )
@@ -590,6 +621,9 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.scheduler:
         info = engine.info()
         service = scheduler_pb2.ServiceInfo(
+            # A launcher's name for the replica is its registry id too (rlfleet status,
+            # the driver's log and the launcher's all say rollout-3), when free.
+            service_id=args.replica_id or "",
             role=scheduler_pb2.ROLE_ROLLOUT,
             address=address,
             # A launcher names the node as it knows it (Ray: the node's address).

@@ -103,6 +103,10 @@ def test_cluster_starts_every_service_pinned_and_stops_them_all(
         assert set(entries) == {"rollout", "reward", "trainer"}
         assert all(e.state is ServiceState.ALIVE for e in entries.values())
         assert entries["rollout"].spec.address == h.rollout[0]
+        # One name everywhere: the registry's ids are the launcher's names.
+        assert {r: e.service_id for r, e in entries.items()} == {
+            "rollout": "rollout-0", "reward": "reward", "trainer": "trainer"
+        }  # fmt: skip
         assert entries["trainer"].spec.capabilities["roles"] == "actor,critic"
         # Secure by default: a per-cluster credential set; this process is the driver;
         # /sd needs a token, and no service has a token in its command line.
@@ -220,11 +224,12 @@ def test_cli_up_status_down(
         assert cli.run(parse("status", ["--state-dir", str(state_dir), "--json"])) == 0
         status = json.loads(capsys.readouterr().out)
         assert [s["role"] for s in status["services"]] == ["reward"]
+        assert status["services"][0]["service_id"] == "reward"  # the launcher's name
         assert status["services"][0]["state"] == "alive"
         assert status["training"]["state"] == "idle"
         assert cli.run(parse("status", ["--state-dir", str(state_dir)])) == 0
         table = capsys.readouterr().out
-        assert "reward-1" in table and "ALIVE" in table and state["handle"]["reward"] in table
+        assert "reward" in table and "ALIVE" in table and state["handle"]["reward"] in table
         # `rlfleet up` runs with authentication on: a caller without a token is refused.
         import grpc
 

@@ -108,6 +108,7 @@ def test_ppo_steps_with_every_role_on_its_own_node(
         by_role = {e.spec.role: e for e in entries}
         for role, name in (("trainer", "trainer"), ("reward", "reward"), ("rollout", "rollout-0")):
             e = by_role[role]
+            assert e.service_id == name, role  # the registry's id is the actor's name
             assert e.spec.capabilities["ray_actor_id"] == actor_ids[name], role
             assert e.spec.node == nodes[name]["ip"] == LOOPBACK, role
             assert e.spec.devices and all(d.kind == "cpu" for d in e.spec.devices), role

@@ -83,3 +83,48 @@ def test_rollout_replica_registers_goes_dead_and_leaves(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+def test_a_replica_registers_under_its_launchers_name_unless_another_holds_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The name a launcher gives a replica (``--replica-id rollout-3``) is its registry
+    id; a second replica asking for a name a live one holds is not given that entry
+    (nor refused): it registers under an assigned id, with a warning."""
+    import types
+
+    from rlfleet.rollout.server import SchedulerRegistration
+    from rlfleet.v1 import scheduler_pb2
+
+    creds = credential_set(generate_tokens())
+    core = SchedulerCore(Registry(heartbeat_interval_s=0.3, missed_heartbeats=3))
+    load = types.SimpleNamespace(queue_depth=0, tokens_per_second=0.0, weight_version=0)
+
+    def registration(port: int) -> SchedulerRegistration:
+        info = scheduler_pb2.ServiceInfo(
+            service_id="rollout-3",
+            role=scheduler_pb2.ROLE_ROLLOUT,
+            address=f"127.0.0.1:{port}",
+            node="n",
+        )
+        with using_security(Security(credentials=creds["rollout"])):
+            return SchedulerRegistration(server.address, info, lambda: load)  # type: ignore[arg-type,return-value]
+
+    with (
+        using_security(Security(credentials=creds["driver"])),
+        start_scheduler_server(core) as server,
+    ):
+        first, second = registration(40001), registration(40002)
+        try:
+            first.start()
+            assert first.service_id == "rollout-3"
+            with caplog.at_level("WARNING"):
+                second.start()
+            assert second.service_id not in ("", "rollout-3")
+            assert any("keeps rollout-3" in r.getMessage() for r in caplog.records)
+            with RemoteSchedulerClient(server.address) as client:
+                ids = {e.service_id: e.spec.address for e in client.list_services()}
+            assert ids == {"rollout-3": "127.0.0.1:40001", second.service_id: "127.0.0.1:40002"}
+        finally:
+            first.stop()
+            second.stop()
