@@ -14,9 +14,10 @@ Registry semantics:
   over a live replica's entry. Heartbeat and deregister need the lease too.
 * Entries are bounded (:data:`MAX_SERVICES`, field lengths, devices,
   capabilities: :func:`check_spec`), and so is the whole (:data:`MAX_REGISTRY_BYTES`,
-  so that it always lists in one answer; :data:`MAX_PER_HOST` entries per host for a
-  service role's credential); a service role may register only its own kind, and no
-  one registers a scheduler.
+  so that it always lists in one answer; for a service role's credential
+  :data:`MAX_PER_HOST` entries and :data:`MAX_HOST_BYTES` per host, and never the
+  driver's reserve, :data:`PRIVILEGED_RESERVE_BYTES`); a service role may register
+  only its own kind, and no one registers a scheduler.
 * ``heartbeat`` refreshes liveness and records the load (queue depth, tokens/s,
   weight version). A service whose last sign of life is older than
   ``missed_heartbeats x heartbeat_interval_s`` is DEAD; a heartbeat revives it. An
@@ -186,6 +187,12 @@ MAX_REGISTRY_BYTES = 16 << 20
 still lists in one ``ListServices`` answer, far below the 64 MiB message limit."""
 MAX_PER_HOST = 256
 """Entries a service role may hold on one host (the host of their addresses)."""
+MAX_HOST_BYTES = 1 << 20
+"""What the entries on one host may take in all (:func:`spec_bytes`) when a service
+role registers there: one stolen credential fills at most this much."""
+PRIVILEGED_RESERVE_BYTES = MAX_REGISTRY_BYTES // 8
+"""The part of :data:`MAX_REGISTRY_BYTES` only privileged callers may fill, so the
+driver can still register a restarted trainer or reward whatever services did."""
 
 
 def spec_bytes(spec: ServiceSpec) -> int:
@@ -412,22 +419,33 @@ class Registry:
         :data:`MAX_REGISTRY_BYTES`, or a service role past :data:`MAX_PER_HOST`
         entries on its host (``replaced``: the entries this registration replaces)."""
         others = [r.spec for i, r in self._records.items() if i not in replaced]
-        total = sum(spec_bytes(o) for o in others) + spec_bytes(spec)
-        if total > MAX_REGISTRY_BYTES:
+        size = spec_bytes(spec)
+        total = sum(spec_bytes(o) for o in others) + size
+        privileged = caller in _PRIVILEGED
+        limit = MAX_REGISTRY_BYTES if privileged else MAX_REGISTRY_BYTES - PRIVILEGED_RESERVE_BYTES
+        if total > limit:
             raise ResourceExhausted(
-                f"the registry's entries would take {total} bytes, at most "
-                f"{MAX_REGISTRY_BYTES} (this one: {spec_bytes(spec)})",
+                f"the registry's entries would take {total} bytes, at most {limit}"
+                f"{'' if privileged else f' for a {caller} credential'} (this one: {size})",
                 field="info",
                 value=spec.address,
             )
-        if caller in _PRIVILEGED:
+        if privileged:
             return
         host = _host(spec.address)
-        on_host = sum(1 for o in others if _host(o.address) == host)
-        if on_host >= MAX_PER_HOST:
+        on_host = [o for o in others if _host(o.address) == host]
+        if len(on_host) >= MAX_PER_HOST:
             raise ResourceExhausted(
-                f"{on_host} services are registered on {host}, at most {MAX_PER_HOST} for a "
-                f"{caller} credential",
+                f"{len(on_host)} services are registered on {host}, at most {MAX_PER_HOST} "
+                f"for a {caller} credential",
+                field="info.address",
+                value=spec.address,
+            )
+        host_bytes = sum(spec_bytes(o) for o in on_host) + size
+        if host_bytes > MAX_HOST_BYTES:
+            raise ResourceExhausted(
+                f"the entries on {host} would take {host_bytes} bytes, at most "
+                f"{MAX_HOST_BYTES} for a {caller} credential (this one: {size})",
                 field="info.address",
                 value=spec.address,
             )

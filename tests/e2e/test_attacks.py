@@ -385,11 +385,8 @@ def test_a_fake_replica_learns_no_token_beyond_the_rollout_service(
     finally:
         fake.stop(0)
     caught = {token for _, token in catcher.tokens}
-    assert len(
-        caught
-    ) == 2 and {  # the driver's and the trainer'sm.split("/")[1] for m, _ in catcher.tokens} == {
-        "rlfleet.v1.RolloutService"
-    }
+    assert len(caught) == 2  # the driver's and the trainer's
+    assert {m.split("/")[1] for m, _ in catcher.tokens} == {"rlfleet.v1.RolloutService"}
     assert not caught & set(tokens.values())  # no role's token itself
     replica = next(e for e in listed if e.info.address == h.rollout[0])
     for token in caught:

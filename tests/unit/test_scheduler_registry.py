@@ -262,3 +262,35 @@ def test_a_service_credential_holds_a_bounded_number_of_entries_per_host() -> No
     # Another host, and the driver (which launches services), still may.
     reg.register(ServiceSpec(role="rollout", address="127.0.0.2:1", node="n1"), caller="rollout")
     reg.register(spec("rollout", MAX_PER_HOST + 1), caller="driver")
+
+
+def test_one_service_credential_cannot_fill_the_registry() -> None:
+    """The fattest entries a rollout credential may register on its host stop at
+    MAX_HOST_BYTES there; rollout credentials on many hosts stop short of the reserve,
+    so the driver still registers (a restarted trainer, say)."""
+    from rlfleet.scheduler.registry import (
+        MAX_HOST_BYTES,
+        MAX_REGISTRY_BYTES,
+        PRIVILEGED_RESERVE_BYTES,
+        spec_bytes,
+    )
+
+    reg = Registry(clock=Clock())
+    port = 1
+    with pytest.raises(ResourceExhausted) as info:
+        while port < 1000:
+            reg.register(_fattest(port), caller="rollout")
+            port += 1
+    assert info.value.field == "info.address" and "127.0.0.1" in str(info.value)
+    held = sum(spec_bytes(e.spec) for e in reg.list_services())
+    assert held <= MAX_HOST_BYTES < held + spec_bytes(_fattest(port))
+    # Many hosts (one stolen credential on each) stop at the reserve, not at the top.
+    hosts = iter(f"127.0.{i // 250}.{i % 250 + 2}" for i in range(10_000))
+    with pytest.raises(ResourceExhausted) as info:
+        for host in hosts:
+            for p in range(1, 3):
+                reg.register(_fattest(p, host), caller="rollout")
+    assert "for a rollout credential" in str(info.value) and info.value.field == "info"
+    held = sum(spec_bytes(e.spec) for e in reg.list_services())
+    assert held <= MAX_REGISTRY_BYTES - PRIVILEGED_RESERVE_BYTES
+    reg.register(ServiceSpec(role="trainer", address="127.0.0.1:9999"), caller="driver")
