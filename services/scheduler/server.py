@@ -55,6 +55,7 @@ from rlfleet.common.rpc import (
     taken_ports,
 )
 from rlfleet.scheduler.autoscale import Autoscaler, autoscale_collector
+from rlfleet.scheduler.placement import PlacementError
 from rlfleet.scheduler.registry import Registry, SchedulerCore, ServiceEntry
 from rlfleet.scheduler.servicer import SchedulerServicer
 from rlfleet.v1 import scheduler_pb2_grpc
@@ -377,9 +378,13 @@ def serve_main(args: argparse.Namespace) -> int:
         return 2
     config = None
     if args.config is not None or args.override:
-        from rlfleet.common.config import load_config
+        from rlfleet.common.config import ConfigError, load_config
 
-        config = load_config(args.config, args.override)
+        try:
+            config = load_config(args.config, args.override)
+        except ConfigError as e:
+            print(e.lines("error: "), file=sys.stderr)
+            return 2
     device = args.device or (config.trainer.device if config is not None else "cpu")
     core = SchedulerCore(
         Registry(
@@ -390,12 +395,16 @@ def serve_main(args: argparse.Namespace) -> int:
         device=device,
     )
     if config is not None and args.plan_local:
-        placement = core.plan(
-            config.resource_pools,
-            config.mapping.model_dump(),
-            roles=config.enabled_roles(),
-            fold_nodes=True,
-        )
+        try:
+            placement = core.plan(
+                config.resource_pools,
+                config.mapping.model_dump(),
+                roles=config.enabled_roles(),
+                fold_nodes=True,
+            )
+        except PlacementError as e:
+            print(f"error: --plan-local: {e}", file=sys.stderr)
+            return 2
         logger.info("placement (%s):\n%s", placement.plan.mode, placement.plan.describe())
     server = start_scheduler_server(
         core,

@@ -63,6 +63,33 @@ def test_a_missing_config_file_is_one_line(
     assert "nope.yaml" in err[0]
 
 
+@pytest.mark.parametrize("service", ["scheduler", "reward", "trainer", "rollout", "tools"])
+def test_serve_with_a_missing_config_file_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, service: str
+) -> None:
+    missing = tmp_path / "nope.yaml"
+    err = _errors(capsys, ["serve", service, "--insecure", "--config", str(missing)])
+    assert len(err) == 1 and "cannot read it" in err[0] and str(missing) in err[0]
+
+
+def test_serve_scheduler_refuses_an_impossible_local_plan_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {"device": "cpu"},
+                "resource_pools": {"train_pool": [4096], "rollout_pool": [1]},
+            }
+        )
+    )
+    err = _errors(
+        capsys, ["serve", "scheduler", "--insecure", "--config", str(config), "--plan-local"]
+    )
+    assert len(err) == 1 and err[0].startswith("error: --plan-local:") and "4096" in err[0]
+
+
 def test_invalid_yaml_is_one_line_with_where(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
