@@ -66,6 +66,7 @@ __all__ = [
     "SchedulerRegistration",
     "add_serve_arguments",
     "build_engine",
+    "engine_kwargs",
     "load_detokenizer",
     "load_multi_turn",
     "serve_main",
@@ -386,6 +387,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(0: every row of a request batch at once)",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="rollout.tensor_parallel_size: vllm engine only, devices one replica shards "
+        "its model over (1)",
+    )
+    parser.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
         default=None,
@@ -421,10 +429,30 @@ _FLAG_DEFAULTS: dict[str, Any] = {
     "gpu_memory_utilization": 0.5,
     "kv_cache_memory_bytes": 0,
     "max_num_batched_tokens": 0,
+    "tensor_parallel_size": 1,
     "partial_rollout": False,
     "lora_rank": 0,
     **OPENAI_FLAG_DEFAULTS,
 }
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """What :func:`build_engine` gets beyond engine, model, dtype and device, from
+    resolved arguments (the engine's own defaults where a flag is at its default)."""
+    extra: dict[str, Any] = {}
+    if args.partial_rollout:
+        extra["partial_rollout"] = True
+    if args.max_num_batched_tokens:
+        extra["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.engine == "vllm":
+        extra["gpu_memory_utilization"] = args.gpu_memory_utilization
+        if args.kv_cache_memory_bytes:
+            extra["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+        if args.lora_rank:
+            extra["lora_rank"] = args.lora_rank
+        if args.tensor_parallel_size > 1:
+            extra["tensor_parallel_size"] = args.tensor_parallel_size
+    return extra
 
 
 def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
@@ -452,6 +480,7 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
             gpu_memory_utilization=r.gpu_memory_utilization,
             kv_cache_memory_bytes=r.kv_cache_memory_bytes or 0,
             max_num_batched_tokens=r.max_num_batched_tokens or 0,
+            tensor_parallel_size=r.tensor_parallel_size,
             partial_rollout=cfg.trainer.pipeline.enable and cfg.trainer.pipeline.partial_rollout,
             lora_rank=cfg.actor.lora_rank,
             **openai_config_defaults(r.openai),
@@ -527,6 +556,15 @@ def serve_main(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--kv-cache-memory-bytes must be >= 0, got {args.kv_cache_memory_bytes}"
             )
+        if args.tensor_parallel_size < 1:
+            raise ValueError(
+                f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}"
+            )
+        if args.tensor_parallel_size > 1 and args.engine != "vllm":
+            raise ValueError(
+                f"--tensor-parallel-size {args.tensor_parallel_size} needs the vllm engine "
+                f"(the {args.engine} engine runs a replica on one device)"
+            )
         trajectories = None
         if args.openai_port is not None:
             if args.openai_port < 0:
@@ -535,17 +573,7 @@ def serve_main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rlfleet serve rollout: {e}", file=sys.stderr)
         return 2
-    extra: dict[str, Any] = {}
-    if args.partial_rollout:
-        extra["partial_rollout"] = True
-    if args.max_num_batched_tokens:
-        extra["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.engine == "vllm":
-        extra["gpu_memory_utilization"] = args.gpu_memory_utilization
-        if args.kv_cache_memory_bytes:
-            extra["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
-        if args.lora_rank:
-            extra["lora_rank"] = args.lora_rank
+    extra = engine_kwargs(args)
     metrics = RolloutMetrics(args.replica_id or "")
     try:  # before the model loads: tools unreachable or a template that cannot do it
         multi_turn = load_multi_turn(args.run_config, args.model, metrics.registry)

@@ -812,6 +812,32 @@ def test_tensor_parallel_rollout_needs_the_vllm_engine_on_gpus() -> None:
     assert "rollout.tensor_parallel_size" in str(info.value) and "vllm" in str(info.value)
     cfg = config_from_dict({**base, "rollout": {**base["rollout"], "engine": "vllm"}})
     assert cfg.rollout.tensor_parallel_size == 2 and cfg.rollout_replicas() == 2
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size"):  # cpu too
+        config_from_dict({**base, "trainer": {"device": "cpu"}})
+
+
+def test_tensor_parallel_size_reaches_the_vllm_engine(tmp_path: Path) -> None:
+    """rollout.tensor_parallel_size is handed to vllm.LLM through the replica's
+    arguments (--config), and --tensor-parallel-size wins over it."""
+    import argparse
+
+    from rlfleet.rollout.server import add_serve_arguments, engine_kwargs, resolve_arguments
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "actor: {model_path: m}\nrollout: {engine: vllm, tensor_parallel_size: 2}\n"
+        "trainer: {device: cuda, n_gpus_per_node: 4}\n"
+    )
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = resolve_arguments(parser.parse_args(["--config", str(path)]))
+    assert engine_kwargs(args)["tensor_parallel_size"] == 2
+    args = resolve_arguments(
+        parser.parse_args(["--config", str(path), "--tensor-parallel-size", "4"])
+    )
+    assert engine_kwargs(args)["tensor_parallel_size"] == 4
+    args = resolve_arguments(parser.parse_args(["--model", "m"]))
+    assert "tensor_parallel_size" not in engine_kwargs(args)  # hf, one device
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])

@@ -482,11 +482,11 @@ def _check_parallel_layout(cfg: Config) -> Iterator[ConfigIssue]:
 )
 def _check_rollout_layout(cfg: Config) -> Iterator[ConfigIssue]:
     r = cfg.rollout
-    if cfg.trainer.device == "cuda" and r.engine == "hf" and r.tensor_parallel_size > 1:
+    if r.engine == "hf" and r.tensor_parallel_size > 1:
         yield ConfigIssue(
             "rollout.tensor_parallel_size",
-            "the hf engine runs a replica on one GPU: more would be reserved and left idle "
-            "(tensor parallelism needs rollout.engine vllm)",
+            "the hf engine runs a replica on one device: more would be reserved and left "
+            "idle (tensor parallelism needs rollout.engine vllm)",
             r.tensor_parallel_size,
         )
         return
