@@ -480,7 +480,8 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
             gpu_memory_utilization=r.gpu_memory_utilization,
             kv_cache_memory_bytes=r.kv_cache_memory_bytes or 0,
             max_num_batched_tokens=r.max_num_batched_tokens or 0,
-            tensor_parallel_size=r.tensor_parallel_size,
+            # the hf engine's replica is one device (on cpu the size only spaces replicas)
+            tensor_parallel_size=r.tensor_parallel_size if r.engine == "vllm" else 1,
             partial_rollout=cfg.trainer.pipeline.enable and cfg.trainer.pipeline.partial_rollout,
             lora_rank=cfg.actor.lora_rank,
             **openai_config_defaults(r.openai),

@@ -812,8 +812,6 @@ def test_tensor_parallel_rollout_needs_the_vllm_engine_on_gpus() -> None:
     assert "rollout.tensor_parallel_size" in str(info.value) and "vllm" in str(info.value)
     cfg = config_from_dict({**base, "rollout": {**base["rollout"], "engine": "vllm"}})
     assert cfg.rollout.tensor_parallel_size == 2 and cfg.rollout_replicas() == 2
-    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size"):  # cpu too
-        config_from_dict({**base, "trainer": {"device": "cpu"}})
 
 
 def test_tensor_parallel_size_reaches_the_vllm_engine(tmp_path: Path) -> None:
@@ -855,3 +853,28 @@ def test_a_group_estimator_with_one_response_per_prompt_runs_with_a_warning(
         )
         == []
     )
+
+
+def test_logger_may_be_one_name_as_verls_command_lines_give_it() -> None:
+    cfg = config_from_dict({"actor": {"model_path": "m"}}, ["trainer.logger=console"])
+    assert cfg.trainer.logger == ["console"]
+    with pytest.raises(ConfigError, match=r"trainer\.logger"):
+        config_from_dict({"actor": {"model_path": "m"}}, ["trainer.logger=tensorboardx"])
+
+
+def test_cluster_size_keys_must_fit_the_pools_they_come_with() -> None:
+    """trainer.nnodes / n_gpus_per_node beside resource_pools are checked, not ignored."""
+    base = {
+        "actor": {"model_path": "m"},
+        "trainer": {"device": "cuda", "nnodes": 1, "n_gpus_per_node": 2},
+        "resource_pools": {"train_pool": [4], "rollout_pool": [2]},
+    }
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(base)
+    assert "trainer.n_gpus_per_node" in str(info.value) and "[4]" in str(info.value)
+    base["trainer"] = {"device": "cuda", "nnodes": 1, "n_gpus_per_node": 8}
+    base["resource_pools"] = {"train_pool": [2, 2], "rollout_pool": [4]}
+    with pytest.raises(ConfigError, match=r"trainer\.nnodes"):
+        config_from_dict(base)
+    base["trainer"]["nnodes"] = 2
+    assert config_from_dict(base).resource_pools["train_pool"] == [2, 2]

@@ -84,6 +84,26 @@ def _check_mapping(cfg: Config) -> Iterator[ConfigIssue]:
             )
 
 
+@_check("trainer.nnodes", "trainer.n_gpus_per_node", "resource_pools")
+def _check_cluster_size(cfg: Config) -> Iterator[ConfigIssue]:
+    """trainer.nnodes / n_gpus_per_node with resource_pools: the pools must fit the
+    cluster they describe (without resource_pools they build the default pool)."""
+    t = cfg.trainer
+    for pool, nodes in cfg.resource_pools.items():
+        if t.nnodes is not None and len(nodes) > t.nnodes:
+            yield ConfigIssue(
+                "trainer.nnodes",
+                f"resource_pools.{pool} spans {len(nodes)} nodes, more than the cluster's",
+                t.nnodes,
+            )
+        if t.n_gpus_per_node is not None and nodes and max(nodes) > t.n_gpus_per_node:
+            yield ConfigIssue(
+                "trainer.n_gpus_per_node",
+                f"resource_pools.{pool} asks {max(nodes)} devices on one node ({list(nodes)})",
+                t.n_gpus_per_node,
+            )
+
+
 @_check("data.train_batch_size", "actor.ppo_mini_batch_size")
 def _check_actor_mini_batch(cfg: Config) -> Iterator[ConfigIssue]:
     mini, total = cfg.actor.ppo_mini_batch_size, cfg.data.train_batch_size
@@ -482,11 +502,11 @@ def _check_parallel_layout(cfg: Config) -> Iterator[ConfigIssue]:
 )
 def _check_rollout_layout(cfg: Config) -> Iterator[ConfigIssue]:
     r = cfg.rollout
-    if r.engine == "hf" and r.tensor_parallel_size > 1:
+    if cfg.trainer.device == "cuda" and r.engine == "hf" and r.tensor_parallel_size > 1:
         yield ConfigIssue(
             "rollout.tensor_parallel_size",
-            "the hf engine runs a replica on one device: more would be reserved and left "
-            "idle (tensor parallelism needs rollout.engine vllm)",
+            "the hf engine runs a replica on one GPU: more would be reserved and left idle "
+            "(tensor parallelism needs rollout.engine vllm)",
             r.tensor_parallel_size,
         )
         return

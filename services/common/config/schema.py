@@ -1157,10 +1157,14 @@ class TrainerConfig(_Section):
         default=None,
         ge=1,
         description="verl's key: with n_gpus_per_node and no resource_pools, one pool "
-        "global_pool: [n_gpus_per_node] * nnodes serving every role (colocated)",
+        "global_pool: [n_gpus_per_node] * nnodes serving every role (colocated); with "
+        "resource_pools, no pool may span more nodes",
     )
     n_gpus_per_node: int | None = Field(
-        default=None, ge=1, description="devices per node of the default pool (see nnodes)"
+        default=None,
+        ge=1,
+        description="devices per node of the default pool (see nnodes); with "
+        "resource_pools, no pool may ask more on one node",
     )
 
     @field_validator("save_freq", "test_freq")
@@ -1169,6 +1173,12 @@ class TrainerConfig(_Section):
         if value != -1 and value <= 0:
             raise ValueError("must be -1 (never) or a positive number of steps")
         return value
+
+    @field_validator("logger", mode="before")
+    @classmethod
+    def _one_logger(cls, value: Any) -> Any:
+        """``trainer.logger=console``, as verl's command lines write it: a list of one."""
+        return [value] if isinstance(value, str) else value
 
     @field_validator("logger")
     @classmethod
