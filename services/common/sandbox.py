@@ -15,7 +15,8 @@ Every execution gets:
 * **no inherited secrets**: a clean environment (``PATH``, ``HOME``, ``TMPDIR``,
   ``LANG`` only), no inherited file descriptors but stdin, stdout and stderr, and a
   user of its own (as root: a fresh unprivileged uid per execution, so nothing
-  readable only by root, such as credential files, is readable);
+  readable only by root, such as credential files, is readable); the service's
+  credential folder, TLS key and, not as root, home covered (:func:`hidden_paths`);
 * **limits**: CPU seconds, address space (memory), file size, open files, and a
   process count (``RLIMIT_NPROC``, counted per sandbox) against fork bombs;
   stdout and stderr are read up to ``max_output_bytes`` each, past which the run
@@ -88,6 +89,13 @@ _LAUNCHER = str(Path(__file__).with_name("sandbox_launch.py"))
 _SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 _SANDBOX_ENV = {"PATH": _SANDBOX_PATH, "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 _PYTHON_CANDIDATES = ("/usr/bin/python3", "/usr/local/bin/python3")
+# The service's own secrets, named by its environment (rlfleet.common.auth's names;
+# this module imports nothing of rlfleet's): the credential file's folder holds every
+# role's file when a launcher wrote the set, the TLS key is the service's identity.
+_SECRET_ENV = ("RLFLEET_CREDENTIALS", "RLFLEET_TLS_KEY")
+# Replaced by the sandbox's own views anyway (fresh tmpfs, proc, dev).
+_REPLACED = ("/tmp", "/run", "/var/run", "/proc", "/dev")
+_MAX_HIDDEN = 256
 
 # As root each execution runs as a uid of its own: 256 per process, the process's
 # pid (< 2**22, Linux's PID_MAX_LIMIT) picking the block, so two concurrent
@@ -513,8 +521,10 @@ class Sandbox:
             fds.extend((status_r, status_w))
             mode = self.report.mode
             popen_kw: dict[str, Any] = {}
+            # The interpreter stays visible whatever is hidden around it.
+            hidden = hidden_paths([argv[0], sys.base_prefix]) if mode != "none" else ([], [])
             if mode == "bwrap":
-                cmd = _bwrap_command(list(argv), lim, file_fds, status_w)
+                cmd = _bwrap_command(list(argv), lim, file_fds, status_w, hidden)
                 pass_fds = [status_w, *file_fds.values()]
                 if os.geteuid() == 0:
                     cmd, popen_kw = _as_user(cmd, uid)
@@ -533,6 +543,8 @@ class Sandbox:
                     "env": _SANDBOX_ENV if mode == "namespaces" else _none_env(workdir),
                     "files": file_fds,
                     "tmp_bytes": lim.tmp_mb << 20,
+                    "hide_folders": hidden[0],
+                    "hide_files": hidden[1],
                     "rlimits": lim.rlimits(),
                     "workdir": workdir,
                 }
@@ -657,6 +669,62 @@ class Sandbox:
         )
 
 
+def _under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def hidden_paths(keep: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The service's own files the program must not read, as ``(folders, files)``:
+    an empty read-only tmpfs goes over each folder, ``/dev/null`` over each file.
+
+    * the folder of the credential file (``RLFLEET_CREDENTIALS``: a launcher's set
+      holds every role's file there) and the TLS key (``RLFLEET_TLS_KEY``);
+    * when the service is not root (the program then runs as the service's own uid
+      in a user namespace; as root it runs as a fresh uid that cannot read a 0700
+      home anyway): every entry of its home folder but those holding a path of
+      ``keep`` (the interpreter and its prefix), so keys, tokens and caches there
+      stay out of the program's reach.
+
+    Paths under the sandbox's own ``/tmp``, ``/run``, ``/proc`` and ``/dev`` are
+    replaced anyway and left out, as are symbolic links and paths that are not there.
+    """
+    keep = [os.path.realpath(k) for k in keep if k]
+    folders: list[str] = []
+    files: list[str] = []
+
+    def add(path: str) -> None:
+        if os.path.islink(path) or any(_under(path, r) for r in _REPLACED):
+            return
+        if any(_under(k, path) for k in keep):  # would hide the interpreter
+            return
+        if os.path.isdir(path):
+            folders.append(path)
+        elif os.path.isfile(path):
+            files.append(path)
+
+    for name in _SECRET_ENV:
+        value = os.environ.get(name)
+        if not value:
+            continue
+        secret = os.path.realpath(value)
+        folder = os.path.dirname(secret)
+        if folder != "/" and not any(_under(k, folder) for k in keep):
+            add(folder)
+        else:
+            add(secret)
+    home = os.path.expanduser("~")
+    if os.geteuid() != 0 and home not in ("", "/", "~") and os.path.isdir(home):
+        home = os.path.realpath(home)
+        with contextlib.suppress(OSError):
+            for entry in sorted(os.listdir(home))[:_MAX_HIDDEN]:
+                add(os.path.join(home, entry))
+    folders = [
+        f for f in dict.fromkeys(folders) if not any(_under(f, o) for o in folders if o != f)
+    ]
+    files = [f for f in dict.fromkeys(files) if not any(_under(f, o) for o in folders)]
+    return folders, files
+
+
 def _none_env(workdir: str | None) -> dict[str, str]:
     return {**_SANDBOX_ENV, "HOME": workdir or "/tmp", "TMPDIR": workdir or "/tmp"}
 
@@ -695,7 +763,11 @@ def _as_user(cmd: list[str], uid: int) -> tuple[list[str], dict[str, Any]]:
 
 
 def _bwrap_command(
-    argv: list[str], lim: SandboxLimits, files: Mapping[str, int], status_fd: int
+    argv: list[str],
+    lim: SandboxLimits,
+    files: Mapping[str, int],
+    status_fd: int,
+    hidden: tuple[list[str], list[str]] = ([], []),
 ) -> list[str]:
     bwrap = shutil.which("bwrap") or "bwrap"
     prlimit = shutil.which("prlimit") or "prlimit"
@@ -713,9 +785,14 @@ def _bwrap_command(
         "--size", str(lim.tmp_mb << 20),
         "--tmpfs", "/tmp",
     ]  # fmt: skip
-    for hidden in ("/run", "/var/run"):
-        if os.path.isdir(hidden) and not os.path.islink(hidden):
-            cmd += ["--size", "4096", "--tmpfs", hidden, "--remount-ro", hidden]
+    for run in ("/run", "/var/run"):
+        if os.path.isdir(run) and not os.path.islink(run):
+            cmd += ["--size", "4096", "--tmpfs", run, "--remount-ro", run]
+    secret_folders, secret_files = hidden
+    for folder in secret_folders:
+        cmd += ["--size", "4096", "--tmpfs", folder, "--remount-ro", folder]
+    for path in secret_files:
+        cmd += ["--ro-bind", "/dev/null", path]
     cmd += ["--hostname", "sandbox", "--chdir", "/tmp", "--clearenv"]
     for key, value in _SANDBOX_ENV.items():
         cmd += ["--setenv", key, value]

@@ -11,8 +11,9 @@ site-packages. The spec (JSON, read from ``SPEC_FD``) says what to run and how:
    private, marks the whole tree read-only and nosuid (``mount_setattr`` with
    ``AT_RECURSIVE``, Linux >= 5.12), mounts a fresh ``/proc`` (only the sandbox's
    processes), a size-limited tmpfs on ``/tmp`` (the one writable place, owned by
-   the sandbox user) and an empty read-only tmpfs over ``/run`` (hiding the host's
-   unix sockets), and writes the program's files into ``/tmp``;
+   the sandbox user), an empty read-only tmpfs over ``/run`` (hiding the host's
+   unix sockets) and over the service's secrets and home (``hide_folders``;
+   ``/dev/null`` over ``hide_files``), and writes the program's files into ``/tmp``;
 3. it drops to the sandbox user (a uid of its own, no groups, no capabilities),
    sets ``no_new_privs`` and the rlimits, and forks the program, whose parent it
    stays: a reaper that exits with the program's status. When PID 1 exits the
@@ -53,6 +54,7 @@ MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
 MS_NOEXEC = 0x8
+MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
 
@@ -184,6 +186,11 @@ def _mount_view(spec: dict[str, Any]) -> None:
             _mount(
                 "tmpfs", hidden, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k"
             )
+    # The service's own secrets and, not as root, its home (sandbox.hidden_paths).
+    for folder in spec.get("hide_folders", ()):
+        _mount("tmpfs", folder, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k")
+    for path in spec.get("hide_files", ()):
+        _mount("/dev/null", path, None, MS_BIND)
     name = b"sandbox"
     _check(_libc.sethostname(name, len(name)), "sethostname")
 

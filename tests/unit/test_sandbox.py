@@ -473,6 +473,12 @@ try:
     out.append("wrote")
 except OSError:
     out.append("read-only")
+for name in ("HOME_SECRET", "CREDENTIALS", "SIBLING"):
+    try:
+        print(open(os.environ.get(name) or "/nonexistent").read(), end=" ")
+        out.append("read-" + name)
+    except OSError:
+        out.append("hidden")
 n = 0
 for _ in range(100):
     try:
@@ -496,7 +502,10 @@ if not report.usable:
     print(json.dumps({{"unusable": report.describe()}}))
     sys.exit(0)
 limits = sb.SandboxLimits(timeout_s=10, cpu_time_s=10, max_processes=8)
-result = sb.Sandbox(limits, report=report).run_python(["-c", sys.stdin.read()])
+import os
+paths = {{k: os.environ[k] for k in ("HOME_SECRET", "CREDENTIALS", "SIBLING")}}
+program = f"import os; os.environ.update({{paths!r}})\\n" + sys.stdin.read()
+result = sb.Sandbox(limits, report=report).run_python(["-c", program])
 print(json.dumps({{"stdout": result.stdout.decode(), "ok": result.ok, "uid": result.uid}}))
 """
 
@@ -505,7 +514,8 @@ print(json.dumps({{"stdout": result.stdout.decode(), "ok": result.ok, "uid": res
 @pytest.mark.parametrize("mode", MODES)
 def test_as_an_ordinary_user(mode: str, standalone_copy: Path) -> None:
     """Not root (a developer's machine): the sandbox runs as the caller's own uid in a
-    user namespace, and still has no network, a read-only view and a process limit."""
+    user namespace, and still has no network, a read-only view and a process limit,
+    and cannot read that user's own files: its home, its credential set."""
     python = "/usr/bin/python3"
     if not os.path.exists(python) or not sb._reachable_by_others(python):
         pytest.skip(f"no interpreter an ordinary user can run at {python}")
@@ -513,18 +523,42 @@ def test_as_an_ordinary_user(mode: str, standalone_copy: Path) -> None:
         _report("bwrap")
     script = USER_SCRIPT.format(path=str(standalone_copy / "sandbox.py"), mode=mode)
     uid = 1_000_000_000 - 7  # a uid no account has
-    proc = subprocess.run(
-        [python, "-c", script],
-        input=USER_PROGRAM,
-        user=uid,
-        group=uid,
-        extra_groups=[],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PATH": "/usr/bin:/bin"},
-        cwd="/",
-    )
+    # The user's own files, readable by that user: a home with a key in it, and a
+    # credential set (its role's file named by RLFLEET_CREDENTIALS, another beside it).
+    # Not under /tmp, which the sandbox replaces anyway.
+    home = Path(tempfile.mkdtemp(prefix="rlfleet-home-", dir="/var/tmp"))
+    try:
+        (home / ".ssh").mkdir()
+        (home / ".ssh" / "id_ed25519").write_text("home-key")
+        secrets = Path(tempfile.mkdtemp(prefix="rlfleet-secrets-", dir="/var/tmp"))
+        (secrets / "reward.json").write_text("reward-token")
+        (secrets / "driver.json").write_text("driver-token")
+        for path in (home, home / ".ssh", home / ".ssh" / "id_ed25519", secrets,
+                     *secrets.iterdir()):  # fmt: skip
+            os.chown(path, uid, uid)
+            path.chmod(0o700 if path.is_dir() else 0o600)
+        proc = subprocess.run(
+            [python, "-c", script],
+            input=USER_PROGRAM,
+            user=uid,
+            group=uid,
+            extra_groups=[],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={
+                "PATH": "/usr/bin:/bin",
+                "HOME": str(home),
+                "RLFLEET_CREDENTIALS": str(secrets / "reward.json"),
+                "HOME_SECRET": str(home / ".ssh" / "id_ed25519"),
+                "CREDENTIALS": str(secrets / "reward.json"),
+                "SIBLING": str(secrets / "driver.json"),
+            },
+            cwd="/",
+        )
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(secrets, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr
     import json
 
@@ -534,6 +568,6 @@ def test_as_an_ordinary_user(mode: str, standalone_copy: Path) -> None:
     assert out["ok"], out
     assert out["uid"] == uid
     words = out["stdout"].split()
-    assert words[:2] == ["no-network", "read-only"], out
-    assert 0 < int(words[2]) < 8
+    assert words[:5] == ["no-network", "read-only", "hidden", "hidden", "hidden"], out
+    assert 0 < int(words[5]) < 8
     assert not os.path.exists("/var/tmp/rlfleet-user-escape")
