@@ -708,7 +708,8 @@ def hidden_paths(keep: Sequence[str]) -> tuple[list[str], list[str]]:
             continue
         secret = os.path.realpath(value)
         folder = os.path.dirname(secret)
-        if folder != "/" and not any(_under(k, folder) for k in keep):
+        # A folder of its own, not a system one (/etc, /home): else the file alone.
+        if folder.count("/") >= 2 and not any(_under(k, folder) for k in keep):
             add(folder)
         else:
             add(secret)

@@ -571,3 +571,26 @@ def test_as_an_ordinary_user(mode: str, standalone_copy: Path) -> None:
     assert words[:5] == ["no-network", "read-only", "hidden", "hidden", "hidden"], out
     assert 0 < int(words[5]) < 8
     assert not os.path.exists("/var/tmp/rlfleet-user-escape")
+
+
+def test_hidden_paths_cover_the_credential_folder_but_never_the_interpreter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The credential file's folder is hidden whole; a credential file in a system
+    folder (/etc) or in the interpreter's own folder is hidden alone; /tmp is the
+    sandbox's own anyway."""
+    folder = Path(tempfile.mkdtemp(prefix="rlfleet-creds-", dir="/var/tmp"))
+    try:
+        (folder / "reward.json").write_text("{}")
+        (folder / "python3").write_text("")
+        monkeypatch.setenv("RLFLEET_CREDENTIALS", str(folder / "reward.json"))
+        monkeypatch.delenv("RLFLEET_TLS_KEY", raising=False)
+        monkeypatch.setenv("HOME", "/")
+        assert sb.hidden_paths(["/usr/bin/python3"]) == ([str(folder)], [])
+        assert sb.hidden_paths([str(folder / "python3")]) == ([], [str(folder / "reward.json")])
+        monkeypatch.setenv("RLFLEET_CREDENTIALS", "/etc/passwd")
+        assert sb.hidden_paths(["/usr/bin/python3"]) == ([], ["/etc/passwd"])
+        monkeypatch.setenv("RLFLEET_CREDENTIALS", "/tmp/x/reward.json")
+        assert sb.hidden_paths(["/usr/bin/python3"]) == ([], [])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
