@@ -318,7 +318,8 @@ class ActorConfig(_Section):
         default=0,
         ge=0,
         description="LoRA adapter rank (peft); 0: full fine-tuning. > 0: only the adapters "
-        "train, and a weight push sends only them (fsdp backend, hf rollout engine)",
+        "train, and a weight push sends only them (fsdp backend; the hf engine merges "
+        "them, the vllm engine serves them with its own LoRA support)",
     )
     lora_alpha: float = Field(
         default=16, gt=0, description="LoRA scale numerator: the update is alpha / rank * B @ A"
@@ -1226,8 +1227,9 @@ class ServicesConfig(_Section):
     max_restarts: int = Field(
         default=3,
         ge=0,
-        description="times a launched rollout replica or reward service that dies is "
-        "restarted (on its port, with backoff); 0: never",
+        description="times a launched service that dies is restarted (on its port, with "
+        "backoff): rollout replicas, reward, tools, the scheduler, and the trainer with "
+        "trainer.recovery.enable; 0: never",
     )
     restart_backoff_s: float = Field(
         default=1.0, gt=0, description="wait before the first restart; doubles each time"
