@@ -121,9 +121,13 @@ _LOG_TAIL_LINES = 40
 
 
 class ServiceStartError(Unavailable):
-    """A service died or stayed unhealthy during start-up; the message has its log tail."""
+    """A service died or stayed unhealthy during start-up; the message has its log tail,
+    or the one line it said why. ``bad_input``: it refused its input that way (exit
+    code 2 and an ``error:`` line: a model that does not load, say), which
+    ``rlfleet train`` reports with exit code 2 as its own start-up errors."""
 
     default_recoverable = False
+    bad_input = False
 
 
 @dataclass(frozen=True)
@@ -920,11 +924,13 @@ class LocalCluster:
         tail = log_tail(proc.log_path)
         said = [line[len("error: ") :] for line in tail.splitlines() if line.startswith("error: ")]
         if said:  # the service said why in one line: that line, not its log's tail
-            return ServiceStartError(
+            error = ServiceStartError(
                 f"{what}: {said[-1]} (log: {proc.log_path})",
                 field=proc.name,
                 value=str(proc.log_path),
             )
+            error.bad_input = proc.popen is not None and proc.popen.returncode == 2
+            return error
         return ServiceStartError(
             f"{proc.name} {what}; last lines of {proc.log_path}:\n{tail}",
             field=proc.name,

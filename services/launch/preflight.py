@@ -48,7 +48,8 @@ def _model_dir(key: str, value: str | None, needs: str) -> Iterable[ConfigIssue]
         elif not (path / needs).is_file():
             yield ConfigIssue(key, f"has no {needs}: not a Hugging Face model folder", value)
         return
-    if _HUB_ID.match(value) and not value.startswith((".", "/")):
+    # org/name is a hub id unless a folder "org" is here (models/qwen: a local path)
+    if _HUB_ID.match(value) and not value.startswith((".", "/")) and not path.parent.is_dir():
         offline = os.environ.get("HF_HUB_OFFLINE", "") in ("1", "true", "yes")
         if offline and not _cached_on_hub(value, needs):
             yield ConfigIssue(

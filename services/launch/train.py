@@ -112,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     except Exception as e:  # the boundary: report, stop (done in train), exit non-zero
         logger.debug("training failed", exc_info=True)
         print(f"rlfleet train failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        # A service that refused its input at start-up: a start-up error as preflight's.
+        return 2 if getattr(e, "bad_input", False) else 1
     print(json.dumps(summary))
     return 0
 

@@ -230,6 +230,18 @@ def test_the_launcher_reports_a_services_one_line_error(tmp_path: Path) -> None:
         f"trainer: exited with code 2 during start-up: actor.model_path: cannot load 'x': "
         f"gone (log: {log})"
     ]
+    assert not err.bad_input  # no process seen exiting with 2
+    # A service that exited with 2 after its one line refused its input: rlfleet train
+    # exits 2 too, as for its own start-up errors.
+    import subprocess
+    import sys
+
+    for code, bad_input in ((2, True), (1, False)):
+        popen = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+        popen.wait(timeout=60)
+        proc = _Proc("trainer", "trainer", [], {}, (), None, log, popen=popen)
+        err = LocalCluster._failure(None, proc, f"exited with code {code} during start-up")  # type: ignore[arg-type]
+        assert err.bad_input is bad_input
 
 
 def test_more_start_up_problems_are_found_before_anything_starts(
@@ -268,3 +280,26 @@ def test_more_start_up_problems_are_found_before_anything_starts(
         err = _errors(capsys, ["train", "--config", str(path)])
         assert any(line.startswith(f"rlfleet train: {key}") for line in err), (extra, err)
         assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_a_missing_model_under_a_local_folder_is_found_before_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``models/qwen`` with a folder ``models`` here is a local path, not a hub id:
+    preflight reports it missing (before any service starts) instead of leaving it to
+    a hub download; with no such folder, it is still left to the loader."""
+    from rlfleet.common.config import config_from_dict
+    from rlfleet.launch.preflight import preflight
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    config = config_from_dict(
+        {
+            "actor": {"model_path": "models/qwen"},
+            "trainer": {"device": "cpu", "default_local_dir": str(tmp_path / "run")},
+        }
+    )
+    assert not [i for i in preflight(config) if i.path == "actor.model_path"]
+    (tmp_path / "models").mkdir()
+    [issue] = [i for i in preflight(config) if i.path == "actor.model_path"]
+    assert "no such folder" in issue.message and issue.value == "models/qwen"
