@@ -52,6 +52,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -310,7 +311,21 @@ def run_services(
         "stop_s": round(stop_s, 2),
         "step_s": [round(r.metrics["timing_s/step"], 4) for r in warm],
         "weight_sync_s": statistics.mean(r.metrics["timing_s/weight_sync"] for r in warm),
+        "weight_push_transports": push_transports([r.metrics for r in warm]),
     }
+
+
+def push_transports(steps: list[dict[str, float]]) -> dict[str, int]:
+    """How many replica pushes each transport carried over ``steps`` (the driver's
+    ``weight_sync/transport/<name>`` metrics): which path a real run's pushes took."""
+    prefix = "weight_sync/transport/"
+    out: dict[str, int] = {}
+    for m in steps:
+        for key, count in m.items():
+            if key.startswith(prefix):
+                name = key[len(prefix) :]
+                out[name] = out.get(name, 0) + int(count)
+    return out
 
 
 def launcher_cases(launcher: str, steps: int, rounds: int, root: Path, model: Path,
@@ -341,6 +356,9 @@ def launcher_cases(launcher: str, steps: int, rounds: int, root: Path, model: Pa
             "step_s_median": round(statistics.median(steps_s), 4),
             "step_s": steps_s,
             "weight_sync_s_mean": round(statistics.mean(r["weight_sync_s"] for r in results), 4),
+            "weight_push_transports": dict(
+                sum((Counter(r["weight_push_transports"]) for r in results), Counter())
+            ),
             "start_s": [r["start_s"] for r in results],
             "stop_s": [r["stop_s"] for r in results],
         }
@@ -435,6 +453,7 @@ def _summary(steps: list[dict[str, float]]) -> dict[str, Any]:
         "trainer_phases_s": round(trainer_s, 4),
         "train_hop_s": round(train_s - trainer_s, 4),
         "weight_sync_s": mean("timing_s/weight_sync"),
+        "weight_push_transports": push_transports(steps),
         "scheduler_s": mean("timing_s/scheduler"),
         "phases_s": phases,
         "old_log_prob_skipped": mean("actor/old_log_prob_skipped"),

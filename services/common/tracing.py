@@ -7,20 +7,25 @@ step is one trace; its id travels with every gRPC call made inside it in the
 sizes), so a service's spans join the step's tree. Nothing needs the OpenTelemetry
 SDK: spans are written, in OTLP's field names, to ``<run dir>/traces/<process>.jsonl``
 by the in-process exporter (one line per span, flushed as written), and
-``rlfleet trace`` reads them back (:mod:`rlfleet.launch.trace_cli`).
+``rlfleet trace`` reads them back (:mod:`rlfleet.launch.trace_cli`). With
+``trainer.trace_otlp_endpoint`` they also go, batched in a thread of their own, to
+an OpenTelemetry collector as OTLP/HTTP JSON (:class:`OtlpExporter`).
 
 Standard library only (every service imports it).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import json
+import logging
 import os
 import re
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +33,7 @@ from typing import Any, TextIO
 
 __all__ = [
     "TRACE_METADATA_KEY",
+    "OtlpExporter",
     "SpanContext",
     "Tracer",
     "attached",
@@ -38,6 +44,8 @@ __all__ = [
     "span",
     "tracer",
 ]
+
+logger = logging.getLogger(__name__)
 
 TRACE_METADATA_KEY = "rlfleet-trace"
 _HEADER = re.compile(r"^([0-9a-f]{32})-([0-9a-f]{16})$")
@@ -99,6 +107,140 @@ def _attr(value: Any) -> Any:
     return str(value)[:_MAX_ATTR_CHARS]
 
 
+def _otlp_value(value: Any) -> dict[str, Any]:
+    if isinstance(value, bool):
+        return {"boolValue": value}
+    if isinstance(value, int):
+        return {"intValue": str(value)}  # OTLP/JSON: 64-bit integers as strings
+    if isinstance(value, float):
+        return {"doubleValue": value}
+    if isinstance(value, list):
+        return {"arrayValue": {"values": [_otlp_value(v) for v in value]}}
+    return {"stringValue": "" if value is None else str(value)}
+
+
+class OtlpExporter:
+    """Spans to an OpenTelemetry collector over OTLP/HTTP with JSON bodies (what a
+    collector's ``otlphttp`` receiver takes at ``/v1/traces``), standard library only.
+
+    :meth:`add` never blocks the traced work: spans wait in a bounded queue (the
+    oldest dropped past ``max_queue``, counted in :attr:`dropped`) and a daemon
+    thread posts them in batches of up to ``batch`` every ``interval_s``; a
+    collector that fails or is slow costs a warning (once a minute at most) and the
+    batch, never the run. :meth:`close` sends what is left within ``timeout_s``.
+
+    Args:
+        endpoint: ``http(s)://host:port/v1/traces``.
+        service: the resource's ``service.name``.
+        headers: more HTTP headers (a collector's own authentication).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        service: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        batch: int = 512,
+        interval_s: float = 1.0,
+        max_queue: int = 8192,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self.service = service
+        self.headers = {"Content-Type": "application/json", **(headers or {})}
+        self.batch, self.interval_s, self.timeout_s = batch, interval_s, timeout_s
+        self.sent = 0
+        self.dropped = 0
+        self._queue: collections.deque[dict[str, Any]] = collections.deque()
+        self._max_queue = max_queue
+        self._cond = threading.Condition()
+        self._closed = False
+        self._warned = 0.0
+        self._thread = threading.Thread(target=self._run, name="otlp-exporter", daemon=True)
+        self._thread.start()
+
+    def add(self, span: Mapping[str, Any]) -> None:
+        """Queue one span (a :class:`Tracer` line's fields)."""
+        with self._cond:
+            if self._closed:
+                return
+            if len(self._queue) >= self._max_queue:
+                self._queue.popleft()
+                self.dropped += 1
+            self._queue.append(dict(span))
+            if len(self._queue) >= self.batch:
+                self._cond.notify()
+
+    def body(self, spans: list[dict[str, Any]]) -> bytes:
+        """The ``ExportTraceServiceRequest`` of ``spans``, in OTLP's JSON mapping."""
+        otlp = [
+            {
+                "traceId": sp["traceId"],
+                "spanId": sp["spanId"],
+                "parentSpanId": sp["parentSpanId"],
+                "name": sp["name"],
+                "kind": 1,  # SPAN_KIND_INTERNAL
+                "startTimeUnixNano": str(sp["startTimeUnixNano"]),
+                "endTimeUnixNano": str(sp["endTimeUnixNano"]),
+                "attributes": [
+                    {"key": k, "value": _otlp_value(v)} for k, v in sp["attributes"].items()
+                ],
+                "status": {"code": 2 if "error" in sp["attributes"] else 0},
+            }
+            for sp in spans
+        ]
+        resource = {"attributes": [{"key": "service.name", "value": {"stringValue": self.service}}]}
+        request = {
+            "resourceSpans": [
+                {
+                    "resource": resource,
+                    "scopeSpans": [{"scope": {"name": "rlfleet"}, "spans": otlp}],
+                }
+            ]
+        }
+        return json.dumps(request, separators=(",", ":")).encode()
+
+    def _post(self, spans: list[dict[str, Any]]) -> None:
+        request = urllib.request.Request(
+            self.endpoint, data=self.body(spans), headers=self.headers, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+                answer.read()
+            self.sent += len(spans)
+        except Exception as e:  # the collector's problem: warn, drop the batch, go on
+            self.dropped += len(spans)
+            now = time.monotonic()
+            if now - self._warned > 60:
+                self._warned = now
+                logger.warning("OTLP export to %s failed (%s): %d spans dropped so far",
+                               self.endpoint, e, self.dropped)  # fmt: skip
+
+    def _take(self) -> list[dict[str, Any]]:
+        n = min(self.batch, len(self._queue))
+        return [self._queue.popleft() for _ in range(n)]
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._closed and len(self._queue) < self.batch:
+                    self._cond.wait(self.interval_s)
+                spans = self._take()
+                closed = self._closed
+            if spans:
+                self._post(spans)
+            elif closed:
+                return
+
+    def close(self) -> None:
+        """Send what is queued (within ``timeout_s`` per batch), then stop."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(self.timeout_s * (1 + len(self._queue) // self.batch) + 1)
+
+
 class Tracer:
     """Writes the spans of one process to ``path`` (None: spans are not kept, but ids
     still propagate so the services' spans of a call still join their trace).
@@ -106,9 +248,13 @@ class Tracer:
     Args:
         path: the JSON-lines file (made with its folder).
         service: ``service.name`` of every span (``driver``, ``rollout-0`` ...).
+        otlp_endpoint: also send every span to this OTLP/HTTP collector URL
+            (:class:`OtlpExporter`).
     """
 
-    def __init__(self, path: str | Path | None, service: str) -> None:
+    def __init__(
+        self, path: str | Path | None, service: str, *, otlp_endpoint: str | None = None
+    ) -> None:
         self.path = Path(path) if path is not None else None
         self.service = service
         self._lock = threading.Lock()
@@ -116,6 +262,7 @@ class Tracer:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self.otlp = OtlpExporter(otlp_endpoint, service) if otlp_endpoint else None
 
     def record(
         self,
@@ -128,21 +275,23 @@ class Tracer:
     ) -> None:
         """Write one finished span (also for work timed elsewhere, e.g. the trainer's
         phases laid out from their durations)."""
+        if self._file is None and self.otlp is None:
+            return
+        fields = {
+            "traceId": ctx.trace_id,
+            "spanId": ctx.span_id,
+            "parentSpanId": parent.span_id if parent is not None else "",
+            "name": name,
+            "service": self.service,
+            "startTimeUnixNano": start_ns,
+            "endTimeUnixNano": end_ns,
+            "attributes": {k: _attr(v) for k, v in (attributes or {}).items()},
+        }
+        if self.otlp is not None:
+            self.otlp.add(fields)
         if self._file is None:
             return
-        line = json.dumps(
-            {
-                "traceId": ctx.trace_id,
-                "spanId": ctx.span_id,
-                "parentSpanId": parent.span_id if parent is not None else "",
-                "name": name,
-                "service": self.service,
-                "startTimeUnixNano": start_ns,
-                "endTimeUnixNano": end_ns,
-                "attributes": {k: _attr(v) for k, v in (attributes or {}).items()},
-            },
-            separators=(",", ":"),
-        )
+        line = json.dumps(fields, separators=(",", ":"))
         with self._lock:
             if self._file is not None:
                 self._file.write(line + "\n")
@@ -181,6 +330,8 @@ class Tracer:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+        if self.otlp is not None:
+            self.otlp.close()
 
 
 _TRACER = Tracer(None, "")
@@ -232,7 +383,13 @@ def traced_stream(name: str, items: Iterator[Any], **attributes: Any) -> Iterato
 def configure(config: Any, service: str) -> None:
     """A service of a run: its spans to ``<run dir>/traces/<service>-<pid>.jsonl`` when
     the run config has ``trainer.trace`` (None: a service without a run config keeps
-    none; ids still propagate)."""
+    none; ids still propagate), and to ``trainer.trace_otlp_endpoint`` when set."""
     if config is None or not config.trainer.trace:
         return
-    set_tracer(Tracer(service_trace_path(config.run_dir(), service), service))
+    set_tracer(
+        Tracer(
+            service_trace_path(config.run_dir(), service),
+            service,
+            otlp_endpoint=config.trainer.trace_otlp_endpoint,
+        )
+    )

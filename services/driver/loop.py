@@ -1159,7 +1159,9 @@ class PPOTrainer:
         previous_tracer = None
         if t.trace:
             path = tracing.service_trace_path(self.run_dir, "driver")
-            previous_tracer = tracing.set_tracer(tracing.Tracer(path, "driver"))
+            previous_tracer = tracing.set_tracer(
+                tracing.Tracer(path, "driver", otlp_endpoint=t.trace_otlp_endpoint)
+            )
         resumed = self._load_checkpoint()
         self._start_state = {
             "loader": None if self.external_rollouts else self.loader.state_dict(),

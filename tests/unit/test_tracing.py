@@ -7,6 +7,7 @@ import contextvars
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -174,3 +175,100 @@ def test_a_prompts_path_through_a_requeue_and_a_trainer_restart(tmp_path: Path) 
         ]),
     ]  # fmt: skip
     assert prompt_path(load_spans(tmp_path), 99) == []
+
+
+class _Collector:
+    """A stand-in OpenTelemetry collector on 127.0.0.1: its /v1/traces takes OTLP/HTTP
+    JSON and keeps every request body; ``fail`` answers 503 instead."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.bodies: list[dict[str, Any]] = []
+        self.fail = False
+        collector = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                ok = self.path == "/v1/traces" and not collector.fail
+                if ok:
+                    assert self.headers["Content-Type"] == "application/json"
+                    collector.bodies.append(json.loads(body))
+                self.send_response(200 if ok else 503)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_spans_go_to_an_otlp_collector_as_well_as_to_the_file(tmp_path: Path) -> None:
+    """trainer.trace_otlp_endpoint: the same spans, ids and attributes as the JSONL
+    file, in OTLP's JSON mapping under the service's resource; a collector that fails
+    costs the batch (counted), not the traced work."""
+    collector = _Collector()
+    try:
+        t = tracing.Tracer(tmp_path / "d.jsonl", "driver", otlp_endpoint=collector.url)
+        assert t.otlp is not None
+        t.otlp.interval_s = 0.05
+        with t.span("step", root=True, step=3):
+            with t.span("gen", replica="rollout-0", tokens=[1, 2]):
+                pass
+            with pytest.raises(ValueError), t.span("reward"):
+                raise ValueError("bad")
+        t.close()
+        lines = [json.loads(x) for x in (tmp_path / "d.jsonl").read_text().splitlines()]
+        [resource] = [rs for b in collector.bodies for rs in b["resourceSpans"]][:1]
+        assert resource["resource"]["attributes"] == [
+            {"key": "service.name", "value": {"stringValue": "driver"}}
+        ]
+        spans = [
+            sp
+            for b in collector.bodies
+            for rs in b["resourceSpans"]
+            for ss in rs["scopeSpans"]
+            for sp in ss["spans"]
+        ]
+        assert [(s["traceId"], s["spanId"], s["parentSpanId"], s["name"]) for s in spans] == [
+            (x["traceId"], x["spanId"], x["parentSpanId"], x["name"]) for x in lines
+        ]
+        by_name = {s["name"]: s for s in spans}
+        assert {"key": "step", "value": {"intValue": "3"}} in by_name["step"]["attributes"]
+        gen = dict((a["key"], a["value"]) for a in by_name["gen"]["attributes"])
+        assert gen["replica"] == {"stringValue": "rollout-0"}
+        assert gen["tokens"] == {"arrayValue": {"values": [{"intValue": "1"}, {"intValue": "2"}]}}
+        assert by_name["reward"]["status"] == {"code": 2} and by_name["gen"]["status"] == {
+            "code": 0
+        }
+        assert int(by_name["step"]["endTimeUnixNano"]) >= int(by_name["step"]["startTimeUnixNano"])
+        assert t.otlp.sent == 3 and t.otlp.dropped == 0
+
+        collector.fail = True
+        t = tracing.Tracer(None, "rollout-0", otlp_endpoint=collector.url)
+        assert t.otlp is not None
+        with t.span("gen", root=True):
+            pass
+        t.close()
+        assert (t.otlp.sent, t.otlp.dropped) == (0, 1)
+    finally:
+        collector.stop()
+
+
+def test_the_otlp_endpoint_must_be_an_http_url() -> None:
+    from rlfleet.common.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match="trace_otlp_endpoint"):
+        config_from_dict({}, ["trainer.trace_otlp_endpoint=file:///etc/passwd"])
+    cfg = config_from_dict({}, ["trainer.trace_otlp_endpoint=http://127.0.0.1:4318/v1/traces"])
+    assert cfg.trainer.trace_otlp_endpoint == "http://127.0.0.1:4318/v1/traces"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -1154,6 +1155,12 @@ class TrainerConfig(_Section):
         description="rlfleet option: the driver and the services of the run write the "
         "spans of every step to <run dir>/traces (rlfleet trace --run DIR --step N)",
     )
+    trace_otlp_endpoint: str | None = Field(
+        default=None,
+        description="rlfleet option: with trace, also send every span to this "
+        "OpenTelemetry collector as OTLP/HTTP JSON (http(s)://host:4318/v1/traces), "
+        "batched in a thread; the JSONL files are written as before",
+    )
     nnodes: int | None = Field(
         default=None,
         ge=1,
@@ -1173,6 +1180,13 @@ class TrainerConfig(_Section):
     def _freq(cls, value: int) -> int:
         if value != -1 and value <= 0:
             raise ValueError("must be -1 (never) or a positive number of steps")
+        return value
+
+    @field_validator("trace_otlp_endpoint")
+    @classmethod
+    def _otlp_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^https?://[^/\s]+(/\S*)?$", value):
+            raise ValueError("must be an http:// or https:// URL (a collector's /v1/traces)")
         return value
 
     @field_validator("logger", mode="before")
