@@ -155,6 +155,8 @@ class RolloutCore:
         self._pending: collections.deque[GenerationHandle] = collections.deque()
         self._queued = 0  # samples waiting or running
         self._closed = False
+        self._draining = False
+        self._drain_abort = threading.Event()
         self._sleeping = False
         self._tokens_total = 0
         self._cancelled_total = 0
@@ -195,10 +197,9 @@ class RolloutCore:
             raise InvalidArgument("no prompts", field="prompts")
         self.limits.check(request)
         self.engine.validate([request])
+        with self._cond:
+            self._check_open()
         if self.multi_turn is not None and multi_turn is not False:
-            with self._cond:
-                if self._closed:
-                    raise Unavailable("the rollout core is shut down")
             return self.multi_turn.submit(self, request, min_weight_version=min_weight_version)
         return self._queue([request], min_weight_version)[0]
 
@@ -220,7 +221,7 @@ class RolloutCore:
     ) -> list[GenerationHandle]:
         handles = [GenerationHandle(r, min_weight_version) for r in requests]
         with self._cond:
-            if self._closed:
+            if self._closed:  # draining: a conversation's later rounds still queue
                 raise Unavailable("the rollout core is shut down")
             self._pending.extend(handles)
             self._queued += sum(h.samples for h in handles)
@@ -415,6 +416,37 @@ class RolloutCore:
             weight_spare_bytes=self._bulk.spare_bytes(),
             requests_cancelled=cancelled,
         )
+
+    def _check_open(self) -> None:
+        """Unavailable once the core is closed or draining (for new requests)."""
+        if self._closed:
+            raise Unavailable("the rollout core is shut down")
+        if self._draining:
+            raise Unavailable(
+                f"rollout replica {self.replica_id} is draining (scaled down or stopping): "
+                "send the work to another replica"
+            )
+
+    def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests (``Unavailable``) and wait up to ``timeout_s`` until
+        every queued and running sample is out; True when it emptied in time.
+
+        The server keeps answering meanwhile (``GetStatus`` included), so a caller's
+        liveness probe does not take a draining replica for a dead one; only then
+        does the gRPC server stop. :meth:`abort_drain` ends the wait early.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._draining = True
+            while self._queued > 0 and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._drain_abort.is_set():
+                    return False
+                self._cond.wait(min(left, 0.1))
+            return True
+
+    def abort_drain(self) -> None:
+        self._drain_abort.set()
 
     def close(self) -> None:
         """Stop the batching thread; waiting requests fail with ``Unavailable``."""

@@ -8,9 +8,10 @@ to stdout, then, with
 ``--scheduler``, register (role ROLLOUT, advertised address, devices, engine,
 capacity) and heartbeat on a thread.
 
-SIGTERM / SIGINT: deregister first (the scheduler stops routing here), then stop
-gRPC gracefully (health NOT_SERVING, in-flight calls drain within
-``--grace-s``), then stop the core. A second signal skips the drain.
+SIGTERM / SIGINT: deregister first (the scheduler stops routing here), then drain
+within ``--grace-s`` (health NOT_SERVING, new ``Generate`` calls refused as
+UNAVAILABLE, the running ones finish while the server still answers ``GetStatus``),
+then stop gRPC and the core. A second signal skips the drain.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -640,6 +642,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         if stop.is_set():  # second signal: no drain
+            core.abort_drain()
             threading.Thread(target=server.stop, args=(0.0,), daemon=True).start()
         stop.set()
 
@@ -711,7 +714,14 @@ def serve_main(args: argparse.Namespace) -> int:
         registration.stop()
     if openai is not None:  # no new OpenAI requests; those running fail as the core stops
         openai.stop()
-    server.stop(args.grace_s)
+    # Drain while still answering (GetStatus: a caller's liveness probe sees a live
+    # replica): new Generate calls are refused, those running finish; then gRPC stops.
+    server.set_serving("", False)
+    started = time.monotonic()
+    if not core.drain(args.grace_s):
+        logger.warning("rollout replica %s: work still running after the %.1fs grace",
+                       core.replica_id, args.grace_s)  # fmt: skip
+    server.stop(max(0.0, args.grace_s - (time.monotonic() - started)))
     core.close()
     close_engine = getattr(engine, "close", None)  # vLLM: its engine-core processes
     if close_engine is not None:

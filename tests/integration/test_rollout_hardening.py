@@ -12,6 +12,7 @@ import math
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -678,3 +679,65 @@ def test_weights_that_overflow_fail_generation_by_name_not_internally(
     with RemoteRolloutClient(address) as client:
         samples = list(client.generate(PROMPTS, params))
     assert samples and all(math.isfinite(x) for s in samples for x in s.logprobs)
+
+
+class GatedEngine(WatchedEngine):
+    """Holds each batch until ``go`` is set: a generation that is in flight for as long
+    as the test needs, whatever the machine's speed."""
+
+    def __init__(self, inner: HFEngine) -> None:
+        super().__init__(inner)
+        self.go = threading.Event()
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        on_sample: SampleCallback | None = None,
+        cancelled: CancelCheck | None = None,
+    ) -> list[list[SampleOutput]]:
+        self.started.set()
+        assert self.go.wait(120)
+        return super().generate(requests, on_sample, cancelled)
+
+
+def test_a_draining_replica_finishes_its_work_and_still_answers_probes(
+    tiny_model_dir: Path,
+) -> None:
+    """What a scale-down or SIGTERM does before the server stops: new Generate calls are
+    refused (UNAVAILABLE, naming the drain), the one in flight finishes in full, and
+    GetStatus keeps answering, so a caller's liveness probe (0.5 s here) does not give
+    the replica up while its batch takes longer than that."""
+    engine = GatedEngine(HFEngine(tiny_model_dir))
+    core = RolloutCore(engine, replica_id="r0")  # type: ignore[arg-type]
+    with _serve(core) as address:
+        got: list[Any] = []
+        caller = RemoteRolloutClient(address, liveness_s=0.5)
+
+        def generate() -> None:
+            try:
+                got.extend(caller.generate(PROMPTS, GREEDY))
+            except Exception as e:  # reported below
+                got.append(e)
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        assert engine.started.wait(60)
+        drained: list[bool] = []
+        drainer = threading.Thread(target=lambda: drained.append(core.drain(60)))
+        drainer.start()
+        with RemoteRolloutClient(address) as other:
+            deadline = time.monotonic() + 60
+            while not core._draining and time.monotonic() < deadline:  # the drain began
+                time.sleep(0.01)
+            with pytest.raises(RlfleetError, match="draining") as info:
+                list(other.generate([[5, 6]], GREEDY))
+            assert info.value.code == "UNAVAILABLE"
+            time.sleep(2.0)  # four liveness periods with nothing to show
+            assert other.status().queue_depth == len(PROMPTS)
+        engine.go.set()
+        drainer.join(60)
+        thread.join(60)
+        caller.close()
+        assert drained == [True]
+        assert not [g for g in got if isinstance(g, Exception)], got
+        assert sorted(len(s.token_ids) for s in got) == [6, 6, 6]
