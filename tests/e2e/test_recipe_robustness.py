@@ -2,8 +2,13 @@
 builds, shaped otherwise than the demo's (``tiny-deep``: narrower, twice as deep, its
 own tokenizer), from a weak supervised start on two-digit additions and subtractions,
 ``examples/arithmetic_ppo.yaml`` and ``examples/arithmetic_grpo.yaml`` with only the
-model and data paths changed do not lower greedy test accuracy (before this recipe they
-did: 31% -> 26% with GAE, 31% -> 19% with GRPO; BENCHMARKS.md).
+model and data paths changed raise greedy test accuracy (before this recipe they
+lowered it: 31% -> 26% with GAE, 31% -> 19% with GRPO; BENCHMARKS.md).
+
+How weak the start is depends on the CPU kind (the order of floating-point sums in
+300 SFT steps): 31% on an Intel Xeon VM, 6% on an AMD EPYC VM, both 2 vCPUs; the
+recipe raised both (31% -> 37% / 36%, 6% -> 24% / 24%). The test asks for a weak start
+that is not nothing, and for a rise.
 
 The model pair (base and warm start) and the data are built once for the module, the
 way ``rlfleet demo --preset tiny-deep --ops +- --sft-steps 300`` builds them.
@@ -20,7 +25,7 @@ from rlfleet.launch.demo import make_data, run_example, sft_warm_start
 
 PRESET = "tiny-deep"
 OPS = "+-"
-SFT_STEPS = 300  # a weak start: about 30% greedy accuracy
+SFT_STEPS = 300  # a weak start: 6% to 31% greedy accuracy, by CPU kind
 
 
 @pytest.fixture(scope="module")
@@ -45,5 +50,7 @@ def test_example_config_does_not_collapse_on_a_second_model(
     summary = run_example(example, sft, data, tmp_path, extra=["trainer.logger=[jsonl]"])
     vals = [v["val/test_score/mean"] for v in summary["validation"]]
     before, after = vals[0], vals[-1]
-    assert 0.1 <= before <= 0.5, f"the warm start is meant to be weak: {before:.0%}"
-    assert after >= before, f"{example}: greedy accuracy fell {before:.0%} -> {after:.0%} ({vals})"
+    assert 0.02 <= before <= 0.5, f"the warm start is meant to be weak: {before:.0%}"
+    assert after > before, (
+        f"{example}: greedy accuracy did not rise {before:.0%} -> {after:.0%} ({vals})"
+    )
