@@ -956,7 +956,8 @@ def using_security(security: Security | None) -> Iterator[Security | None]:
 
 
 def add_security_arguments(parser: Any) -> None:
-    """``--insecure`` and ``--tls-cert/--tls-key/--tls-ca/--tls-require-client-cert``.
+    """``--insecure`` and ``--tls-cert/--tls-key/--tls-ca/--tls-require-client-cert/
+    --tls-server-name``.
 
     Credentials themselves never come from argv (``ps`` shows it): see
     :mod:`rlfleet.common.auth`.
@@ -975,12 +976,18 @@ def add_security_arguments(parser: Any) -> None:
         action="store_true",
         help="mTLS: refuse clients without a certificate from --tls-ca",
     )
+    group.add_argument(
+        "--tls-server-name",
+        default=None,
+        help="the name this process's calls check the peers' certificates against, "
+        "instead of their host; also $RLFLEET_TLS_SERVER_NAME",
+    )
 
 
 def security_from_args(args: Any, *, what: str) -> Security:
     """:meth:`Security.from_env` with the flags of :func:`add_security_arguments` on top."""
     env = dict(os.environ)
-    for name in ("cert", "key", "ca"):
+    for name in ("cert", "key", "ca", "server_name"):
         value = getattr(args, f"tls_{name}", None)
         if value:
             env[auth.TLS_ENV[name]] = value

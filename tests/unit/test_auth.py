@@ -270,3 +270,22 @@ def test_turning_authentication_off_is_loud_and_never_implicit(
         [record] = [r for r in caplog.records if "AUTHENTICATION IS OFF" in r.getMessage()]
         assert record.levelno == logging.WARNING
         assert "rlfleet serve reward" in record.getMessage()
+
+
+def test_tls_flags_map_onto_the_environment_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every TLS setting is one flag and one variable: --tls-server-name included."""
+    import argparse
+
+    from rlfleet.common.rpc import add_security_arguments, security_from_args
+
+    for name in ("CERT", "KEY", "CA", "SERVER_NAME", "REQUIRE_CLIENT_CERT"):
+        monkeypatch.delenv(f"RLFLEET_TLS_{name}", raising=False)
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    parser = argparse.ArgumentParser()
+    add_security_arguments(parser)
+    args = parser.parse_args(["--insecure", "--tls-ca", str(ca), "--tls-server-name", "rlfleet"])
+    tls = security_from_args(args, what="test").tls
+    assert tls is not None and tls.ca == str(ca) and tls.server_name_override == "rlfleet"
