@@ -331,6 +331,7 @@ def _child_argv(args: argparse.Namespace, port: int, index: int, count: int) -> 
         ("--tls-cert", args.tls_cert),
         ("--tls-key", args.tls_key),
         ("--tls-ca", args.tls_ca),
+        ("--tls-server-name", args.tls_server_name),
     ):
         if value:
             argv.append(f"{flag}={value}")
