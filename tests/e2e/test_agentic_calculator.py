@@ -56,6 +56,7 @@ def test_grpo_teaches_the_tiny_model_to_call_the_calculator(
     before = vals[0]["val/test_score/mean"]
     after = vals[-1]["val/test_score/mean"]
     assert after >= before and after > 0.5, (before, after)
-    # The tool turns are masked out of the loss: the trainer saw fewer loss tokens than
-    # response tokens once the model calls the tool.
+    # The replica inserted tool turns (loss-mask 0) into the sequences the trainer got;
+    # that they are masked out of the loss and their log-probs left out is checked
+    # token by token in tests/integration/test_multiturn_over_grpc.py.
     assert train[-1]["multi_turn/tool_tokens/mean"] > 10
