@@ -108,10 +108,21 @@ def _gsm8k(tmp_path: Path) -> Path:
     return out
 
 
-def test_verl_quickstart_trains_two_steps(tiny_model_dir: Path, tmp_path: Path) -> None:
+FULL_FILE = Path(__file__).resolve().parents[1] / "fixtures" / "verl" / "ppo_trainer.yaml"
+
+
+@pytest.mark.parametrize("layout", ["sections", "whole_file"])
+def test_verl_quickstart_trains_two_steps(
+    tiny_model_dir: Path, tmp_path: Path, layout: str
+) -> None:
+    """``sections``: a file with a few of verl's sections (the rest at verl's defaults);
+    ``whole_file``: every key of verl's ppo_trainer.yaml, as the fixture holds it."""
     data = _gsm8k(tmp_path)
     config = tmp_path / "ppo_trainer.yaml"
-    config.write_text(yaml.safe_dump(VERL_FILE), encoding="utf-8")
+    if layout == "sections":
+        config.write_text(yaml.safe_dump(VERL_FILE), encoding="utf-8")
+    else:
+        config.write_text(FULL_FILE.read_text(encoding="utf-8"), encoding="utf-8")
     run_dir = tmp_path / "run"
     stderr_path = tmp_path / "stderr.txt"
     with stderr_path.open("w") as stderr:
