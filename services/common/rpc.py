@@ -582,8 +582,9 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
 
 class TraceInterceptor(grpc.ServerInterceptor):
     """Runs each handler (and its response stream) inside the caller's trace span, read
-    from the ``rlfleet-trace`` metadata entry, so the service's spans join the caller's
-    trace (:mod:`rlfleet.common.tracing`). A malformed entry is ignored."""
+    from the ``rlfleet-trace`` metadata entry (or, without it, a W3C ``traceparent``
+    that an OpenTelemetry-instrumented caller sends), so the service's spans join the
+    caller's trace (:mod:`rlfleet.common.tracing`). A malformed entry is ignored."""
 
     def intercept_service(
         self,
@@ -591,11 +592,13 @@ class TraceInterceptor(grpc.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(handler_call_details)
-        value = None
+        ours = theirs = None  # rlfleet's entry wins over a W3C traceparent
         for key, v in handler_call_details.invocation_metadata or ():
             if key == tracing.TRACE_METADATA_KEY:
-                value = v
-        ctx = tracing.from_header(value)
+                ours = v
+            elif key == tracing.TRACEPARENT_KEY:
+                theirs = v
+        ctx = tracing.from_header(ours) or tracing.from_header(theirs)
         if handler is None or ctx is None:
             return handler
         return _rebuild_handler(handler, lambda behavior: _in_trace(behavior, ctx))
@@ -698,12 +701,13 @@ class _BearerTokenClientInterceptor(
         if self._token is not None:
             drop.add(AUTH_METADATA_KEY)
         if trace is not None:
-            drop.add(tracing.TRACE_METADATA_KEY)
+            drop |= {tracing.TRACE_METADATA_KEY, tracing.TRACEPARENT_KEY}
         metadata = [(k, v) for k, v in details.metadata or () if k not in drop]
         if header is not None:
             metadata.append(header)
         if trace is not None:
             metadata.append((tracing.TRACE_METADATA_KEY, trace))
+            metadata.append((tracing.TRACEPARENT_KEY, f"00-{trace}-01"))  # tracing.traceparent()
         return _CallDetails(
             method=details.method,
             timeout=details.timeout,

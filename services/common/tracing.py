@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 __all__ = [
+    "TRACEPARENT_KEY",
     "TRACE_METADATA_KEY",
     "OtlpExporter",
     "SpanContext",
@@ -42,13 +43,19 @@ __all__ = [
     "header",
     "set_tracer",
     "span",
+    "traceparent",
     "tracer",
 ]
 
 logger = logging.getLogger(__name__)
 
 TRACE_METADATA_KEY = "rlfleet-trace"
+TRACEPARENT_KEY = "traceparent"
+"""W3C Trace Context's entry, which OpenTelemetry-instrumented callers send: a service
+joins such a caller's trace too, and rlfleet's own calls carry it beside their own."""
 _HEADER = re.compile(r"^([0-9a-f]{32})-([0-9a-f]{16})$")
+_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+_ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
 _MAX_ATTR_CHARS = 4096
 
 
@@ -74,15 +81,24 @@ def header() -> str | None:
     return None if ctx is None else f"{ctx.trace_id}-{ctx.span_id}"
 
 
+def traceparent() -> str | None:
+    """The current span as a W3C ``traceparent`` value (sampled), None: none."""
+    ctx = _CURRENT.get()
+    return None if ctx is None else f"00-{ctx.trace_id}-{ctx.span_id}-01"
+
+
 def from_header(value: str | bytes | None) -> SpanContext | None:
-    """A caller's span from its metadata value; None when absent or malformed (a
-    malformed value from the network is ignored, never an error)."""
+    """A caller's span from its metadata value, ``rlfleet-trace``'s or W3C
+    ``traceparent``'s (version 00); None when absent or malformed (a malformed value
+    from the network is ignored, never an error; so are all-zero ids, invalid in W3C)."""
     if isinstance(value, bytes):
         value = value.decode("ascii", "replace")
     if not value or len(value) > 64:
         return None
-    m = _HEADER.match(value)
-    return SpanContext(m.group(1), m.group(2)) if m else None
+    m = _HEADER.match(value) or _TRACEPARENT.match(value)
+    if m is None or m.group(1) == _ZERO_TRACE or m.group(2) == _ZERO_SPAN:
+        return None
+    return SpanContext(m.group(1), m.group(2))
 
 
 @contextlib.contextmanager

@@ -645,3 +645,52 @@ def test_errors_survive_pickling() -> None:
     back = pickle.loads(pickle.dumps(err))
     assert isinstance(back, InvalidArgument) and isinstance(back, RlfleetError)
     assert (str(back), back.value, back.sample_index, back.code) == ("x: bad", 3, 2, "BAD_X")
+
+
+# ------------------------------------------------------------------ traces
+
+
+class TracedReward(FakeReward):
+    """Records the span its handler runs in and the trace metadata it received."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Any] = []
+
+    def GetInfo(self, request: reward_pb2.GetRewardInfoRequest, context: Any) -> Any:
+        from rlfleet.common import tracing
+
+        received = {k: v for k, v in context.invocation_metadata() if "trace" in k}
+        self.seen.append((tracing.current(), received))
+        return super().GetInfo(request, context)
+
+
+def test_a_w3c_traceparent_joins_the_callers_trace_and_rlfleet_sends_both() -> None:
+    """An OpenTelemetry-instrumented caller (a plain stub with ``traceparent``) gets the
+    service's spans in its trace; rlfleet's own channels send ``rlfleet-trace`` and
+    ``traceparent`` for the same span; a malformed or all-zero one is ignored."""
+    from rlfleet.common import tracing
+
+    servicer = TracedReward()
+    srv = create_server([(ADD_REWARD, servicer)])
+    trace, span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    try:
+        plain = grpc.insecure_channel(srv.address)
+        stub = reward_pb2_grpc.RewardServiceStub(plain)
+        for value in (f"00-{trace}-{span}-01", f"00-{'0' * 32}-{span}-01", "00-xyz"):
+            stub.GetInfo(reward_pb2.GetRewardInfoRequest(), metadata=[("traceparent", value)])
+        plain.close()
+        ours = create_channel(srv.address)
+        mine = tracing.SpanContext("ab" * 16, "cd" * 8)
+        with tracing.attached(mine):
+            reward_pb2_grpc.RewardServiceStub(ours).GetInfo(reward_pb2.GetRewardInfoRequest())
+        ours.close()
+    finally:
+        srv.stop(grace_s=0)
+    [(joined, _), (zero, _), (bad, _), (ctx, received)] = servicer.seen
+    assert joined == tracing.SpanContext(trace, span) and zero is None and bad is None
+    assert ctx == mine
+    assert received == {
+        "rlfleet-trace": f"{mine.trace_id}-{mine.span_id}",
+        "traceparent": f"00-{mine.trace_id}-{mine.span_id}-01",
+    }

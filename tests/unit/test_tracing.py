@@ -61,6 +61,23 @@ def test_a_header_round_trips() -> None:
     with tracing.attached(ctx):
         assert tracing.from_header(tracing.header()) == ctx
         assert tracing.from_header(tracing.header().encode()) == ctx  # type: ignore[union-attr]
+        assert tracing.traceparent() == f"00-{'ab' * 16}-{'cd' * 8}-01"
+        assert tracing.from_header(tracing.traceparent()) == ctx
+    assert tracing.traceparent() is None
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "01-" + "ab" * 16 + "-" + "cd" * 8 + "-01",  # an unknown version
+        "00-" + "0" * 32 + "-" + "cd" * 8 + "-01",  # all-zero trace id: invalid in W3C
+        "00-" + "ab" * 16 + "-" + "0" * 16 + "-01",
+        "00-" + "AB" * 16 + "-" + "cd" * 8 + "-01",
+        "00-" + "ab" * 16 + "-" + "cd" * 8,
+    ],
+)
+def test_malformed_traceparents_are_ignored(value: str) -> None:
+    assert tracing.from_header(value) is None
 
 
 def test_a_thread_started_with_the_callers_context_joins_its_trace(tmp_path: Path) -> None:
