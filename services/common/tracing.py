@@ -41,6 +41,7 @@ __all__ = [
     "current",
     "from_header",
     "header",
+    "otlp_headers",
     "set_tracer",
     "span",
     "traceparent",
@@ -133,6 +134,21 @@ def _otlp_value(value: Any) -> dict[str, Any]:
     if isinstance(value, list):
         return {"arrayValue": {"values": [_otlp_value(v) for v in value]}}
     return {"stringValue": "" if value is None else str(value)}
+
+
+def otlp_headers(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """HTTP headers for the collector from ``OTEL_EXPORTER_OTLP_HEADERS`` (OpenTelemetry's
+    own variable: ``key=value`` pairs, comma-separated, values URL-encoded), e.g. a
+    collector's bearer token; from the environment, never a command line."""
+    import urllib.parse
+
+    raw = (os.environ if env is None else env).get("OTEL_EXPORTER_OTLP_HEADERS", "")
+    headers: dict[str, str] = {}
+    for pair in raw.split(","):
+        key, sep, value = pair.partition("=")
+        if sep and key.strip():
+            headers[key.strip()] = urllib.parse.unquote(value.strip())
+    return headers
 
 
 class OtlpExporter:
@@ -278,7 +294,9 @@ class Tracer:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
-        self.otlp = OtlpExporter(otlp_endpoint, service) if otlp_endpoint else None
+        self.otlp = (
+            OtlpExporter(otlp_endpoint, service, headers=otlp_headers()) if otlp_endpoint else None
+        )
 
     def record(
         self,

@@ -203,6 +203,7 @@ class _Collector:
         import threading
 
         self.bodies: list[dict[str, Any]] = []
+        self.authorization: list[str | None] = []
         self.fail = False
         collector = self
 
@@ -210,6 +211,7 @@ class _Collector:
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 ok = self.path == "/v1/traces" and not collector.fail
+                collector.authorization.append(self.headers.get("Authorization"))
                 if ok:
                     assert self.headers["Content-Type"] == "application/json"
                     collector.bodies.append(json.loads(body))
@@ -230,10 +232,15 @@ class _Collector:
         self.server.server_close()
 
 
-def test_spans_go_to_an_otlp_collector_as_well_as_to_the_file(tmp_path: Path) -> None:
+def test_spans_go_to_an_otlp_collector_as_well_as_to_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """trainer.trace_otlp_endpoint: the same spans, ids and attributes as the JSONL
-    file, in OTLP's JSON mapping under the service's resource; a collector that fails
-    costs the batch (counted), not the traced work."""
+    file, in OTLP's JSON mapping under the service's resource, with the collector's
+    headers from OTEL_EXPORTER_OTLP_HEADERS; a collector that fails costs the batch
+    (counted), not the traced work."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "Authorization=Bearer%20s3cret, x=1")
+    assert tracing.otlp_headers() == {"Authorization": "Bearer s3cret", "x": "1"}
     collector = _Collector()
     try:
         t = tracing.Tracer(tmp_path / "d.jsonl", "driver", otlp_endpoint=collector.url)
@@ -270,6 +277,7 @@ def test_spans_go_to_an_otlp_collector_as_well_as_to_the_file(tmp_path: Path) ->
         }
         assert int(by_name["step"]["endTimeUnixNano"]) >= int(by_name["step"]["startTimeUnixNano"])
         assert t.otlp.sent == 3 and t.otlp.dropped == 0
+        assert set(collector.authorization) == {"Bearer s3cret"}
 
         collector.fail = True
         t = tracing.Tracer(None, "rollout-0", otlp_endpoint=collector.url)
