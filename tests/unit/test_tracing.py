@@ -194,9 +194,39 @@ def test_a_prompts_path_through_a_requeue_and_a_trainer_restart(tmp_path: Path) 
     assert prompt_path(load_spans(tmp_path), 99) == []
 
 
+def _official_otlp(body: dict[str, Any]) -> Any:
+    """``body`` read as OpenTelemetry's own ``ExportTraceServiceRequest`` (the
+    ``opentelemetry-proto`` package, what a collector's ``otlphttp`` receiver decodes
+    into): an unknown field, a wrong type or a bad enum raises. OTLP's JSON mapping
+    writes trace and span ids as hex, not proto3 JSON's base64; they are turned into
+    base64 here, as a collector does, and their byte lengths checked."""
+    import base64
+    import copy
+
+    from google.protobuf import json_format
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    body = copy.deepcopy(body)
+    for rs in body["resourceSpans"]:
+        for ss in rs["scopeSpans"]:
+            for sp in ss["spans"]:
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    sp[key] = base64.b64encode(bytes.fromhex(sp[key])).decode()
+    request = trace_service_pb2.ExportTraceServiceRequest()
+    json_format.ParseDict(body, request)
+    for rs in request.resource_spans:
+        for ss in rs.scope_spans:
+            for sp in ss.spans:
+                assert len(sp.trace_id) == 16 and len(sp.span_id) == 8
+                assert len(sp.parent_span_id) in (0, 8)
+    return request
+
+
 class _Collector:
     """A stand-in OpenTelemetry collector on 127.0.0.1: its /v1/traces takes OTLP/HTTP
-    JSON and keeps every request body; ``fail`` answers 503 instead."""
+    JSON and keeps every request body; ``fail`` answers 503 instead. (No collector
+    binary can be installed here; the bodies are checked against OpenTelemetry's own
+    protobuf schema by :func:`_official_otlp`.)"""
 
     def __init__(self) -> None:
         import http.server
@@ -267,6 +297,17 @@ def test_spans_go_to_an_otlp_collector_as_well_as_to_the_file(
         assert [(s["traceId"], s["spanId"], s["parentSpanId"], s["name"]) for s in spans] == [
             (x["traceId"], x["spanId"], x["parentSpanId"], x["name"]) for x in lines
         ]
+        official = [_official_otlp(b) for b in collector.bodies]
+        decoded = [
+            sp for r in official for rs in r.resource_spans for ss in rs.scope_spans
+            for sp in ss.spans
+        ]  # fmt: skip
+        assert [(sp.trace_id.hex(), sp.span_id.hex(), sp.name) for sp in decoded] == [
+            (x["traceId"], x["spanId"], x["name"]) for x in lines
+        ]
+        root = next(sp for sp in decoded if sp.name == "step")
+        assert root.parent_span_id == b"" and root.kind == root.SPAN_KIND_INTERNAL
+        assert official[0].resource_spans[0].resource.attributes[0].value.string_value == "driver"
         by_name = {s["name"]: s for s in spans}
         assert {"key": "step", "value": {"intValue": "3"}} in by_name["step"]["attributes"]
         gen = dict((a["key"], a["value"]) for a in by_name["gen"]["attributes"])
