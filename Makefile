@@ -5,6 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-setup
 TORCH_VERSION := 2.13.0
+# PyPI's Linux torch wheel is the CUDA build; for a CPU-only one elsewhere:
+# make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test test-chaos test-compose lint format protos protos-check bench fuzz clean setup-vllm test-vllm
@@ -16,7 +19,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PY) -m pip install -q -e '.[all,dev]'
 	@touch $@
 
