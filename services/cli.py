@@ -54,7 +54,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "preprocess": (
         "rlfleet.driver.data.preprocess",
-        "convert raw datasets (gsm8k, math, hellaswag, full_hh_rlhf, arithmetic) to verl parquet",
+        "convert raw datasets (gsm8k, math, hellaswag, full_hh_rlhf, apps, taco, ...) or make "
+        "arithmetic / calculator data, as verl parquet",
     ),
 }
 

@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rlfleet.common import cli_args
 from rlfleet.common.auth import TLS_SERVER_NAME, write_credential_set
 from rlfleet.common.roles import PRINCIPALS
 
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="name or IP the services are dialed at (repeatable; 127.0.0.1 and localhost "
         "are always included)",
     )
-    tls.add_argument("--days", type=int, default=365)
+    tls.add_argument("--days", type=cli_args.positive_int, default=365)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -47,6 +47,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlfleet.common import cli_args
+
 if TYPE_CHECKING:
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
@@ -265,7 +267,7 @@ def build_tiny_model(
     out = Path(out_dir).expanduser().resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise FileExistsError(
-            f"{out} exists and is not empty; pass force=True (--force) to replace it"
+            f"{out} exists and is not empty; replace it with force=True (rlfleet init-model --force)"
         )
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
@@ -332,7 +334,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     parser.add_argument(
         "--vocab-size",
-        type=int,
+        type=cli_args.positive_int,
         default=None,
         help="tokenizer/model vocabulary (default: "
         + ", ".join(f"{k} {v.vocab_size}" for k, v in PRESETS.items())
@@ -353,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except (FileExistsError, ValueError) as err:
         print(f"rlfleet init-model: {err}", file=sys.stderr)
-        return 1
+        return 2
     elapsed = time.perf_counter() - start
     info = _describe(out)
     print(

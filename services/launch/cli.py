@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlfleet.common import cli_args
+
 __all__ = [
     "RAY_ACTOR_CAPABILITY",
     "STATE_FILE",
@@ -81,20 +83,30 @@ def _add(command: str, p: argparse.ArgumentParser) -> None:
     _add_state_dir(p)
     if command == "status":
         p.add_argument(
-            "--scheduler", default=None, help="scheduler host:port (default: from the state file)"
+            "--scheduler",
+            default=None,
+            type=cli_args.address,
+            help="scheduler host:port (default: from the state file)",
         )
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-        p.add_argument("--timeout-s", type=float, default=10.0)
+        p.add_argument("--timeout-s", type=cli_args.positive_float, default=10.0)
     elif command == "up":
         p.add_argument("--config", required=True, help="run config (YAML)")
         p.add_argument("overrides", nargs="*", help="dotted config overrides key.path=value")
         p.add_argument("--run-dir", default=None, help="logs and config (default: the run dir)")
-        p.add_argument("--timeout-s", type=float, default=300.0, help="start-up limit")
+        p.add_argument(
+            "--timeout-s", type=cli_args.positive_float, default=300.0, help="start-up limit"
+        )
         p.add_argument(
             "--foreground", action="store_true", help="keep the cluster until Ctrl-C / SIGTERM"
         )
     else:
-        p.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM-to-SIGKILL wait")
+        p.add_argument(
+            "--grace-s",
+            type=cli_args.nonnegative_float,
+            default=10.0,
+            help="SIGTERM-to-SIGKILL wait",
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

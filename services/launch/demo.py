@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlfleet.common import cli_args
+
 __all__ = [
     "add_arguments",
     "data_dir_name",
@@ -126,16 +128,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="operators of the problems, from '+-*' (a two-digit and a one-digit operand, "
         "no carry or borrow)",
     )
-    parser.add_argument("--sft-steps", type=int, default=250, help="warm-start optimizer steps")
-    parser.add_argument("--sft-lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--sft-steps", type=cli_args.positive_int, default=250, help="warm-start optimizer steps"
+    )
+    parser.add_argument("--sft-lr", type=cli_args.positive_float, default=3e-3)
     parser.add_argument(
         "--format-fraction",
         type=float,
         default=0.5,
         help="share of warm-start problems taught with the final '#### N' line",
     )
-    parser.add_argument("--sft-batch", type=int, default=32)
-    parser.add_argument("--ppo-steps", type=int, default=None, help="override PPO steps")
+    parser.add_argument("--sft-batch", type=cli_args.positive_int, default=32)
+    parser.add_argument(
+        "--ppo-steps", type=cli_args.positive_int, default=None, help="override PPO steps"
+    )
     parser.add_argument(
         "--variant", choices=["gae", "grpo", "both"], default="both", help="which PPO runs"
     )
@@ -153,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=cli_args.positive_int,
         default=1,
         help="torch threads (1: the trainer and the rollout engine each keep one core busy "
         "instead of fighting over both)",
@@ -279,8 +285,31 @@ def run_example(
     (and ``steps``, ``extra`` overrides when given), every role in this process
     (``services``: as local services); :func:`rlfleet.launch.train.train`'s summary
     plus ``seconds``. The run goes to ``out/runs/<example's stem>``."""
-    from rlfleet.common.config import load_config
     from rlfleet.launch.train import train
+
+    cfg = example_config(example, model, data, out, steps=steps, extra=extra)
+    t0 = time.perf_counter()
+    summary = train(cfg, in_process=not services, scheduler=False)
+    summary["seconds"] = time.perf_counter() - t0
+    return summary
+
+
+def example_config(
+    example: str,
+    model: Path,
+    data: Path,
+    out: Path,
+    *,
+    steps: int | None = None,
+    extra: list[str] | tuple[str, ...] = (),
+) -> Any:
+    """The :class:`~rlfleet.common.config.Config` :func:`run_example` trains with
+    (the model and data need not exist yet: checked before minutes of warm start).
+
+    Raises:
+        ConfigError: ``extra`` (or ``steps``) makes it invalid.
+    """
+    from rlfleet.common.config import load_config
 
     name = Path(example).stem
     overrides = [
@@ -292,11 +321,7 @@ def run_example(
     ]
     if steps is not None:
         overrides.append(f"trainer.total_training_steps={steps}")
-    cfg = load_config(EXAMPLES / example, [*overrides, *extra])
-    t0 = time.perf_counter()
-    summary = train(cfg, in_process=not services, scheduler=False)
-    summary["seconds"] = time.perf_counter() - t0
-    return summary
+    return load_config(EXAMPLES / example, [*overrides, *extra])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -305,16 +330,31 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     import torch
 
-    torch.set_num_threads(max(1, args.threads))
+    torch.set_num_threads(args.threads)
+    from rlfleet.common.config import ConfigError
     from rlfleet.common.tiny_model import build_tiny_model
 
     out = Path(args.out)
     unknown = sorted(set(args.ops) - set(_OP_NAMES))
     if not args.ops or unknown:
-        raise SystemExit(f"rlfleet demo: --ops takes operators from '+-*', got {args.ops!r}")
+        print(f"rlfleet demo: --ops takes operators from '+-*', got {args.ops!r}", file=sys.stderr)
+        return 2
+    if not 0 <= args.format_fraction <= 1:
+        print(f"rlfleet demo: --format-fraction must be in [0, 1], got {args.format_fraction}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     model = out / "models" / args.preset
     data = out / "data" / data_dir_name(args.ops)
     sft = out / "models" / f"{args.preset}-sft"
+    runs = {"gae": "arithmetic_ppo.yaml", "grpo": "arithmetic_grpo.yaml"}
+    chosen = ["gae", "grpo"] if args.variant == "both" else [args.variant]
+    try:  # --set and --ppo-steps checked now, not after the warm start
+        for variant in chosen:
+            example_config(runs[variant], sft, data, out, steps=args.ppo_steps,
+                           extra=args.overrides)  # fmt: skip
+    except ConfigError as e:
+        print(e.lines("rlfleet demo: "), file=sys.stderr)
+        return 2
     t_start = time.perf_counter()
     # Each output records what made it (.rlfleet-demo.json); one made otherwise (an
     # `rlfleet preprocess arithmetic` into the same folder, other warm-start settings)
@@ -348,8 +388,6 @@ def run(args: argparse.Namespace) -> int:
         _stamp(sft, sft_key)
     else:
         _say(f"[3/4] warm start: {sft} (exists)")
-    runs = {"gae": "arithmetic_ppo.yaml", "grpo": "arithmetic_grpo.yaml"}
-    chosen = ["gae", "grpo"] if args.variant == "both" else [args.variant]
     results: dict[str, Any] = {}
     for i, variant in enumerate(chosen):
         _say(f"[4/4] PPO ({variant}) from the warm start, run {i + 1}/{len(chosen)}")

@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rlfleet.common import cli_args
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -38,7 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("role", choices=["rollout"], help="what to scale")
     parser.add_argument(
-        "replicas", type=int, nargs="?", help="replicas wanted (>= 1); omit with --watch-exec"
+        "replicas",
+        type=cli_args.positive_int,
+        nargs="?",
+        help="replicas wanted (>= 1); omit with --watch-exec",
     )
     parser.add_argument(
         "--watch-exec",
@@ -46,13 +51,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CMD",
         help="follow the desired count: run CMD ({replicas} replaced) each time it changes",
     )
-    parser.add_argument("--interval-s", type=float, default=2.0, help="--watch-exec poll period")
     parser.add_argument(
-        "--max-runs", type=int, default=0, help="--watch-exec: stop after N runs (0: never)"
+        "--interval-s", type=cli_args.positive_float, default=2.0, help="--watch-exec poll period"
     )
-    parser.add_argument("--scheduler", default=None, help="scheduler host:port")
+    parser.add_argument(
+        "--max-runs",
+        type=cli_args.nonnegative_int,
+        default=0,
+        help="--watch-exec: stop after N runs (0: never)",
+    )
+    parser.add_argument(
+        "--scheduler", default=None, type=cli_args.address, help="scheduler host:port"
+    )
     parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help=argparse.SUPPRESS)
-    parser.add_argument("--timeout-s", type=float, default=10.0)
+    parser.add_argument("--timeout-s", type=cli_args.positive_float, default=10.0)
 
 
 def _security(state: dict[str, Any] | None) -> Any:
@@ -77,14 +89,14 @@ def run(args: argparse.Namespace) -> int:
     from rlfleet.launch.cli import read_state
     from rlfleet.scheduler.client import RemoteSchedulerClient
 
+    if (args.replicas is None) == (args.watch_exec is None):
+        print("rlfleet scale: give either a replica count or --watch-exec CMD", file=sys.stderr)
+        return 2
     state = read_state(args.state_dir)
     address = args.scheduler or ((state or {}).get("handle", {}).get("scheduler"))
     if not address:
         print("rlfleet scale: no --scheduler and no cluster recorded by `rlfleet up`",
               file=sys.stderr)  # fmt: skip
-        return 2
-    if (args.replicas is None) == (args.watch_exec is None):
-        print("rlfleet scale: give either a replica count or --watch-exec CMD", file=sys.stderr)
         return 2
     if args.watch_exec is not None:
         return _watch(args, address, _security(state))

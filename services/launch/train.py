@@ -24,6 +24,8 @@ import logging
 import sys
 from typing import Any
 
+from rlfleet.common import cli_args
+
 __all__ = ["add_arguments", "run"]
 
 logger = logging.getLogger(__name__)
@@ -46,20 +48,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=cli_args.port,
         default=None,
         help="serve the driver's Prometheus metrics on this port (0: a free port)",
     )
     parser.add_argument(
-        "--start-timeout", type=float, default=300.0, help="seconds for the services to start"
+        "--start-timeout",
+        type=cli_args.positive_float,
+        default=300.0,
+        help="seconds for the services to start",
     )
     parser.add_argument(
         "--torch-threads",
-        type=int,
+        type=cli_args.positive_int,
         default=None,
         help="--in-process: torch threads of this process (default: torch's choice)",
     )
-    parser.add_argument("--log-level", default="WARNING", help="Python log level")
+    parser.add_argument(
+        "--log-level", type=cli_args.log_level, default="WARNING", help="Python log level"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

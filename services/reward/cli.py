@@ -27,41 +27,60 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from rlfleet.common import cli_args
 from rlfleet.common.errors import RlfleetError
 
-__all__ = ["add_arguments", "info_main", "main", "read_rows", "run", "score_main"]
+__all__ = ["InputError", "add_arguments", "info_main", "main", "read_rows", "run", "score_main"]
+
+
+class InputError(ValueError):
+    """A bad local input (a file, a flag's value): one line, exit status 2."""
 
 
 def read_rows(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Rows of a ``.jsonl`` (``-`` for stdin) or ``.parquet`` file."""
+    """Rows of a ``.jsonl`` (``-`` for stdin) or ``.parquet`` file.
+
+    Raises:
+        InputError: the file cannot be read, or a line is not a JSON object.
+    """
     p = str(path)
     if p.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
         except ImportError as exc:
-            raise SystemExit("reading parquet needs pyarrow: pip install pyarrow") from exc
-        yield from pq.read_table(p).to_pylist()
+            raise InputError("reading parquet needs pyarrow: pip install pyarrow") from exc
+        try:
+            yield from pq.read_table(p).to_pylist()
+        except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
+            raise InputError(f"--input {p}: cannot read it: {exc}") from exc
         return
     handle: IO[str]
     with contextlib.ExitStack() as stack:
-        handle = sys.stdin if p == "-" else stack.enter_context(open(p, encoding="utf-8"))
+        try:
+            handle = sys.stdin if p == "-" else stack.enter_context(open(p, encoding="utf-8"))
+        except OSError as exc:
+            raise InputError(f"--input {p}: cannot read it: {exc.strerror or exc}") from exc
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise SystemExit(f"{p}:{number}: not JSON: {exc}") from exc
+                raise InputError(f"{p}:{number}: not JSON: {exc}") from exc
             if not isinstance(row, dict):
-                raise SystemExit(f"{p}:{number}: expected a JSON object, got {type(row).__name__}")
+                raise InputError(f"{p}:{number}: expected a JSON object, got {type(row).__name__}")
             yield row
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--addr", required=True, help="HOST:PORT of the reward service")
+    parser.add_argument(
+        "--addr", required=True, type=cli_args.address, help="HOST:PORT of the reward service"
+    )
     parser.add_argument("--auth-token-env", metavar="VAR", help="bearer token from $VAR")
     parser.add_argument("--tls-ca", help="CA to verify the server (PEM); enables TLS")
-    parser.add_argument("--timeout-s", type=float, default=120.0, help="per-call deadline")
+    parser.add_argument(
+        "--timeout-s", type=cli_args.positive_float, default=120.0, help="per-call deadline"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _common(score)
     score.add_argument("--input", required=True, help="FILE.jsonl, FILE.parquet or - (stdin)")
     score.add_argument("--out", default="-", help="output jsonl (default: stdout)")
-    score.add_argument("--batch-size", type=int, default=256, help="samples per request")
+    score.add_argument(
+        "--batch-size", type=cli_args.positive_int, default=256, help="samples per request"
+    )
     score.set_defaults(_reward_fn=score_main)
     info = sub.add_parser("info", help="print the service's scorers and data sources")
     _common(info)
@@ -83,8 +104,18 @@ def _client(args: argparse.Namespace) -> Any:
     from rlfleet.common.rpc import TLSConfig
     from rlfleet.reward.client import RemoteRewardClient
 
-    token = os.environ.get(args.auth_token_env) if args.auth_token_env else None
-    tls = TLSConfig(ca=args.tls_ca) if args.tls_ca else None
+    token = None
+    if args.auth_token_env:
+        token = os.environ.get(args.auth_token_env)
+        if not token:
+            raise InputError(f"--auth-token-env: ${args.auth_token_env} is not set")
+    tls = None
+    if args.tls_ca:
+        try:
+            Path(args.tls_ca).read_bytes()
+        except OSError as exc:
+            raise InputError(f"--tls-ca {args.tls_ca}: cannot read it: {exc.strerror}") from exc
+        tls = TLSConfig(ca=args.tls_ca)
     return RemoteRewardClient(args.addr, auth_token=token, tls=tls, timeout_s=args.timeout_s)
 
 
@@ -96,13 +127,16 @@ def score_main(args: argparse.Namespace) -> int:
     total = 0.0
     count = 0
     with contextlib.ExitStack() as stack:
-        out: IO[str] = (
-            sys.stdout
-            if args.out == "-"
-            else stack.enter_context(open(args.out, "w", encoding="utf-8"))
-        )
+        try:
+            out: IO[str] = (
+                sys.stdout
+                if args.out == "-"
+                else stack.enter_context(open(args.out, "w", encoding="utf-8"))
+            )
+        except OSError as exc:
+            raise InputError(f"--out {args.out}: cannot write it: {exc.strerror}") from exc
         client = stack.enter_context(contextlib.closing(_client(args)))
-        for start in range(0, len(rows), max(1, args.batch_size)):
+        for start in range(0, len(rows), args.batch_size):
             chunk = rows[start : start + args.batch_size]
             try:
                 samples = [sample_from_row(r, start + i) for i, r in enumerate(chunk)]
@@ -111,8 +145,8 @@ def score_main(args: argparse.Namespace) -> int:
                 where = (
                     f" (sample {exc.sample_index + start})" if exc.sample_index is not None else ""
                 )
-                print(f"error: {exc.status}: {exc}{where}", file=sys.stderr)
-                return 1
+                print(f"rlfleet reward score: {exc.status}: {exc}{where}", file=sys.stderr)
+                return 2 if exc.status == "INVALID_ARGUMENT" else 1
             for sample, result in zip(samples, results, strict=True):
                 record = {
                     "index": start + result.index,
@@ -139,7 +173,7 @@ def info_main(args: argparse.Namespace) -> int:
         try:
             info = client.info()
         except RlfleetError as exc:
-            print(f"error: {exc.status}: {exc}", file=sys.stderr)
+            print(f"rlfleet reward info: {exc.status}: {exc}", file=sys.stderr)
             return 1
     print(
         json.dumps(
@@ -162,7 +196,11 @@ def run(args: argparse.Namespace) -> int:
     if fn is None:
         args._reward_parser.print_help()
         return 2
-    code: int = fn(args)
+    try:
+        code: int = fn(args)
+    except InputError as exc:
+        print(f"rlfleet reward {args.reward_command}: {exc}", file=sys.stderr)
+        return 2
     return code
 
 

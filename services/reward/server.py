@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from rlfleet.common import tracing
+from rlfleet.common import cli_args, tracing
 from rlfleet.common.allocator import use_one_arena
 from rlfleet.common.auth import SHARED_TOKEN_ENV, CredentialError
 from rlfleet.common.config import ConfigError, RewardConfig, load_config
@@ -160,10 +160,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="dotted config override, e.g. reward.num_workers=8 (repeatable)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="interface (0.0.0.0 to expose)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument(
+        "--port", type=cli_args.port, default=DEFAULT_PORT, help="0 picks a free port"
+    )
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=cli_args.port,
         default=None,
         help="serve Prometheus /metrics on this port (0: a free one); default: off",
     )
@@ -205,7 +207,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     # Set by the parent of --processes N on each child it starts.
     parser.add_argument("--process-index", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--process-count", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", type=cli_args.log_level, default="INFO")
     add_security_arguments(parser)
 
 

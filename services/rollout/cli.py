@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rlfleet.common import cli_args
 from rlfleet.common.errors import RlfleetError
 
 __all__ = ["add_arguments", "run"]
@@ -29,22 +30,29 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="rollout_command", metavar="COMMAND", required=True)
     gen = sub.add_parser("generate", help="generate for prompts in a JSONL file")
-    gen.add_argument("--addr", required=True, help="replica host:port")
+    gen.add_argument("--addr", required=True, type=cli_args.address, help="replica host:port")
     gen.add_argument("--prompts", type=Path, required=True, help="JSONL file ('-': stdin)")
     gen.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the replica's)")
-    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--n", type=cli_args.positive_int, default=1)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--max-tokens", type=cli_args.positive_int, default=32)
     gen.add_argument("--stop-token-ids", type=int, nargs="*", default=[])
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--no-logprobs", action="store_true")
-    gen.add_argument("--timeout-s", type=float, default=600.0)
+    gen.add_argument("--timeout-s", type=cli_args.positive_float, default=600.0)
+
+
+class _InputError(ValueError):
+    """A bad local input: exit status 2."""
 
 
 def _load_rows(path: Path) -> list[dict[str, Any]]:
-    text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise _InputError(f"--prompts {path}: cannot read it: {e}") from e
     rows = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -52,12 +60,12 @@ def _load_rows(path: Path) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except ValueError as e:
-            raise ValueError(f"{path}:{n}: invalid JSON: {e}") from e
+            raise _InputError(f"{path}:{n}: invalid JSON: {e}") from e
         if not isinstance(row, dict) or not ({"prompt", "messages", "token_ids"} & row.keys()):
-            raise ValueError(f"{path}:{n}: expected an object with prompt, messages or token_ids")
+            raise _InputError(f"{path}:{n}: expected an object with prompt, messages or token_ids")
         rows.append(row)
     if not rows:
-        raise ValueError(f"{path}: no prompts")
+        raise _InputError(f"{path}: no prompts")
     return rows
 
 
@@ -139,5 +147,6 @@ def run(args: argparse.Namespace) -> int:
                 )
     except (OSError, ValueError, RlfleetError) as e:
         print(f"rlfleet rollout generate: {e}", file=sys.stderr)
-        return 1
+        bad_input = isinstance(e, _InputError) or getattr(e, "status", "") == "INVALID_ARGUMENT"
+        return 2 if bad_input else 1
     return 0

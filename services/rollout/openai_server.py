@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
+from rlfleet.common import cli_args
 from rlfleet.common.auth import ADMIN, HTTP_OPENAI, OPENAI_ENDPOINT_ROLES
 from rlfleet.common.http import HttpEndpoint, serve_handler
 from rlfleet.common.rpc import Security
@@ -430,7 +431,7 @@ def add_openai_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("OpenAI-compatible endpoint (docs/rollout.md)")
     g.add_argument(
         "--openai-port",
-        type=int,
+        type=cli_args.port,
         default=None,
         help="serve /v1/chat/completions, /v1/completions, /v1/models on this port of --host "
         "(0 picks a free one); default: off (or rollout.openai.port)",

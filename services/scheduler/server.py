@@ -42,6 +42,7 @@ from typing import Any
 
 import grpc
 
+from rlfleet.common import cli_args
 from rlfleet.common.allocator import use_one_arena
 from rlfleet.common.auth import CredentialError
 from rlfleet.common.http import HttpEndpoint, serve_http
@@ -306,11 +307,13 @@ def start_scheduler_server(
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``rlfleet serve scheduler``."""
     parser.add_argument("--host", default="127.0.0.1", help="interface (0.0.0.0 to expose)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument(
+        "--port", type=cli_args.port, default=DEFAULT_PORT, help="0 picks a free port"
+    )
     parser.add_argument("--advertise-host", default=None, help="host others dial (default: --host)")
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=cli_args.port,
         default=None,
         help="serve /metrics and /sd (Prometheus service discovery) here; 0: a free port; "
         "default: off",
@@ -353,7 +356,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST",
         help="a host services may register addresses on besides their own (repeatable)",
     )
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", type=cli_args.log_level, default="INFO")
     add_security_arguments(parser)
 
 

@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 
+from rlfleet.common import cli_args
 from rlfleet.common.allocator import use_one_arena
 from rlfleet.common.auth import CredentialError
 from rlfleet.common.config import ConfigError, ToolsConfig, load_config
@@ -67,9 +68,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="dotted config override, e.g. tools.builtin=[calculator] (repeatable)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
-    parser.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one")
+    parser.add_argument(
+        "--port", type=cli_args.port, default=0, help="gRPC port; 0 picks a free one"
+    )
     parser.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", type=cli_args.log_level, default="INFO")
     add_security_arguments(parser)
 
 

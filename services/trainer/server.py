@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from rlfleet.common import cli_args
+
 __all__ = ["add_serve_arguments", "main", "serve_main"]
 
 logger = logging.getLogger(__name__)
@@ -33,7 +35,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=False, default=None, help="run config (YAML)")
     parser.add_argument(
         "--port",
-        type=int,
+        type=cli_args.port,
         default=None,
         help="port to serve on; default: the port of services.trainer, else 0 (any free port)",
     )
@@ -46,9 +48,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "registered there (default: only to services.rollout and loopback addresses)",
     )
     parser.add_argument(
-        "--total-training-steps", type=int, default=None, help="for the lr schedule"
+        "--total-training-steps",
+        type=cli_args.positive_int,
+        default=None,
+        help="for the lr schedule",
     )
     parser.add_argument("overrides", nargs="*", help="dotted config overrides key.path=value")
+    parser.add_argument(
+        "-o",
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted config override, as every other service takes it (repeatable; "
+        "joins the positional ones)",
+    )
     from rlfleet.common.rpc import add_security_arguments
 
     add_security_arguments(parser)
@@ -100,7 +114,7 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, [*args.overrides, *args.override])
     except ConfigError as e:
         print(e.lines("error: "), file=sys.stderr)
         return 2

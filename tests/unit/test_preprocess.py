@@ -363,7 +363,7 @@ def test_malformed_record_stops_the_run_naming_file_line_and_field(
         pp.preprocess("gsm8k", src, tmp_path / "out")
     assert f"{src}:3: field 'answer': missing" in str(info.value)
     assert not (tmp_path / "out" / "train.parquet").exists()
-    assert cli(["gsm8k", "--input", str(src), "--out", str(tmp_path / "out")]) == 1
+    assert cli(["gsm8k", "--input", str(src), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert f"{src}:3: field 'answer'" in err and "--skip-invalid" in err
 

@@ -185,7 +185,7 @@ def test_cli_init_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "params=1,049,728" in capsys.readouterr().out
 
     # An existing folder is kept unless --force; a failed build leaves nothing behind.
-    assert main(["init-model", "--out", str(out)]) == 1
+    assert main(["init-model", "--out", str(out)]) == 2  # refused, as bad input
     assert "--force" in capsys.readouterr().err
     argv = ["init-model", "--out", str(out), "--force", "--seed", "3", "--vocab-size", "512"]
     assert main(argv) == 0

@@ -245,6 +245,9 @@ def config_from_dict(
     verl_issues: list[ConfigIssue] = []
     from rlfleet.common.config import verl as verl_config  # imports this module: deferred
 
+    mixed = verl_config.verl_overrides_on_rlfleet_layout(raw, overrides)
+    if mixed:  # translating would read the whole rlfleet file as verl's
+        raise ConfigError(mixed)
     translation = None
     if verl_config.is_verl_shaped(raw, overrides):  # verl's layout: see verl.py
         translation = verl_config.translate(raw, overrides)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import re
+import types
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -104,8 +107,35 @@ PoolSpec = Annotated[
 ]
 
 
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a field of this type holds ``True``/``False`` as they are (``bool``,
+    ``Any``, a Literal of them), or is no number at all (where pydantic refuses them)."""
+    if annotation is bool or annotation is Any:
+        return True
+    if annotation in (int, float, type(None)):
+        return False
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return any(isinstance(v, bool) for v in typing.get_args(annotation))
+    if origin is Annotated:
+        return _takes_bool(typing.get_args(annotation)[0])
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_takes_bool(a) for a in args)
+    return True  # str, paths, lists, dicts, models: their own validation
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """``true`` where a number belongs is a mistake, not 1 (pydantic would take it)."""
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and not _takes_bool(field.annotation):
+            raise ValueError("expected a number, not a boolean")
+        return value
 
 
 class DataConfig(_Section):
@@ -520,6 +550,7 @@ class OpenAIEndpointConfig(_Section):
     port: int | None = Field(
         default=None,
         ge=0,
+        le=65535,
         description="serve /v1/chat/completions ... on this port of the replica's host "
         "(0: a free one; the serving line and the registry report openai_url); None: off",
     )
@@ -659,7 +690,10 @@ class RewardModelConfig(_Section):
         default=None, ge=1, description="samples per device per forward"
     )
     max_tokens_per_batch: int | None = Field(
-        default=None, ge=1, description="dynamic batching budget per device; None: micro_batch_size"
+        default=None,
+        ge=1,
+        description="padded tokens per forward (longest x rows, rows at most micro_batch_size); "
+        "None: 8192",
     )
     dtype: DType = "float32"
     device: str = Field(
@@ -1411,7 +1445,7 @@ class Placement:
 class Config(BaseModel):
     """The whole run. Build it with :func:`load_config` or :func:`config_from_dict`."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
     data: DataConfig = Field(default_factory=DataConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)

@@ -51,6 +51,7 @@ __all__ = [
     "is_verl_shaped",
     "load_translation",
     "translate",
+    "verl_overrides_on_rlfleet_layout",
 ]
 
 REPORT_FILE = "verl_translation.yaml"
@@ -205,7 +206,13 @@ _DTYPES = {
     "half": "float16",
 }
 _STRATEGIES = {"fsdp": "fsdp", "fsdp2": "fsdp", "megatron": "megatron"}
-_LOGGERS = {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard", "file": "jsonl"}
+_LOGGERS = {
+    "console": "console",
+    "wandb": "wandb",
+    "tensorboard": "tensorboard",
+    "file": "jsonl",
+    "jsonl": "jsonl",  # rlfleet's own name for it, mixed into a verl config
+}
 _KL = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 _AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 _ADV = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
@@ -1650,6 +1657,35 @@ def is_verl_shaped(raw: Mapping[str, Any] | None, overrides: Sequence[str] = ())
     if isinstance(raw, Mapping) and "actor_rollout_ref" in raw:
         return True
     return any(_override_key(o).split(".")[0] == "actor_rollout_ref" for o in overrides)
+
+
+#: Sections only rlfleet's layout has: a file with one of them and no
+#: ``actor_rollout_ref`` is an rlfleet config, whatever its overrides.
+_RLFLEET_MODEL_SECTIONS = ("actor", "ref", "rollout", "reward")
+
+
+def verl_overrides_on_rlfleet_layout(
+    raw: Mapping[str, Any] | None, overrides: Sequence[str]
+) -> list[ConfigIssue]:
+    """One issue per ``actor_rollout_ref.*`` override given to a file in rlfleet's
+    layout (which the override would otherwise turn, whole, into a verl config),
+    naming rlfleet's key for it where there is one."""
+    if not isinstance(raw, Mapping) or "actor_rollout_ref" in raw:
+        return []
+    if not any(k in raw for k in _RLFLEET_MODEL_SECTIONS):
+        return []
+    issues = []
+    for text in overrides:
+        key = _override_key(text)
+        if key.split(".")[0] != "actor_rollout_ref":
+            continue
+        target = next(
+            (r.rule.to for r in ROWS if r.key == key and r.rule.to and r.rule.when is None),
+            None,
+        )
+        hint = f"; use {target}" if target else ""
+        issues.append(ConfigIssue(key, f"a verl key, on a config in rlfleet's layout{hint}", text))
+    return issues
 
 
 def _override_key(text: str) -> str:

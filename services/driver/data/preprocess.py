@@ -38,6 +38,7 @@ from typing import Any, TextIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlfleet.common import cli_args
 from rlfleet.driver.data import recipes
 from rlfleet.driver.data.sources import (
     SPLITS,
@@ -100,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--test-fraction",
-        type=float,
+        type=cli_args.fraction,
         default=None,
         help="for an input with one split only: hold out this seeded fraction as test",
     )
@@ -108,18 +109,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0, help="seed of --test-fraction, arithmetic, calculator"
     )
     parser.add_argument(
-        "--n", type=int, default=2000, help="arithmetic, calculator: train problems"
+        "--n",
+        type=cli_args.positive_int,
+        default=2000,
+        help="arithmetic, calculator: train problems",
     )
     parser.add_argument(
-        "--n-test", type=int, default=200, help="arithmetic, calculator: test problems"
+        "--n-test",
+        type=cli_args.nonnegative_int,
+        default=200,
+        help="arithmetic, calculator: test problems",
     )
     parser.add_argument(
-        "--digits", type=int, default=2, help="arithmetic, calculator: digits per operand"
+        "--digits",
+        type=cli_args.positive_int,
+        default=2,
+        help="arithmetic, calculator: digits per operand",
     )
     parser.add_argument("--ops", default="+-", help="arithmetic: operations, a subset of '+-*'")
     parser.add_argument("--hub-config", default=None, help="hub inputs: the dataset config")
     parser.add_argument(
-        "--progress-every", type=int, default=50_000, help="records between progress lines"
+        "--progress-every",
+        type=cli_args.positive_int,
+        default=50_000,
+        help="records between progress lines",
     )
 
 
@@ -143,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except (PreprocessError, InputError, ValueError, OSError) as err:
         print(f"rlfleet preprocess: {err}", file=sys.stderr)
-        return 1
+        return 2  # the input or the options: nothing was written
     elapsed = time.perf_counter() - start
     for split in SPLITS:
         print(f"wrote {report.paths[split]}: {report.rows[split]} rows")
