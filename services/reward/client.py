@@ -361,7 +361,10 @@ class RemoteRewardClient:
             offset = 0
             for batch in batches:
                 yield reward_pb2.ScoreRequest(
-                    samples=[sample_to_proto(as_sample(s, offset + i)) for i, s in enumerate(batch)]
+                    samples=[
+                        sample_to_proto(as_sample(s, offset + i)) for i, s in enumerate(batch)
+                    ],
+                    pack_results=True,
                 )
                 offset += len(batch)
 
@@ -370,6 +373,8 @@ class RemoteRewardClient:
         try:
             for result in call:
                 yield result_from_proto(result)
+                for packed in result.more:  # results ready with it (pack_results)
+                    yield result_from_proto(packed)
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
         finally:

@@ -36,6 +36,9 @@ __all__ = ["STREAM_REQUESTS_IN_FLIGHT", "RewardServicer"]
 STREAM_REQUESTS_IN_FLIGHT = 4
 """Requests of one ScoreStream scored concurrently; reading pauses beyond this."""
 
+STREAM_PACK = 256
+"""Results in one ScoreStream message at most with ``pack_results``."""
+
 _DONE = object()
 
 
@@ -117,6 +120,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             finally:
                 slots.release()
 
+        pack = threading.Event()  # the first request's pack_results
+
         def read() -> None:
             offset = 0
             futures: list[Future[None]] = []
@@ -124,6 +129,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 for request in request_iterator:
                     if stop.is_set():
                         break
+                    if offset == 0 and not futures and request.pack_results:
+                        pack.set()
                     samples = self._samples(request, offset)
                     scorers = self.manager.validate(samples, offset)
                     slots.acquire()
@@ -139,15 +146,19 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         reader = threading.Thread(target=read, name="reward-stream-reader", daemon=True)
         reader.start()
         code = "INTERNAL"
+        held: Any = None  # what ended a pack: the next message's first item
         try:
             while True:
-                try:
-                    item = out.get(timeout=0.5)
-                except queue.Empty:
-                    if not context.is_active():
-                        code = "CANCELLED"
-                        return
-                    continue
+                if held is not None:
+                    item, held = held, None
+                else:
+                    try:
+                        item = out.get(timeout=0.5)
+                    except queue.Empty:
+                        if not context.is_active():
+                            code = "CANCELLED"
+                            return
+                        continue
                 if item is _DONE:
                     code = "OK"
                     return
@@ -155,7 +166,19 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                     code = item.status if isinstance(item, RlfleetError) else "INTERNAL"
                     raise item
                 assert isinstance(item, ScoreResult)
-                yield result_to_proto(item)
+                msg = result_to_proto(item)
+                if pack.is_set():  # whatever else is ready goes with it
+                    add = msg.more.add
+                    for _ in range(STREAM_PACK - 1):
+                        try:
+                            nxt = out.get_nowait()
+                        except queue.Empty:
+                            break
+                        if not isinstance(nxt, ScoreResult):
+                            held = nxt
+                            break
+                        result_to_proto(nxt, add())
+                yield msg
         finally:
             stop.set()
             executor.shutdown(wait=False, cancel_futures=True)

@@ -27,7 +27,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from rlfleet.v1 import common_pb2 as rlfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfleet/v1/reward.proto\x12\nrlfleet.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x17rlfleet/v1/common.proto\"\x88\x02\n\x0cRewardSample\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x30\n\x0fprompt_messages\x18\x04 \x03(\x0b\x32\x17.rlfleet.v1.ChatMessage\x12\x10\n\x08response\x18\x05 \x01(\t\x12,\n\x0cground_truth\x18\x06 \x01(\x0b\x32\x16.google.protobuf.Value\x12+\n\nextra_info\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\nprompt_ids\x18\x08 \x03(\r\x12\x14\n\x0cresponse_ids\x18\t \x03(\r\"9\n\x0cScoreRequest\x12)\n\x07samples\x18\x01 \x03(\x0b\x32\x18.rlfleet.v1.RewardSample\"\x93\x01\n\x0bScoreResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05score\x18\x03 \x01(\x01\x12\x0e\n\x06scorer\x18\x04 \x01(\t\x12(\n\x07\x64\x65tails\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x11\n\ttimed_out\x18\x07 \x01(\x08\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.rlfleet.v1.ScoreResult\"\x16\n\x14GetRewardInfoRequest\"\x83\x02\n\nRewardInfo\x12\x0f\n\x07scorers\x18\x01 \x03(\t\x12=\n\x0c\x64\x61ta_sources\x18\x02 \x03(\x0b\x32\'.rlfleet.v1.RewardInfo.DataSourcesEntry\x12\x16\n\x0e\x64\x65\x66\x61ult_scorer\x18\x03 \x01(\t\x12\x14\n\x0creward_model\x18\x04 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x18\n\x10sample_timeout_s\x18\x06 \x01(\x01\x12\x11\n\tprocesses\x18\x07 \x01(\r\x1a\x32\n\x10\x44\x61taSourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xd8\x01\n\rRewardService\x12<\n\x05Score\x12\x18.rlfleet.v1.ScoreRequest\x1a\x19.rlfleet.v1.ScoreResponse\x12\x44\n\x0bScoreStream\x12\x18.rlfleet.v1.ScoreRequest\x1a\x17.rlfleet.v1.ScoreResult(\x01\x30\x01\x12\x43\n\x07GetInfo\x12 .rlfleet.v1.GetRewardInfoRequest\x1a\x16.rlfleet.v1.RewardInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlfleet/v1/reward.proto\x12\nrlfleet.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x17rlfleet/v1/common.proto\"\x88\x02\n\x0cRewardSample\x12\n\n\x02id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x30\n\x0fprompt_messages\x18\x04 \x03(\x0b\x32\x17.rlfleet.v1.ChatMessage\x12\x10\n\x08response\x18\x05 \x01(\t\x12,\n\x0cground_truth\x18\x06 \x01(\x0b\x32\x16.google.protobuf.Value\x12+\n\nextra_info\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\nprompt_ids\x18\x08 \x03(\r\x12\x14\n\x0cresponse_ids\x18\t \x03(\r\"O\n\x0cScoreRequest\x12)\n\x07samples\x18\x01 \x03(\x0b\x32\x18.rlfleet.v1.RewardSample\x12\x14\n\x0cpack_results\x18\x02 \x01(\x08\"\xba\x01\n\x0bScoreResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05score\x18\x03 \x01(\x01\x12\x0e\n\x06scorer\x18\x04 \x01(\t\x12(\n\x07\x64\x65tails\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x11\n\ttimed_out\x18\x07 \x01(\x08\x12%\n\x04more\x18\x08 \x03(\x0b\x32\x17.rlfleet.v1.ScoreResult\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.rlfleet.v1.ScoreResult\"\x16\n\x14GetRewardInfoRequest\"\x83\x02\n\nRewardInfo\x12\x0f\n\x07scorers\x18\x01 \x03(\t\x12=\n\x0c\x64\x61ta_sources\x18\x02 \x03(\x0b\x32\'.rlfleet.v1.RewardInfo.DataSourcesEntry\x12\x16\n\x0e\x64\x65\x66\x61ult_scorer\x18\x03 \x01(\t\x12\x14\n\x0creward_model\x18\x04 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x18\n\x10sample_timeout_s\x18\x06 \x01(\x01\x12\x11\n\tprocesses\x18\x07 \x01(\r\x1a\x32\n\x10\x44\x61taSourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xd8\x01\n\rRewardService\x12<\n\x05Score\x12\x18.rlfleet.v1.ScoreRequest\x1a\x19.rlfleet.v1.ScoreResponse\x12\x44\n\x0bScoreStream\x12\x18.rlfleet.v1.ScoreRequest\x1a\x17.rlfleet.v1.ScoreResult(\x01\x30\x01\x12\x43\n\x07GetInfo\x12 .rlfleet.v1.GetRewardInfoRequest\x1a\x16.rlfleet.v1.RewardInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,17 +39,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REWARDSAMPLE']._serialized_start=95
   _globals['_REWARDSAMPLE']._serialized_end=359
   _globals['_SCOREREQUEST']._serialized_start=361
-  _globals['_SCOREREQUEST']._serialized_end=418
-  _globals['_SCORERESULT']._serialized_start=421
-  _globals['_SCORERESULT']._serialized_end=568
-  _globals['_SCORERESPONSE']._serialized_start=570
-  _globals['_SCORERESPONSE']._serialized_end=627
-  _globals['_GETREWARDINFOREQUEST']._serialized_start=629
-  _globals['_GETREWARDINFOREQUEST']._serialized_end=651
-  _globals['_REWARDINFO']._serialized_start=654
-  _globals['_REWARDINFO']._serialized_end=913
-  _globals['_REWARDINFO_DATASOURCESENTRY']._serialized_start=863
-  _globals['_REWARDINFO_DATASOURCESENTRY']._serialized_end=913
-  _globals['_REWARDSERVICE']._serialized_start=916
-  _globals['_REWARDSERVICE']._serialized_end=1132
+  _globals['_SCOREREQUEST']._serialized_end=440
+  _globals['_SCORERESULT']._serialized_start=443
+  _globals['_SCORERESULT']._serialized_end=629
+  _globals['_SCORERESPONSE']._serialized_start=631
+  _globals['_SCORERESPONSE']._serialized_end=688
+  _globals['_GETREWARDINFOREQUEST']._serialized_start=690
+  _globals['_GETREWARDINFOREQUEST']._serialized_end=712
+  _globals['_REWARDINFO']._serialized_start=715
+  _globals['_REWARDINFO']._serialized_end=974
+  _globals['_REWARDINFO_DATASOURCESENTRY']._serialized_start=924
+  _globals['_REWARDINFO_DATASOURCESENTRY']._serialized_end=974
+  _globals['_REWARDSERVICE']._serialized_start=977
+  _globals['_REWARDSERVICE']._serialized_end=1193
 # @@protoc_insertion_point(module_scope)

@@ -32,13 +32,15 @@ class RewardSample(_message.Message):
     def __init__(self, id: _Optional[str] = ..., data_source: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., response: _Optional[str] = ..., ground_truth: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., extra_info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("samples",)
+    __slots__ = ("samples", "pack_results")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PACK_RESULTS_FIELD_NUMBER: _ClassVar[int]
     samples: _containers.RepeatedCompositeFieldContainer[RewardSample]
-    def __init__(self, samples: _Optional[_Iterable[_Union[RewardSample, _Mapping]]] = ...) -> None: ...
+    pack_results: bool
+    def __init__(self, samples: _Optional[_Iterable[_Union[RewardSample, _Mapping]]] = ..., pack_results: _Optional[bool] = ...) -> None: ...
 
 class ScoreResult(_message.Message):
-    __slots__ = ("id", "index", "score", "scorer", "details", "error", "timed_out")
+    __slots__ = ("id", "index", "score", "scorer", "details", "error", "timed_out", "more")
     ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +48,7 @@ class ScoreResult(_message.Message):
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     id: str
     index: int
     score: float
@@ -53,7 +56,8 @@ class ScoreResult(_message.Message):
     details: _struct_pb2.Struct
     error: str
     timed_out: bool
-    def __init__(self, id: _Optional[str] = ..., index: _Optional[int] = ..., score: _Optional[float] = ..., scorer: _Optional[str] = ..., details: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., error: _Optional[str] = ..., timed_out: _Optional[bool] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[ScoreResult]
+    def __init__(self, id: _Optional[str] = ..., index: _Optional[int] = ..., score: _Optional[float] = ..., scorer: _Optional[str] = ..., details: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., error: _Optional[str] = ..., timed_out: _Optional[bool] = ..., more: _Optional[_Iterable[_Union[ScoreResult, _Mapping]]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("results",)

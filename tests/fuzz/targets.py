@@ -138,7 +138,8 @@ def reward_target(creds: Credentials) -> Iterator[Target]:
             name="reward",
             address=address,
             tokens=creds.tokens,
-            # ScoreStream answers one message per sample: a stream of 3 x 2,001 samples
+            # ScoreStream without pack_results (the fuzz's requests mostly lack it)
+            # answers one message per sample: a stream of 3 x 2,001 samples
             # takes 1.5 s alone, and four of them at once, with the fuzz client in this
             # process (one GIL), took up to 16 s on a 2-vCPU AMD EPYC VM.
             methods=methods_of(

@@ -103,6 +103,34 @@ def test_stream_returns_every_result_with_running_index(client: RemoteRewardClie
     assert results[-1].index == 15
 
 
+def test_stream_packs_results_that_are_ready_together(service: RewardService) -> None:
+    """``pack_results`` on the first request: results that finish together share a
+    message (the rest in ``more``); each index once. Without it: one per message,
+    as any gRPC client written before it expects."""
+
+    def request(samples: list[Sample], pack: bool) -> reward_pb2.ScoreRequest:
+        from rlfleet.reward.serde import sample_to_proto
+
+        return reward_pb2.ScoreRequest(
+            samples=[sample_to_proto(x) for x in samples], pack_results=pack
+        )
+
+    batches = [_gsm8k(300), _gsm8k(300, offset=1), _gsm8k(100)]
+    with create_channel(service.address) as channel:
+        stub = reward_pb2_grpc.RewardServiceStub(channel)
+        packed = list(stub.ScoreStream(iter([request(b, True) for b in batches]), timeout=30))
+        plain = list(stub.ScoreStream(iter([request(b, False) for b in batches]), timeout=30))
+    flat = [r for m in packed for r in (m, *m.more)]
+    assert sorted(r.index for r in flat) == list(range(700))
+    assert all(not r.more for m in packed for r in m.more)
+    assert max(len(m.more) for m in packed) <= 255
+    assert len(packed) <= 350  # 700 rule results are ready in bursts, not one by one
+    scores = {r.index: r.score for r in flat}
+    assert all(scores[i] == 1.0 for i in range(300)) and scores[300] == 0.0
+    assert len(plain) == 700 and not any(m.more for m in plain)
+    assert sorted(m.index for m in plain) == list(range(700))
+
+
 @pytest.mark.parametrize(
     ("sample", "field"),
     [
