@@ -59,7 +59,7 @@ protos-check: setup
 
 # Each benchmark prints one JSON object and compares against a baseline measured in
 # the same run; see BENCHMARKS.md.
-BENCHES := codec data reward rollout trainer ppo_step algorithms tools lora partial_rollout faults
+BENCHES := codec data reward reward_stream rollout trainer ppo_step algorithms tools lora partial_rollout faults
 
 bench: setup
 	@for b in $(BENCHES); do echo "== bench/$$b.py" >&2; $(PY) bench/$$b.py || exit 1; done
