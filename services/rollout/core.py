@@ -363,10 +363,13 @@ class RolloutCore:
     def open_transfer(self, offer: TransferOffer) -> TransferPlan:
         return self._bulk.open(offer)
 
-    def commit_transfer(self, transfer_id: str, crc32c: Sequence[int]) -> UpdateResult:
+    def commit_transfer(
+        self, transfer_id: str, crc32c: Sequence[int], *, timeout_s: float | None = None
+    ) -> UpdateResult:
         """Verify a bulk transfer against the sender's per-tensor CRC-32Cs and apply it
-        (a bucket that is not its update's last is staged instead)."""
-        return self._record(self._bulk.commit(transfer_id, crc32c))
+        (a bucket that is not its update's last is staged instead); waiting for its
+        bytes ends at ``timeout_s`` too (the caller's deadline)."""
+        return self._record(self._bulk.commit(transfer_id, crc32c, timeout_s=timeout_s))
 
     def abort_transfer(self, update_id: str, reason: str = "") -> AbortResult:
         """Drop a bucketed update its sender gave up (staged buckets freed at once);

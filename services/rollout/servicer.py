@@ -142,7 +142,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self, request: rollout_pb2.WeightTransferCommit, context: grpc.ServicerContext
     ) -> rollout_pb2.UpdateWeightsResponse:
         return wire.update_to_proto(
-            self.core.commit_transfer(request.transfer_id, list(request.crc32c))
+            self.core.commit_transfer(
+                request.transfer_id, list(request.crc32c), timeout_s=context.time_remaining()
+            )
         )
 
     def AbortWeightTransfer(

@@ -18,7 +18,7 @@ from rlfleet.trainer.models import torch_dtype
 from rlfleet.weightsync import wire
 from rlfleet.weightsync.sender import DEFAULT_BUCKET_BYTES, push_weights
 
-__all__ = ["PushOutcome", "push_to_targets", "refused_push_targets"]
+__all__ = ["PushOutcome", "check_push_targets", "push_to_targets", "refused_push_targets"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,41 @@ class PushOutcome:
     errors: dict[str, str] = field(default_factory=dict)
     transports: dict[str, str] = field(default_factory=dict)  # replica -> grpc | tcp | shm
     seconds: dict[str, float] = field(default_factory=dict)  # replica -> its push's seconds
+
+
+def check_push_targets(targets: Sequence[tuple[str, str]]) -> None:
+    """Each target ``(replica id, address)``: an address ``host:port`` (port 1-65535,
+    nothing a resolver would cut or wrap) and a replica id no other target has (the
+    outcome is keyed by it).
+
+    Raises:
+        InvalidArgument: naming ``targets[i].address`` or ``targets[i].replica_id``.
+    """
+    if not targets:
+        raise InvalidArgument("no rollout targets to push to", field="targets")
+    seen: dict[str, int] = {}
+    for i, (rid, address) in enumerate(targets):
+        host, sep, port = address.rpartition(":")
+        if (
+            not sep
+            or not host.strip("[]")
+            or not port.isdigit()
+            or not 0 < int(port) < 65536
+            or not address.isprintable()
+            or any(c.isspace() for c in address)
+        ):
+            raise InvalidArgument(
+                f"target {i} needs an address host:port (port 1-65535)",
+                field=f"targets[{i}].address",
+                value=address,
+            )
+        if rid in seen:
+            raise InvalidArgument(
+                f"targets {seen[rid]} and {i} have the same replica id",
+                field=f"targets[{i}].replica_id",
+                value=rid,
+            )
+        seen[rid] = i
 
 
 def refused_push_targets(
@@ -69,11 +104,7 @@ def push_to_targets(
     trainer's ``rollout.weight_transport`` (default ``auto``, the best available:
     shared memory on the replica's host, else TCP, else the gRPC stream,
     :data:`rlfleet.weightsync.wire.AUTO`)."""
-    if not targets:
-        raise InvalidArgument("no rollout targets to push to", field="targets")
-    for rid, address in targets:
-        if not address:
-            raise InvalidArgument(f"target {rid!r} has no address", field="targets")
+    check_push_targets(targets)
     names = (
         wire.transport_names(wire.transport_codes(transports))
         if transports

@@ -25,7 +25,7 @@ from rlfleet.common.errors import PermissionDenied
 from rlfleet.common.rpc import add_service
 from rlfleet.trainer import checkpoint
 from rlfleet.trainer.core import TrainerCore
-from rlfleet.trainer.push import push_to_targets, refused_push_targets
+from rlfleet.trainer.push import check_push_targets, push_to_targets, refused_push_targets
 from rlfleet.trainer.serde import (
     METRICS_META_KEY,
     decode_stream,
@@ -161,6 +161,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self, request: trainer_pb2.PushWeightsRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.PushWeightsResponse:
         targets = [(t.replica_id or t.address, t.address) for t in request.targets]
+        check_push_targets(targets)  # malformed: INVALID_ARGUMENT, before the permission check
         allowed = (
             self.push_targets()
             if self.push_targets is not None

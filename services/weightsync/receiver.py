@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import secrets
 import socket
 import ssl
@@ -107,6 +108,7 @@ from rlfleet.common.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    Unavailable,
 )
 from rlfleet.weightsync import shm as shm_transport
 from rlfleet.weightsync import tcp as tcp_transport
@@ -309,6 +311,7 @@ class _Transfer:
     progress: Progress = field(default_factory=Progress)  # tcp: bytes received so far
     error: str = ""
     update: _Update | None = None  # the bucketed update this transfer is a bucket of
+    commit_deadline: float = math.inf  # monotonic: the committing caller's deadline
 
 
 @dataclass
@@ -491,9 +494,15 @@ class BulkReceiver:
         if offer.final:  # the union must cover the model, checked before the last bytes move
             self._engine.check_weights({**u.specs, **specs}, complete=True)
 
-    def commit(self, transfer_id: str, crc32c: Sequence[int]) -> UpdateResult:
+    def commit(
+        self, transfer_id: str, crc32c: Sequence[int], *, timeout_s: float | None = None
+    ) -> UpdateResult:
         """Verify the transfer against the sender's per-tensor CRC-32Cs and apply it; a
-        bucket of a bucketed update is staged, and its final bucket applies the union."""
+        bucket of a bucketed update is staged, and its final bucket applies the union.
+
+        Waiting for the bytes ends at the transfer's time-out, at ``timeout_s`` (the
+        caller's deadline: a caller that gave up holds no thread here) or when the
+        receiver closes, whichever comes first; the transfer is then dropped."""
         with self._lock:
             t = self._transfers.pop(transfer_id, None)
         if t is None:
@@ -502,6 +511,8 @@ class BulkReceiver:
                 field="transfer_id",
                 value=transfer_id,
             )
+        if timeout_s is not None:
+            t.commit_deadline = time.monotonic() + max(0.0, timeout_s)
         u = t.update
         if u is None:
             try:
@@ -666,11 +677,12 @@ class BulkReceiver:
                 value=len(crc32c),
             )
         total = t.offer.total_bytes
-        remaining = max(0.0, self._timeout_s - (time.monotonic() - t.created))
-        if t.transport == "tcp" and not t.done.wait(remaining):
+        if t.transport == "tcp" and not self._wait_done(t):
+            if self._closed.is_set():
+                raise Unavailable(f"transfer {t.id}: the receiver is shutting down")
             raise DeadlineExceeded(
                 f"transfer {t.id}: {t.progress.value} of {total} bytes arrived within "
-                f"{self._timeout_s}s",
+                f"{self._timeout_s}s or the caller's deadline",
                 field="transfer_id",
             )
         # Shared memory: the sender has finished writing (it committed); TCP: the
@@ -716,6 +728,17 @@ class BulkReceiver:
             )
         tensors: dict[str, Any] = unpack(t.buffer, specs, to="torch", copy=False)
         return tensors, verifier.values()
+
+    def _wait_done(self, t: _Transfer) -> bool:
+        """Wait for ``t``'s bytes (its ``done``) until the transfer's time-out, the
+        committing caller's deadline, or this receiver's close; whether they came."""
+        end = min(t.created + self._timeout_s, t.commit_deadline)
+        while not t.done.is_set():
+            left = end - time.monotonic()
+            if left <= 0 or self._closed.is_set():
+                return False
+            t.done.wait(min(left, 0.25))
+        return True
 
     def close(self) -> None:
         self._closed.set()

@@ -423,6 +423,40 @@ def _connect(endpoint: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=30)
 
 
+def test_a_commit_waits_no_longer_than_its_callers_deadline(served) -> None:
+    """Commits of TCP transfers whose bytes never come: each ends at its caller's
+    deadline (not the 120 s transfer time-out here), holding no handler thread, and
+    the replica answers at once afterwards."""
+    _, address, engine = served
+    w = _perturbed(engine.inner, 11)
+    opened = [_open_tcp(address, w, 1) for _ in range(4)]
+    t0 = time.monotonic()
+    for _channel, stub, offer, plan in opened:
+        crcs = [0] * len(offer.tensors)
+        commit = rollout_pb2.WeightTransferCommit(transfer_id=plan.transfer_id, crc32c=crcs)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.CommitWeightTransfer(commit, timeout=1.0)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - t0 < 30
+    # The handlers gave up too (within a poll of 0.25 s) and dropped their transfers:
+    # the listeners are closed (before, each handler waited out the transfer's
+    # time-out with its listener open).
+    deadline = time.monotonic() + 20
+    for _channel, _stub, _offer, plan in opened:
+        while True:
+            try:
+                _connect(plan.endpoint).close()
+            except ConnectionRefusedError:
+                break
+            assert time.monotonic() < deadline, f"{plan.endpoint} still listens"
+            time.sleep(0.2)
+    _channel, stub, _offer, _plan = opened[0]
+    assert stub.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=5).weight_version == 0
+    assert _greedy(address)  # generation is not held up
+    for channel, *_ in opened:
+        channel.close()
+
+
 def test_a_stranger_on_the_listener_does_not_hold_up_the_push(served, tiny_model_dir) -> None:
     """A connection that sends 31 bytes (one short of a token) and stays open, and one
     with a wrong token, do not delay the real sender; the stranger is closed once the

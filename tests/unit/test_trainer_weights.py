@@ -109,3 +109,30 @@ def test_push_targets_are_only_known_replicas() -> None:
     assert refused_push_targets(["10.0.0.5:50053"], registered, registry=False) == {}
     refused = refused_push_targets(["203.0.113.9:80"], registered, registry=False)
     assert "services.rollout" in refused[0]
+
+
+@pytest.mark.parametrize(
+    ("targets", "field", "value"),
+    [
+        ([("r", "127.0.0.1:99999")], "targets[0].address", "127.0.0.1:99999"),  # wrapped before
+        ([("r", "127.0.0.1:1\x00x")], "targets[0].address", "127.0.0.1:1\x00x"),  # cut before
+        ([("r", "127.0.0.1")], "targets[0].address", "127.0.0.1"),
+        ([("r", "")], "targets[0].address", ""),
+        ([("r", "127.0.0.1:0")], "targets[0].address", "127.0.0.1:0"),
+        ([("a", "127.0.0.1:5"), ("a", "127.0.0.1:6")], "targets[1].replica_id", "a"),
+        ([], "targets", None),
+    ],
+)
+def test_push_targets_are_well_formed(
+    targets: list[tuple[str, str]], field: str, value: object
+) -> None:
+    """A malformed address is refused by name (not dialled as something else, not a
+    permission error); two targets with one replica id would merge their outcomes."""
+    from rlfleet.trainer.push import check_push_targets
+
+    with pytest.raises(InvalidArgument) as info:
+        check_push_targets(targets)
+    assert info.value.field == field
+    if value is not None:
+        assert info.value.value == value
+    check_push_targets([("a", "127.0.0.1:5"), ("b", "[::1]:6"), ("c", "replica-3.svc:50053")])
