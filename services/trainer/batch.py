@@ -150,6 +150,18 @@ def _check_values(batch: Batch, vocab_size: int | None) -> None:
                 sample_index=rows[0],
                 code="BAD_MASK",
             )
+    if "attention_mask" in batch and batch["attention_mask"].dim() == 2:
+        empty = ~batch["attention_mask"].bool().any(dim=-1)
+        if bool(empty.any()):  # no token to score, and a model forward over nothing fails
+            rows = torch.nonzero(empty).flatten().tolist()
+            raise InvalidArgument(
+                f"rows {rows[:8]} have no real token (attention_mask all 0): every row needs "
+                "at least its prompt",
+                field="attention_mask",
+                value=rows[:8],
+                sample_index=rows[0],
+                code="EMPTY_ROW",
+            )
     for key in _TOKEN_KEYS:
         if key not in batch:
             continue
@@ -194,22 +206,54 @@ def validate_ppo_batch(
     finite at every position, lists have ``bs`` entries.
     """
     require(batch, required, op)
-    if "input_ids" not in batch:
+    if "input_ids" in batch:
+        ids = _check_tensor(batch, "input_ids")
+        base, what = ids, "input_ids"
+    elif "responses" in batch:  # response-side operations (compute_advantage)
+        ids = None
+        base, what = _check_tensor(batch, "responses"), "responses"
+    else:
         return
-    ids = _check_tensor(batch, "input_ids")
-    if ids.dim() != 2:
+    if base.dim() != 2:
         raise InvalidArgument(
-            f"must be 2-D (bs, seq_len), got {_shape(ids)}", field="input_ids", value=_shape(ids)
+            f"must be 2-D (bs, {'seq_len' if ids is not None else 'R'}), got {_shape(base)}",
+            field=what,
+            value=_shape(base),
         )
-    bs, seq_len = ids.shape
-    if bs == 0:
-        raise InvalidArgument("the batch is empty", field="input_ids", value=_shape(ids))
+    bs, width = base.shape
+    if bs == 0 or width == 0:
+        raise InvalidArgument("the batch is empty", field=what, value=_shape(base))
+    seq_len: int | None = int(width) if ids is not None else None
+    if seq_len is None:  # the sequence keys share one length, longer than the response
+        seq_keys = [k for k in _SEQ_KEYS if k in batch]
+        for key in seq_keys:
+            t = _check_tensor(batch, key)
+            if t.dim() != 2 or t.shape[0] != bs or t.shape[1] <= width:
+                raise InvalidArgument(
+                    f"must be (bs={bs}, L) with L > R={width}, got {tuple(t.shape)}",
+                    field=key,
+                    value=_shape(t),
+                    code="SHAPE_MISMATCH",
+                )
+        if seq_keys:
+            seq_len = int(batch[seq_keys[0]].shape[1])
+        if (
+            op == "compute_advantage"
+            and "attention_mask" not in batch
+            and ("response_mask" not in batch)
+        ):
+            raise InvalidArgument(
+                f"{op} needs attention_mask or response_mask (which response tokens count)",
+                field="response_mask",
+                value=sorted(batch),
+                code="MISSING_KEY",
+            )
     for key in _SEQ_KEYS:
-        if key in batch:
+        if key in batch and seq_len is not None:
             t = _check_tensor(batch, key)
             if tuple(t.shape) != (bs, seq_len):
                 raise InvalidArgument(
-                    f"shape {tuple(t.shape)} does not match input_ids {(bs, seq_len)}",
+                    f"shape {tuple(t.shape)} does not match {what} {(bs, seq_len)}",
                     field=key,
                     value=_shape(t),
                     code="SHAPE_MISMATCH",
@@ -225,15 +269,16 @@ def validate_ppo_batch(
     resp_len: int | None = None
     if "responses" in batch:
         resp = _check_tensor(batch, "responses")
-        if resp.dim() != 2 or resp.shape[0] != bs or not 0 < resp.shape[1] < seq_len:
+        longest = seq_len if seq_len is not None else resp.shape[1] + 1
+        if resp.dim() != 2 or resp.shape[0] != bs or not 0 < resp.shape[1] < longest:
             raise InvalidArgument(
-                f"must be (bs={bs}, R) with 0 < R < {seq_len}, got {tuple(resp.shape)}",
+                f"must be (bs={bs}, R) with 0 < R < {longest}, got {tuple(resp.shape)}",
                 field="responses",
                 value=_shape(resp),
                 code="SHAPE_MISMATCH",
             )
         resp_len = int(resp.shape[1])
-        if not torch.equal(ids[:, -resp_len:], resp.to(ids.dtype)):
+        if ids is not None and not torch.equal(ids[:, -resp_len:], resp.to(ids.dtype)):
             raise InvalidArgument(
                 f"must equal the last {resp_len} columns of input_ids {tuple(ids.shape)}",
                 field="responses",

@@ -375,6 +375,61 @@ def test_out_of_vocab_id_is_refused_by_every_operation(
     assert remote.compute_log_prob(ok)[0]["old_log_probs"].shape == (4, 5)
 
 
+def test_a_row_without_tokens_is_refused_by_name(
+    core: TrainerCore, remote: RemoteTrainerClient
+) -> None:
+    """An all-padding row (a whole all-padding batch used to reach the model and fail
+    there with INTERNAL IndexError)."""
+    for rows in ([2], [0, 1, 2, 3]):
+        batch = _scored(23)
+        mask = batch["attention_mask"].clone()
+        mask[rows] = 0
+        batch["attention_mask"] = mask
+        for op in (remote.compute_values, remote.train_step):
+            err = _refused_without_update(core, lambda op=op, b=batch: op(b))
+            assert isinstance(err, InvalidArgument), err
+            assert (err.field, err.code, err.sample_index) == (
+                "attention_mask",
+                "EMPTY_ROW",
+                rows[0],
+            )
+
+
+def test_compute_advantage_without_input_ids_checks_the_response_side(
+    core: TrainerCore, remote: RemoteTrainerClient
+) -> None:
+    """compute_advantage needs no input_ids; what it is given is still checked (shapes,
+    masks, ids, finiteness), and a batch with no mask at all is refused by name (it
+    was INTERNAL KeyError 'response_mask')."""
+    resp = torch.ones(4, 5, dtype=torch.long)
+    zeros = torch.zeros(4, 5)
+    rm = torch.ones(4, 5, dtype=torch.long)
+    cases: list[tuple[dict[str, Any], str, str | None]] = [
+        ({"responses": resp, "token_level_scores": zeros, "values": zeros}, "response_mask",
+         "MISSING_KEY"),
+        ({"responses": resp, "response_mask": rm, "token_level_scores": zeros,
+          "values": torch.zeros(4, 7)}, "values", "SHAPE_MISMATCH"),
+        ({"responses": resp, "attention_mask": torch.ones(4, 9, dtype=torch.long),
+          "scores": torch.tensor([float("nan"), 1, 0, 0]), "values": zeros}, "scores",
+         "NOT_FINITE"),
+        ({"responses": resp, "attention_mask": torch.full((4, 9), 7),
+          "token_level_scores": zeros, "values": zeros}, "attention_mask", "BAD_MASK"),
+        ({"responses": torch.full((4, 5), -5), "response_mask": rm,
+          "token_level_scores": zeros, "values": zeros}, "responses", "OUT_OF_VOCAB"),
+        ({"responses": resp, "attention_mask": torch.ones(4, 3, dtype=torch.long),
+          "token_level_scores": zeros, "values": zeros}, "attention_mask", "SHAPE_MISMATCH"),
+    ]  # fmt: skip
+    for batch, field, code in cases:
+        with pytest.raises(InvalidArgument) as info:
+            remote.compute_advantage({**batch, "uid": ["a", "a", "b", "b"]})
+        assert (info.value.field, info.value.code) == (field, code), info.value
+    out, _ = remote.compute_advantage(
+        {"responses": resp, "response_mask": rm, "token_level_scores": zeros, "values": zeros,
+         "uid": ["a", "a", "b", "b"]}
+    )  # fmt: skip
+    assert out["advantages"].shape == (4, 5)
+
+
 def test_nan_advantage_on_padding_is_refused(
     core: TrainerCore, remote: RemoteTrainerClient
 ) -> None:
