@@ -901,7 +901,9 @@ class PPOTrainer:
 
     def validate(self) -> dict[str, float]:
         """Greedy (``rollout.val_kwargs``) responses to the whole validation set; mean
-        score per data_source (``val/test_score/<data_source>``) and overall."""
+        score per data_source (``val/test_score/<data_source>``) and overall, and the
+        mean of each numeric extra a scorer returns (a verl ``compute_score``'s dict
+        keys beside ``score``, e.g. ``acc``) per data_source (``val/<key>/<data_source>``)."""
         if self.val_dataset is None or len(self.val_dataset) == 0:
             return {}
         if self._val_reward is None:
@@ -912,16 +914,21 @@ class PPOTrainer:
         params = self._sampling(validate=True, step=0)
         key = self.config.data.reward_fn_key
         per_source: dict[str, list[float]] = {}
+        extras: dict[str, list[float]] = {}  # "<key>/<source>": a scorer's numeric extras
         lengths: list[int] = []
         shown: list[dict[str, Any]] = []
         for lo in range(0, len(ds), size):
             batch = ds.collate(np.arange(lo, min(lo + size, len(ds))))
-            samples, scores, _d, _t = self._rollout_and_score(
+            samples, scores, details, _t = self._rollout_and_score(
                 batch, params, self._val_reward, min_version=self._policy_version
             )
-            for s, sc in zip(samples, scores, strict=True):
-                per_source.setdefault(str(batch[key][s.prompt_index]), []).append(sc)
+            for s, sc, detail in zip(samples, scores, details, strict=True):
+                source = str(batch[key][s.prompt_index])
+                per_source.setdefault(source, []).append(sc)
                 lengths.append(len(s.token_ids))
+                for name, value in detail.items():  # e.g. a compute_score's "acc"
+                    if name not in ("error", "timed_out") and isinstance(value, int | float):
+                        extras.setdefault(f"{name}/{source}", []).append(float(value))
             want = self.config.trainer.log_val_generations - len(shown)
             if want > 0:
                 texts = self.tokenizer.batch_decode(
@@ -935,6 +942,7 @@ class PPOTrainer:
         every = [x for v in per_source.values() for x in v]
         out["val/test_score/mean"] = float(np.mean(every))
         out["val/response_length/mean"] = float(np.mean(lengths))
+        out |= {f"val/{k}": float(np.mean(v)) for k, v in sorted(extras.items())}
         self.metrics.record_validation(
             {k: float(np.mean(v)) for k, v in per_source.items()} | {"all": float(np.mean(every))}
         )

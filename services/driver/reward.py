@@ -91,9 +91,14 @@ class RewardAdapter:
             elif isinstance(r, Mapping):
                 scores.append(float(r["score"]))
                 details.append(dict(r))
-            else:  # a ScoreResult
+            else:  # a ScoreResult: the scorer's details (a verl compute_score's extra
+                # keys, e.g. DAPO's "acc"), with the result's own error and time-out
                 scores.append(float(r.score))
-                detail: dict[str, Any] = {}
+                detail: dict[str, Any] = {
+                    k: v
+                    for k, v in (getattr(r, "details", None) or {}).items()
+                    if k not in ("error", "timed_out")
+                }
                 if getattr(r, "error", ""):
                     detail["error"] = r.error
                 if getattr(r, "timed_out", False):

@@ -181,3 +181,40 @@ def test_overlong_penalty_shapes_training_scores(
     assert gb.sampling["reward/overlong_reward/mean"] == pytest.approx(sum(penalties) / len(want))
     frac = sum(p < 0 for p in penalties) / len(want)
     assert gb.sampling["reward/overlong/mean"] == pytest.approx(frac)
+
+
+def test_a_reward_services_acc_reaches_dynamic_sampling_and_validation(
+    tiny_model_dir: Path, arithmetic_dir: Path, tmp_path: Path
+) -> None:
+    """A verl compute_score returning {"score", "acc"} behind the reward service's
+    client (ScoreResult: the extras are its details): metric=acc filters on it (the
+    details were dropped, so every run stopped with "returned no 'acc'"), and
+    validation reports it per data source, as verl logs a scorer's extra keys."""
+    from rlfleet.common.config import CustomRewardFunction, RewardConfig
+    from rlfleet.reward.client import InProcessRewardClient
+    from rlfleet.reward.core import RewardManager
+
+    fn = tmp_path / "score.py"
+    fn.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    odd = int(ground_truth) % 2 == 1\n"
+        "    return {'score': 0.5, 'acc': odd and len(solution_str) % 2 == 1, 'pred': 'x'}\n"
+    )
+    manager = RewardManager(RewardConfig(custom_function=CustomRewardFunction(path=str(fn))))
+    reward = InProcessRewardClient(manager)
+    cfg = _config(
+        tiny_model_dir, arithmetic_dir, tmp_path / "run", *DYNAMIC,
+        "algorithm.filter_groups.metric=acc",
+    )  # fmt: skip
+    try:
+        with PPOTrainer(config=cfg, reward_fn=reward, val_reward_fn=reward) as trainer:
+            trainer.init_workers()
+            gb = trainer._produce(1, trainer._policy_version)
+            val = trainer.validate()
+    finally:
+        manager.close()
+    assert len(gb.samples) == 4 * N and set(gb.scores) == {0.5}
+    assert all(int(rm["ground_truth"]) % 2 == 1 for rm in gb.prompts["reward_model"])
+    acc = {k: v for k, v in val.items() if k.startswith("val/acc/")}
+    assert acc and all(0.0 <= v <= 1.0 for v in acc.values()), val
+    assert not any(k.startswith("val/pred/") for k in val)  # not a number

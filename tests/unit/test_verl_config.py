@@ -348,7 +348,7 @@ def test_dapo_recipe_keys_map() -> None:
     [
         (f"{_A}.policy_loss.loss_mode=clip_cov", f"{_A}.policy_loss.loss_mode", "clip_cov"),
         (
-            "+algorithm.filter_groups.max_num_gen_batches=0",
+            "+algorithm.filter_groups.enable=true +algorithm.filter_groups.max_num_gen_batches=0",
             "algorithm.filter_groups.max_num_gen_batches",
             "unbounded",
         ),
@@ -376,9 +376,32 @@ def test_dapo_recipe_keys_map() -> None:
     ],
 )
 def test_algorithm_values_rlfleet_lacks_are_refused(override: str, key: str, missing: str) -> None:
-    err = _error(None, [*QUICKSTART, *CPU, *GRPO, override])
+    err = _error(None, [*QUICKSTART, *CPU, *GRPO, *override.split()])
     [issue] = err.issues
     assert issue.path == key and missing in issue.message
+
+
+def test_the_dapo_recipes_disabled_dynamic_sampling_loads() -> None:
+    """verl's dapo_trainer.yaml ships filter_groups off with metric null, 0 rounds and
+    gen_batch_size = train_batch_size: values that do nothing while it is off are
+    ignored (they were refused); once it is on they are checked."""
+    off = [
+        "+algorithm.filter_groups.enable=false",
+        "+algorithm.filter_groups.metric=null",
+        "+algorithm.filter_groups.max_num_gen_batches=0",
+        "+data.gen_batch_size=${data.train_batch_size}",
+    ]
+    cfg = config_from_dict(None, [*QUICKSTART, *CPU, *GRPO, *off])
+    fg = cfg.algorithm.filter_groups
+    assert not fg.enable and cfg.data.gen_batch_size is None
+    err = _error(None, [*QUICKSTART, *CPU, *GRPO, *off[1:], "+algorithm.filter_groups.enable=true"])
+    assert sorted(i.path for i in err.issues) == [
+        "algorithm.filter_groups.max_num_gen_batches",
+        "algorithm.filter_groups.metric",
+    ]
+    # A gen_batch_size of its own still needs dynamic sampling.
+    err = _error(None, [*QUICKSTART, *CPU, *GRPO, *off[:3], "+data.gen_batch_size=4096"])
+    assert [i.path for i in err.issues] == ["data.gen_batch_size"]
 
 
 def test_rollout_correction_current_and_older_spellings() -> None:

@@ -577,6 +577,12 @@ ROWS: tuple[Row, ...] = (
         NO_DEFAULT,
         "data.gen_batch_size",
         note="verl's DAPO recipe: prompts per generation round of dynamic sampling",
+        when=lambda cfg: (
+            _get(cfg, f"{_FG}.enable") is True
+            or _get(cfg, "data.gen_batch_size") != _get(cfg, "data.train_batch_size")
+        ),
+        when_doc="algorithm.filter_groups.enable, or a value other than "
+        "data.train_batch_size (the DAPO recipe's default, which then does nothing)",
     ),
     _map("data.val_batch_size", None, "data.val_batch_size"),
     _ign("data.return_raw_input_ids", False, "what verl's dataset returns; no effect on training"),
@@ -1248,6 +1254,8 @@ ROWS: tuple[Row, ...] = (
         f"{_FG}.metric",
         only=("seq_reward", "seq_final_reward", "score", "acc"),
         missing="filter metrics other than seq_reward, seq_final_reward, score and acc",
+        when=_is(f"{_FG}.enable", True),
+        when_doc="algorithm.filter_groups.enable (the DAPO recipe's null then does nothing)",
     ),
     _map(
         f"{_FG}.max_num_gen_batches",
@@ -1256,6 +1264,8 @@ ROWS: tuple[Row, ...] = (
         accepts=_positive_int,
         accepted="a positive number",
         missing="unbounded generation rounds (max_num_gen_batches <= 0): every loop is bounded",
+        when=_is(f"{_FG}.enable", True),
+        when_doc="algorithm.filter_groups.enable (the DAPO recipe's 0 then does nothing)",
     ),
     _ign(
         f"{_FG}.filter_type",
@@ -1903,12 +1913,17 @@ def translate(raw: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> T
                 issues.append(_unknown(path, value))
             continue
         rule = row.rule
+        if rule.to is not None and rule.when is not None and not rule.when(merged):
+            # Ignored, as the docs say, whatever its value: it does nothing here.
+            reason = rule.why or f"read only with {rule.when_doc}"
+            entries.append(Entry(path, value, "ignored", reason=reason, given=is_given))
+            continue
         if rule.accepts is not None and not rule.accepts(value, merged):
             # A default that follows a refused key (``${...}``) is not refused again.
             if is_given:
                 issues.append(_refusal(row, path, value))
             continue
-        if rule.to is None or (rule.when is not None and not rule.when(merged)):
+        if rule.to is None:
             entries.append(Entry(path, value, "ignored", reason=rule.why, given=is_given))
             continue
         if rule.convert_with is not None:
