@@ -37,6 +37,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import math
 import secrets
 import threading
 import time
@@ -190,6 +191,9 @@ MAX_PER_HOST = 256
 MAX_HOST_BYTES = 1 << 20
 """What the entries on one host may take in all (:func:`spec_bytes`) when a service
 role registers there: one stolen credential fills at most this much."""
+#: The training status' metrics: names at most, and characters of a name.
+MAX_STATUS_METRICS = 4096
+MAX_METRIC_NAME_CHARS = MAX_TEXT_CHARS
 PRIVILEGED_RESERVE_BYTES = MAX_REGISTRY_BYTES // 8
 """The part of :data:`MAX_REGISTRY_BYTES` only privileged callers may fill, so the
 driver can still register a restarted trainer or reward whatever services did."""
@@ -282,12 +286,21 @@ def check_spec(spec: ServiceSpec) -> None:
     for key, value in spec.capabilities.items():
         _check_text(key, "info.capabilities")
         _check_text(value, f"info.capabilities[{key}]", MAX_CAPABILITY_CHARS)
+    seen: dict[tuple[str, int, str], int] = {}
     for i, d in enumerate(spec.devices):
         _check_text(d.name, f"info.devices[{i}].name")
         if d.index < 0 or d.memory_bytes < 0:
             raise InvalidArgument(
                 "index and memory_bytes must be >= 0", field=f"info.devices[{i}]", value=d.index
             )
+        key = (d.kind, d.index, d.name)
+        if key in seen:  # one device counted twice in placement
+            raise InvalidArgument(
+                f"{d.kind}:{d.index} is listed twice (devices {seen[key]} and {i})",
+                field=f"info.devices[{i}]",
+                value=f"{d.kind}:{d.index}",
+            )
+        seen[key] = i
     if spec.capacity < 0 or spec.pid < 0:
         raise InvalidArgument("capacity and pid must be >= 0", field="info", value=spec.capacity)
 
@@ -481,6 +494,14 @@ class Registry:
 
         A service role must present the entry's lease (PermissionDenied otherwise).
         """
+        if load is not None and not (
+            math.isfinite(load.tokens_per_second) and load.tokens_per_second >= 0
+        ):  # it feeds the autoscaler and the status table
+            raise InvalidArgument(
+                "must be a finite number >= 0",
+                field="load.tokens_per_second",
+                value=load.tokens_per_second,
+            )
         now = self._clock()
         with self._lock:
             self._expire(now)
@@ -793,6 +814,23 @@ class SchedulerCore:
         """Update the fields given (the driver calls this after each step)."""
         if state is not None and state not in ("idle", "running", "done", "failed"):
             raise InvalidArgument(f"unknown training state {state!r}", field="state", value=state)
+        if metrics is not None:  # kept, and sent to every GetTrainingStatus: bounded
+            if len(metrics) > MAX_STATUS_METRICS:
+                raise InvalidArgument(
+                    f"{len(metrics)} metrics, over the limit of {MAX_STATUS_METRICS}",
+                    field="metrics",
+                    value=len(metrics),
+                    code="TOO_LARGE",
+                )
+            for name in metrics:
+                if not name or len(name) > MAX_METRIC_NAME_CHARS or not name.isprintable():
+                    raise InvalidArgument(
+                        f"a metric name must be 1-{MAX_METRIC_NAME_CHARS} printable characters "
+                        f"(got {len(name)})",
+                        field=f"metrics[{name[:64]!r}]",
+                        value=name[:64],
+                        code="TOO_LARGE" if len(name) > MAX_METRIC_NAME_CHARS else None,
+                    )
         with self._lock:
             s = self._status
             self._status = TrainingStatus(

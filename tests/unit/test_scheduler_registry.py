@@ -294,3 +294,33 @@ def test_one_service_credential_cannot_fill_the_registry() -> None:
     held = sum(spec_bytes(e.spec) for e in reg.list_services())
     assert held <= MAX_REGISTRY_BYTES - PRIVILEGED_RESERVE_BYTES
     reg.register(ServiceSpec(role="trainer", address="127.0.0.1:9999"), caller="driver")
+
+
+def test_status_metrics_heartbeat_load_and_devices_are_bounded() -> None:
+    """The training status is kept and sent to every GetTrainingStatus: its metrics
+    are bounded in count and name length; a heartbeat's tokens/s feeds the autoscaler
+    (finite, >= 0); one device listed twice would count twice in placement."""
+    from rlfleet.scheduler.registry import MAX_METRIC_NAME_CHARS, MAX_STATUS_METRICS
+
+    core = SchedulerCore(Registry(clock=Clock()))
+    with pytest.raises(InvalidArgument) as info:
+        core.set_training_status(metrics={f"m{i}": 1.0 for i in range(MAX_STATUS_METRICS + 1)})
+    assert (info.value.field, info.value.code) == ("metrics", "TOO_LARGE")
+    with pytest.raises(InvalidArgument) as info:
+        core.set_training_status(metrics={"x" * (MAX_METRIC_NAME_CHARS + 1): 1.0})
+    assert info.value.field.startswith("metrics[") and info.value.code == "TOO_LARGE"
+    core.set_training_status(metrics={f"m{i}": float("nan") for i in range(MAX_STATUS_METRICS)})
+
+    reg = Registry(clock=Clock())
+    sid = reg.register(spec()).service_id
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(InvalidArgument) as info:
+            reg.heartbeat(sid, ServiceLoad(tokens_per_second=bad))
+        assert info.value.field == "load.tokens_per_second"
+    assert reg.heartbeat(sid, ServiceLoad(tokens_per_second=12.5))
+
+    twice = [Device("cuda", 0), Device("cuda", 1), Device("cuda", 0)]
+    with pytest.raises(InvalidArgument) as info:
+        reg.register(spec(port=7, devices=twice))
+    assert info.value.field == "info.devices[2]"
+    reg.register(spec(port=8, devices=[Device("cuda", 0), Device("cpu", 0)]))
