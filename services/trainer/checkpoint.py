@@ -110,11 +110,16 @@ def checkpoint_root(core: TrainerCore, path: str | None = None) -> Path:
     else ``InvalidArgument`` on ``path``.
     """
     run_dir = core.config.run_dir().resolve()
-    if path and ("\x00" in path or any(len(p.encode()) > 255 for p in Path(path).parts)):
+    if path and (
+        "\x00" in path
+        or any(len(p.encode()) > 255 for p in Path(path).parts)
+        or len(str(run_dir / path).encode()) > 3072  # with the step folder and its files:
+    ):  # under PATH_MAX (4,096 on Linux)
         raise InvalidArgument(
-            f"checkpoint path {path!r} is no file name (a NUL byte, or a part over 255 bytes)",
+            f"checkpoint path {path[:200]!r} is no file name (a NUL byte, a part over 255 "
+            "bytes, or over 3,072 bytes in all)",
             field="path",
-            value=path,
+            value=path[:200],
         )
     if not path:
         given = run_dir / "checkpoints"

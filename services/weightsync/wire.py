@@ -274,6 +274,14 @@ class WeightStreamReceiver:
                 continue
             pending = 0
             values, meta = asm.result(to="torch")
+            columns = [k for k, v in values.items() if not hasattr(v, "numel")]
+            if columns:
+                raise InvalidArgument(
+                    f"weight update {version} bucket {self.buckets}: column {columns[0]!r} is "
+                    "not a tensor (weight updates carry tensors only)",
+                    field="chunk.columns",
+                    value=columns[0],
+                )
             received += sum(int(t.numel()) * t.element_size() for t in values.values())
             asm = self._assembler(received)
             final = self._check_bucket(version, meta, values, tensors)

@@ -100,6 +100,18 @@ def test_checkpoint_path_traversal_is_refused(remote: RemoteTrainerClient, run_d
     assert not (run_dir.parent / (run_dir.name + "-sibling")).exists()
 
 
+def test_a_checkpoint_path_too_long_in_all_is_refused_by_name(
+    remote: RemoteTrainerClient, run_dir: Path
+) -> None:
+    """25 parts of 200 bytes: each part is a name, the whole is past PATH_MAX (it was
+    INTERNAL OSError ENAMETOOLONG)."""
+    path = "/".join(["a" * 200] * 25)
+    for call in (remote.save_checkpoint, remote.load_checkpoint):
+        with pytest.raises(InvalidArgument) as info:
+            call(path)
+        assert info.value.field == "path" and "3,072 bytes" in info.value.message
+
+
 def test_absolute_checkpoint_path_outside_is_refused(
     remote: RemoteTrainerClient, run_dir: Path
 ) -> None:

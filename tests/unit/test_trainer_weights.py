@@ -136,3 +136,22 @@ def test_push_targets_are_well_formed(
     if value is not None:
         assert info.value.value == value
     check_push_targets([("a", "127.0.0.1:5"), ("b", "[::1]:6"), ("c", "replica-3.svc:50053")])
+
+
+def test_a_weight_update_with_a_non_tensor_column_is_refused_by_name() -> None:
+    """Weight chunks carry tensors; a string or JSON column (which the codec itself
+    allows) was INTERNAL AttributeError ('list' has no numel)."""
+    bucket = {"a": torch.ones(3), "junk": ["x", "y"]}
+    with pytest.raises(InvalidArgument) as info:
+        WeightStreamReceiver().receive(_stream([(bucket, _meta(0, final=True, tensors=2))]))  # type: ignore[list-item]
+    assert (info.value.field, info.value.value) == ("chunk.columns", "junk")
+
+
+def test_json_nested_past_the_stack_is_a_codec_error() -> None:
+    """A JSON column row nested 100,000 deep (json.loads raises RecursionError, which
+    reached the services as INTERNAL) is refused like any malformed row."""
+    from rlfleet.common.codec.batch import CodecError, decode_rows
+
+    with pytest.raises(CodecError, match="column 'uid' row 1: JSON nested too deeply"):
+        decode_rows("uid", "json", ["1", "[" * 100_000 + "]" * 100_000])
+    assert decode_rows("uid", "json", ["[[1]]"]) == [[[1]]]

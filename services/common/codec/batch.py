@@ -372,6 +372,8 @@ def decode_rows(name: str, kind: str, rows: list[str]) -> list[Any]:
             out.append(json.loads(doc))
         except ValueError as exc:
             raise CodecError(f"column {name!r} row {i}: invalid JSON: {exc}") from exc
+        except RecursionError as exc:  # nested past the interpreter's stack
+            raise CodecError(f"column {name!r} row {i}: JSON nested too deeply") from exc
     return out
 
 
