@@ -293,14 +293,14 @@ def check_spec(spec: ServiceSpec) -> None:
             raise InvalidArgument(
                 "index and memory_bytes must be >= 0", field=f"info.devices[{i}]", value=d.index
             )
-        key = (d.kind, d.index, d.name)
-        if key in seen:  # one device counted twice in placement
+        device = (d.kind, d.index, d.name)
+        if device in seen:  # one device counted twice in placement
             raise InvalidArgument(
-                f"{d.kind}:{d.index} is listed twice (devices {seen[key]} and {i})",
+                f"{d.kind}:{d.index} is listed twice (devices {seen[device]} and {i})",
                 field=f"info.devices[{i}]",
                 value=f"{d.kind}:{d.index}",
             )
-        seen[key] = i
+        seen[device] = i
     if spec.capacity < 0 or spec.pid < 0:
         raise InvalidArgument("capacity and pid must be >= 0", field="info", value=spec.capacity)
 
