@@ -672,3 +672,11 @@ def test_a_lower_clip_at_or_past_one_is_refused() -> None:
     """1 - clip_ratio_low is the ratio's lower bound: at 1 or more it never clips."""
     [issue] = _error(None, [*QUICKSTART, *CPU, "actor_rollout_ref.actor.clip_ratio_low=1.5"]).issues
     assert issue.path == "actor_rollout_ref.actor.clip_ratio_low" and "less than 1" in str(issue)
+
+
+def test_a_mandatory_value_left_unset_says_so() -> None:
+    """verl's generated config marks values the user must give with OmegaConf's ???
+    (rollout.name): left as is, it was refused as an unknown rollout engine '???'."""
+    err = _error(None, [*QUICKSTART, *CPU, "actor_rollout_ref.rollout.name=???"])
+    [issue] = [i for i in err.issues if i.path == "actor_rollout_ref.rollout.name"]
+    assert issue.message == "is required and not set (??? in the config): give it"

@@ -1913,6 +1913,11 @@ def translate(raw: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> T
                 issues.append(_unknown(path, value))
             continue
         rule = row.rule
+        if value == "???":  # OmegaConf's mandatory-value marker, left unset
+            issues.append(
+                ConfigIssue(path, "is required and not set (??? in the config): give it", value)
+            )
+            continue
         if rule.to is not None and rule.when is not None and not rule.when(merged):
             # Ignored, as the docs say, whatever its value: it does nothing here.
             reason = rule.why or f"read only with {rule.when_doc}"
