@@ -581,6 +581,13 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         plan = self.plan()
         self.placement = plan
+        nodes = max((len(p) for p in self.config.resource_pools.values()), default=1)
+        if nodes > 1:  # said once: a config written for a cluster runs here folded
+            logger.warning(
+                "resource_pools name %d nodes; the local launcher runs them all on this "
+                "machine, each pool entry on devices of its own (launcher: ray places "
+                "them on separate nodes: docs/ray.md)", nodes,
+            )  # fmt: skip
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         config_path = save_resolved(self.config, self.run_dir)
         self._config_path = config_path
