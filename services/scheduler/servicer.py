@@ -16,6 +16,7 @@ import grpc
 
 from rlfleet.common.auth import ADMIN, caller_role
 from rlfleet.common.errors import InvalidArgument, PermissionDenied
+from rlfleet.common.roles import ROLES
 from rlfleet.scheduler.registry import (
     SchedulerCore,
     ServiceSpec,
@@ -185,6 +186,32 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             name: list(request.resource_pools[name].gpus_per_node)
             for name in sorted(request.resource_pools)
         }
+        for name, entries in pools.items():  # as the config's resource_pools are checked
+            if not name or not name.isprintable() or len(name) > 256:
+                raise InvalidArgument(
+                    "a pool name must be 1-256 printable characters",
+                    field="resource_pools",
+                    value=name[:64],
+                )
+            if not entries:
+                raise InvalidArgument(
+                    f"pool {name!r} lists no node (one device count per node)",
+                    field=f"resource_pools[{name}].gpus_per_node",
+                    value=entries[:16],
+                )
+        for role, pool in request.mapping.items():
+            if role not in ROLES:
+                raise InvalidArgument(
+                    f"no role {role[:64]!r} (roles: {', '.join(ROLES)})",
+                    field=f"mapping[{role[:64]}]",
+                    value=role[:64],
+                )
+            if pool and pool not in pools:
+                raise InvalidArgument(
+                    f"mapping.{role}: no pool {pool[:64]!r} (pools: {sorted(pools)})",
+                    field=f"mapping[{role}]",
+                    value=pool[:64],
+                )
         mapping: dict[str, str | None] = {r: (p or None) for r, p in request.mapping.items()}
         return placement_to_proto(self.core.plan(pools, mapping))
 

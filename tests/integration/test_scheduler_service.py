@@ -117,6 +117,21 @@ def test_probed_services_stay_alive_while_healthy(server: SchedulerServer) -> No
         healthy.stop(0)
 
 
+def test_plan_refuses_pools_and_roles_by_name(server: SchedulerServer) -> None:
+    """A pool that lists no node, a role that does not exist, a mapping to a pool that
+    is not there: refused by name (they were planned as nothing, or ignored)."""
+    with RemoteSchedulerClient(server.address) as client:
+        for pools, mapping, field in [
+            ({"p": []}, {"actor": "p"}, "resource_pools[p].gpus_per_node"),
+            ({"p": [1]}, {"wizard": "p"}, "mapping[wizard]"),
+            ({"p": [1]}, {"actor": "q"}, "mapping[actor]"),
+            ({"": [1]}, {"actor": ""}, "resource_pools"),
+        ]:
+            with pytest.raises(InvalidArgument) as info:
+                client.plan(pools, mapping)
+            assert info.value.field == field, (pools, mapping, info.value)
+
+
 def test_plan_placement_and_refusal(server: SchedulerServer) -> None:
     with RemoteSchedulerClient(server.address) as client:
         with pytest.raises(FailedPrecondition, match="no placement yet"):
