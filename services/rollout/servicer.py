@@ -182,7 +182,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self, request: rollout_pb2.GetTrajectoriesRequest, context: grpc.ServicerContext
     ) -> rollout_pb2.TrajectoriesResponse:
         store = self._store()
-        ids = list(request.session_ids)
+        ids = list(dict.fromkeys(request.session_ids))  # each session once, in order
         if len(ids) > MAX_TRAJECTORY_IDS:
             raise InvalidArgument(
                 f"{len(ids)} session ids, at most {MAX_TRAJECTORY_IDS} per call",

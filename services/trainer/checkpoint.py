@@ -268,6 +268,17 @@ def save(
     start = time.perf_counter()
     root = checkpoint_root(core, path)
     step = core.global_step if step is None or step == 0 else step
+    if not 0 <= step < 2**53:  # a JSON integer, and a folder name the loader sorts
+        raise InvalidArgument("must be in [0, 2^53)", field="step", value=step)
+    if extra_state_json:
+        try:
+            json.loads(extra_state_json)
+        except (ValueError, RecursionError) as e:  # loaded back with the checkpoint
+            raise InvalidArgument(
+                f"is not JSON: {str(e)[:200]}",
+                field="extra_state_json",
+                value=extra_state_json[:64],
+            ) from e
     roles = [r for r in ("actor", "critic") if r in core.roles]
     with core.lock:
         results = core.gather_states(roles)

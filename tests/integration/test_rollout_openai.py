@@ -206,6 +206,10 @@ def test_chat_is_recorded_exactly_and_its_log_probs_are_the_models(replica: Repl
     assert [c.message.content for c in again.choices] == [c.message.content for c in out.choices]
     assert again.choices[0].logprobs is None  # not asked for
     assert len(replica.trajectory("chat-1").completions) == 4
+    twice = replica.stub("agent").GetTrajectories(  # each session once, however often asked
+        rollout_pb2.GetTrajectoriesRequest(session_ids=["chat-1", "chat-1"]), timeout=30
+    )
+    assert [t.session_id for t in twice.trajectories] == ["chat-1"]
 
 
 def test_streamed_chat_sends_each_choice_and_usage_then_done(replica: Replica) -> None:

@@ -112,6 +112,21 @@ def test_a_checkpoint_path_too_long_in_all_is_refused_by_name(
         assert info.value.field == "path" and "3,072 bytes" in info.value.message
 
 
+def test_checkpoint_step_and_extra_state_are_checked(
+    remote: RemoteTrainerClient, run_dir: Path
+) -> None:
+    """A step past 2^53 (it would sort as the latest for good) and extra state that is
+    not JSON (it is loaded back with the checkpoint) are refused before anything is
+    written."""
+    with pytest.raises(InvalidArgument) as info:
+        remote.save_checkpoint("steps", step=2**64 - 1)
+    assert info.value.field == "step"
+    with pytest.raises(InvalidArgument) as info:
+        remote.save_checkpoint("steps", extra_state_json="{not json")
+    assert info.value.field == "extra_state_json"
+    assert not (run_dir / "steps").exists()
+
+
 def test_absolute_checkpoint_path_outside_is_refused(
     remote: RemoteTrainerClient, run_dir: Path
 ) -> None:
