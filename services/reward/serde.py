@@ -54,7 +54,8 @@ def value_to_python(value: struct_pb2.Value, depth: int = 0) -> Any:
 def struct_to_dict(struct: struct_pb2.Struct, depth: int = 0) -> dict[str, Any]:
     if not struct.fields:
         return {}
-    return {k: value_to_python(v, depth + 1) for k, v in struct.fields.items()}
+    # ``depth`` counts containers: value_to_python adds the level of a nested one.
+    return {k: value_to_python(v, depth) for k, v in struct.fields.items()}
 
 
 def set_value(target: struct_pb2.Value, value: Any, depth: int = 0) -> None:
@@ -126,6 +127,7 @@ def sample_from_proto(
         raise _too_long(index, "response", len(response), text_max, "characters")
     if len(prompt) > text_max:
         raise _too_long(index, "prompt", len(prompt), text_max, "characters")
+    field = "ground_truth"
     try:
         gt = msg.ground_truth
         kind = gt.WhichOneof("kind")
@@ -137,6 +139,7 @@ def sample_from_proto(
             if kind in ("list_value", "struct_value") and gt.ByteSize() > text_max:
                 raise _too_long(index, "ground_truth", gt.ByteSize(), text_max, "bytes")
             ground_truth = value_to_python(gt)
+        field = "extra_info"
         extra = msg.extra_info
         extra_info: dict[str, Any] = {}
         if extra.fields:
@@ -144,7 +147,9 @@ def sample_from_proto(
                 raise _too_long(index, "extra_info", extra.ByteSize(), text_max, "bytes")
             extra_info = struct_to_dict(extra)
     except ValueError as exc:
-        raise InvalidArgument(str(exc), field=f"samples[{index}]", sample_index=index) from exc
+        raise InvalidArgument(
+            str(exc), field=f"samples[{index}].{field}", sample_index=index
+        ) from exc
     messages = msg.prompt_messages
     chat: list[ChatMessage] = []
     if messages:

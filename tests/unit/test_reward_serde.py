@@ -87,3 +87,34 @@ def test_sample_limits_are_validated(bad: object) -> None:
 
     with pytest.raises(ValueError, match="max_text_chars must be an integer >= 1"):
         SampleLimits(max_text_chars=bad)  # type: ignore[arg-type]
+
+
+def test_nesting_depth_names_the_field_and_counts_each_container_once() -> None:
+    """A ground truth 33 lists deep is refused as samples[i].ground_truth (it said only
+    samples[i]); extra_info 17 dicts deep loads (each dict counted twice refused it)."""
+    from rlfleet.common.errors import InvalidArgument
+    from rlfleet.reward.serde import sample_from_proto
+    from rlfleet.v1 import reward_pb2
+
+    msg = reward_pb2.RewardSample(data_source="x", response="r")
+    target = msg.ground_truth
+    for _ in range(33):
+        target = target.list_value.values.add()
+    target.number_value = 1
+    with pytest.raises(InvalidArgument) as info:
+        sample_from_proto(msg, 3)
+    assert info.value.field == "samples[3].ground_truth" and info.value.sample_index == 3
+
+    ok = reward_pb2.RewardSample(data_source="x", response="r")
+    struct = ok.extra_info
+    for _ in range(17):
+        struct = struct.fields["k"].struct_value
+    struct.fields["v"].number_value = 1
+    assert sample_from_proto(ok, 0).extra_info["k"]["k"]
+    deep = reward_pb2.RewardSample(data_source="x", response="r")
+    struct = deep.extra_info
+    for _ in range(40):
+        struct = struct.fields["k"].struct_value
+    with pytest.raises(InvalidArgument) as info:
+        sample_from_proto(deep, 0)
+    assert info.value.field == "samples[0].extra_info"
