@@ -220,6 +220,15 @@ def preflight(
             issues += _model_dir("critic.model_path", cfg.critic.model_path, "config.json")
         if not model_missing:
             issues += _lora_targets(cfg)
+    t = cfg.trainer
+    if trainer_here and t.resume_mode == "resume_path" and t.resume_from_path:
+        where = Path(t.resume_from_path)
+        where = where if where.is_absolute() else cfg.run_dir() / where  # as the trainer reads it
+        if not where.is_dir():
+            issues.append(ConfigIssue(
+                "trainer.resume_from_path", "no such checkpoint folder (a relative path is "
+                f"the run dir's: {where})", t.resume_from_path,
+            ))  # fmt: skip
     same_folder = cfg.actor.tokenizer_path in (None, cfg.actor.model_path)
     if (driver or trainer_here) and not (model_missing and same_folder):
         issues += _tokenizer_dir("actor.tokenizer_path", cfg.actor.tokenizer_path)

@@ -102,8 +102,25 @@ class CheckpointRefused(InvalidArgument):
     pickled object whose loading could run code): it is not loaded."""
 
 
-def checkpoint_root(core: TrainerCore, path: str | None = None) -> Path:
-    """The resolved folder ``path`` names, confined to the run directory.
+def resume_root(core: TrainerCore) -> Path | None:
+    """The checkpoint the trainer's own config names for ``resume_mode: resume_path``
+    (absolute; relative ones are the run dir's), resolved: a folder outside the run dir
+    that loads (never saves) may read, as verl resumes from another run's checkpoint.
+    It comes from the operator's config at start, never from a request."""
+    t = core.config.trainer
+    if t.resume_mode != "resume_path" or not t.resume_from_path:
+        return None
+    given = Path(t.resume_from_path)
+    if not given.is_absolute():
+        return None  # under the run dir: confined as it is
+    return given.resolve()
+
+
+def checkpoint_root(
+    core: TrainerCore, path: str | None = None, *, also: Path | None = None
+) -> Path:
+    """The resolved folder ``path`` names, confined to the run directory (or to
+    ``also``, a folder from the trainer's own config: :func:`resume_root`).
 
     None or ``""``: ``<run dir>/checkpoints``. A relative path is relative to the run
     dir. The result (symlinks and ``..`` resolved) must be the run dir or below it,
@@ -128,6 +145,8 @@ def checkpoint_root(core: TrainerCore, path: str | None = None) -> Path:
         if not given.is_absolute():
             given = run_dir / given
     resolved = given.resolve()
+    if also is not None and resolved.is_relative_to(also):
+        return resolved
     if not resolved.is_relative_to(run_dir):
         raise InvalidArgument(
             f"checkpoint path {path!r} resolves to {str(resolved)!r}, outside the trainer's "
@@ -470,7 +489,7 @@ def read_rank_state(
 def load(core: TrainerCore, path: str | None = None) -> tuple[Path, int, str]:
     """Load a checkpoint folder, or the latest one under a root (None: the configured
     root). Returns ``(folder, step it was saved as, extra_state_json)``."""
-    given = checkpoint_root(core, path)
+    given = checkpoint_root(core, path, also=resume_root(core))
     folder = given if (given / STATE_FILE).is_file() else find_latest(given)
     if folder is None:
         raise NotFound(f"no checkpoint in {given}", field="path", value=str(given))

@@ -111,6 +111,10 @@ def test_invalid_yaml_is_one_line_with_where(
             {"actor__lora_rank": 8, "actor__target_modules": ["q_proj", "foo_proj"]},
             "actor.target_modules: the model has no module named foo_proj",
         ),
+        (
+            {"trainer__resume_mode": "resume_path", "trainer__resume_from_path": "/no/ckpt"},
+            "trainer.resume_from_path: no such checkpoint folder",
+        ),
     ],
 )
 def test_each_bad_input_is_one_line_naming_its_key(

@@ -200,3 +200,28 @@ def test_legacy_checkpoint_with_a_pickled_object_is_refused(
     assert isinstance(info.value, InvalidArgument) and info.value.field == "path"
     assert not marker.exists()
     assert core.weight_version == version
+
+
+def test_resume_path_may_name_another_runs_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """verl resumes from any checkpoint folder (trainer.resume_from_path). The trainer
+    loads from the one its own config names, outside its run dir, and only loads:
+    other outside paths stay refused, and nothing is saved there."""
+    a = TrainerCore(_config(tiny_model_dir, tmp_path / "run-a"))
+    a.train_step(_batch(0))
+    folder, _, _ = checkpoint.save(a, step=1)
+    cfg = make_config(
+        str(tiny_model_dir),
+        algorithm={"adv_estimator": "gae"},
+        trainer={
+            "default_local_dir": str(tmp_path / "run-b"),
+            "resume_mode": "resume_path",
+            "resume_from_path": str(folder.parent),
+        },
+    )
+    b = TrainerCore(cfg)
+    path, step, _ = checkpoint.load(b, str(folder.parent))
+    assert (path, step, b.weight_version) == (folder, 1, 1)
+    with pytest.raises(InvalidArgument, match="outside the trainer's run directory"):
+        checkpoint.load(b, str(tmp_path))  # above the configured folder
+    with pytest.raises(InvalidArgument, match="outside the trainer's run directory"):
+        checkpoint.save(b, str(folder.parent))
