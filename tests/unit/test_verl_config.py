@@ -680,3 +680,13 @@ def test_a_mandatory_value_left_unset_says_so() -> None:
     err = _error(None, [*QUICKSTART, *CPU, "actor_rollout_ref.rollout.name=???"])
     [issue] = [i for i in err.issues if i.path == "actor_rollout_ref.rollout.name"]
     assert issue.message == "is required and not set (??? in the config): give it"
+
+
+def test_data_tokenizer_is_not_refused_through_the_critics_default(tmp_path: Path) -> None:
+    """verl's critic.model.tokenizer_path defaults to the actor's model path; with
+    data.tokenizer set elsewhere that default was refused as a critic tokenizer of its
+    own. A critic tokenizer given explicitly is still checked."""
+    cfg = config_from_dict(None, [*QUICKSTART, *CPU, f"data.tokenizer={tmp_path}"])
+    assert cfg.actor.tokenizer_path == str(tmp_path)
+    err = _error(None, [*QUICKSTART, *CPU, f"critic.model.tokenizer_path={tmp_path}"])
+    assert [i.path for i in err.issues] == ["critic.model.tokenizer_path"]

@@ -190,7 +190,11 @@ def _check_critic_tokenizer(cfg: Config) -> Iterator[ConfigIssue]:
     own could only disagree with them."""
     given = cfg.critic.tokenizer_path
     actor = cfg.actor.tokenizer_path or cfg.actor.model_path
-    if given and os.path.normpath(_home(given)) != os.path.normpath(_home(actor)):
+    if (
+        given
+        and cfg.critic_enabled()
+        and os.path.normpath(_home(given)) != os.path.normpath(_home(actor))
+    ):
         yield ConfigIssue(
             "critic.tokenizer_path",
             f"the critic scores the actor's token ids, so its tokenizer is the actor's "

@@ -1028,6 +1028,9 @@ ROWS: tuple[Row, ...] = (
         "critic.model.tokenizer_path",
         "${" + _AR + ".model.path}",
         "critic.tokenizer_path",
+        # verl's default follows the actor's model path, not data.tokenizer: at that
+        # value it says nothing the actor's tokenizer does not
+        convert_with=lambda v, cfg: SKIP if v == _get(cfg, f"{_AR}.model.path") else v,
         note="the critic scores the actor's token ids: only the actor's tokenizer is accepted",
     ),
     *[
