@@ -225,6 +225,13 @@ class PPOTrainer:
             once a lost trainer has not answered for ``trainer.recovery.kill_after_s``:
             one that is alive but frozen is never restarted otherwise. None: the driver
             only waits.
+        processor, ray_worker_group_cls, collate_fn, train_sampler, device_name: verl's
+            ``RayPPOTrainer`` arguments, taken so its callers run unchanged:
+            ``ray_worker_group_cls`` is not used (the launchers place the workers);
+            ``device_name`` must agree with ``trainer.device``; a ``processor``
+            (multimodal inputs) is refused; ``collate_fn`` and ``train_sampler`` are not
+            used (batches are the datasets' own, in the order of ``data.shuffle`` and
+            ``data.seed``), with a warning when given.
     """
 
     def __init__(
@@ -244,7 +251,25 @@ class PPOTrainer:
         fleet_metrics: Callable[[], Mapping[str, float]] | None = None,
         trajectory_sources: Sequence[TrajectorySource] | None = None,
         kill_trainer: Callable[[], None] | None = None,
+        processor: Any = None,
+        ray_worker_group_cls: Any = None,
+        collate_fn: Any = None,
+        train_sampler: Any = None,
+        device_name: str | None = None,
     ) -> None:
+        if processor is not None:
+            raise ValueError("processor: multimodal inputs are not supported (text only)")
+        if device_name is not None and str(device_name) != config.trainer.device:
+            raise ValueError(
+                f"device_name {device_name!r} disagrees with trainer.device "
+                f"{config.trainer.device!r}: set trainer.device"
+            )
+        if collate_fn is not None or train_sampler is not None:
+            logger.warning(
+                "PPOTrainer: collate_fn / train_sampler are not used: batches are the "
+                "datasets' own, in the order of data.shuffle and data.seed"
+            )
+        del ray_worker_group_cls  # the launchers place the workers
         self.config = config
         self.kill_trainer = kill_trainer
         self.external_rollouts = config.trainer.rollout_source == "external"

@@ -218,3 +218,22 @@ def test_a_reward_services_acc_reaches_dynamic_sampling_and_validation(
     acc = {k: v for k, v in val.items() if k.startswith("val/acc/")}
     assert acc and all(0.0 <= v <= 1.0 for v in acc.values()), val
     assert not any(k.startswith("val/pred/") for k in val)  # not a number
+
+
+def test_verls_trainer_arguments_are_taken(
+    tiny_model_dir: Path, arithmetic_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RayPPOTrainer's keyword arguments, as verl's main_ppo passes them, construct the
+    trainer; what rlfleet cannot honour is refused or said."""
+    cfg = _config(tiny_model_dir, arithmetic_dir, tmp_path)
+    verl_kwargs: dict[str, Any] = {
+        "processor": None, "ray_worker_group_cls": object, "device_name": "cpu",
+    }  # fmt: skip
+    PPOTrainer(config=cfg, **verl_kwargs).close()
+    with caplog.at_level("WARNING"):
+        PPOTrainer(config=cfg, collate_fn=lambda rows: rows, train_sampler=[]).close()
+    assert "collate_fn / train_sampler are not used" in caplog.text
+    with pytest.raises(ValueError, match="processor: multimodal"):
+        PPOTrainer(config=cfg, processor=object())
+    with pytest.raises(ValueError, match="device_name 'cuda' disagrees"):
+        PPOTrainer(config=cfg, device_name="cuda")
