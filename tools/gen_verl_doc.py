@@ -22,10 +22,11 @@ INTRO = f"""\
 # verl's config, unchanged
 
 `rlfleet train --config FILE [overrides]` takes verl's `ppo_trainer.yaml`, or any file
-in its layout, and verl-style overrides on it. A config is read as verl's when it has
-an `actor_rollout_ref` section (in the file or in an override); verl's quickstart works
-as it is, with local paths and, on a machine without GPUs, `rollout.name=hf
-trainer.device=cpu`:
+in its layout, and verl-style overrides on it; without `--config`, verl's defaults and
+the overrides, as `python -m verl.trainer.main_ppo key=value ...` runs. A config is read
+as verl's when it has an `actor_rollout_ref` section (in the file or in an override);
+verl's quickstart works as it is, with local paths and, on a machine without GPUs,
+`rollout.name=hf trainer.device=cpu`:
 
 ```
 rlfleet train --config my_ppo_trainer.yaml \\

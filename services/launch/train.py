@@ -32,7 +32,12 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="run config (YAML), e.g. examples/*.yaml")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="run config (YAML), e.g. examples/*.yaml; none: the defaults, verl's when the "
+        "overrides are verl's keys (as `python -m verl.trainer.main_ppo key=value ...`)",
+    )
     parser.add_argument(
         "overrides", nargs="*", metavar="key.path=value", help="dotted config overrides"
     )
@@ -125,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _note_verl_translation(path: str, overrides: list[str], run_dir: Any) -> None:
+def _note_verl_translation(path: str | None, overrides: list[str], run_dir: Any) -> None:
     """A verl-shaped config: list its ignored keys once and save how each key was read
     next to config.yaml (``verl_translation.yaml``)."""
     from rlfleet.common.config.verl import load_translation

@@ -197,3 +197,18 @@ def test_a_verl_config_takes_rlfleets_jsonl_logger() -> None:
         pytest.skip(f"no verl fixture at {verl}")
     cfg = load_config(verl, ["trainer.logger=[console,jsonl]", "trainer.nnodes=1"])
     assert cfg.trainer.logger == ["console", "jsonl"]
+
+
+def test_train_without_a_config_reads_verl_overrides_on_verls_defaults(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """As `python -m verl.trainer.main_ppo key=value ...`: no --config, verl's keys on
+    verl's defaults, checked before anything starts."""
+    missing = tmp_path / "nowhere"
+    code, err = _exit_code(
+        ["train", f"actor_rollout_ref.model.path={missing}", f"data.train_files={missing}.pq"],
+        capsys,
+    )
+    assert code == 2
+    assert "rlfleet train: actor_rollout_ref.model.path: no such folder" in err, err
+    assert f"rlfleet train: data.train_files: no such file (got '{missing}.pq')" in err
