@@ -41,6 +41,7 @@ from typing import Any, Literal
 
 from rlfleet.common.codec.batch import CodecError, TensorSpec
 from rlfleet.common.codec.wire import (
+    ChecksumMismatch,
     ChunkAssembler,
     ChunkLike,
     ChunkView,
@@ -263,10 +264,17 @@ class WeightStreamReceiver:
                     value=e.value,
                     code="UPDATE_TOO_LARGE",
                 ) from e
-            except CodecError as e:
+            except ChecksumMismatch as e:  # damaged on the way
                 raise DataLoss(
                     f"weight update {version} rejected in bucket {self.buckets}: {e}",
                     code="CORRUPT_CHUNK",
+                ) from e
+            except CodecError as e:  # a malformed chunk: the sender's mistake
+                raise InvalidArgument(
+                    f"weight update {version} refused in bucket {self.buckets}: {e}",
+                    field=e.field or "chunk",
+                    value=e.value,
+                    code="MALFORMED_CHUNK",
                 ) from e
             self.chunks += 1
             pending += 1

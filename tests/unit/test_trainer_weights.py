@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -86,6 +88,26 @@ def test_receiver_stops_at_a_corrupt_or_truncated_bucket() -> None:
     with pytest.raises(DataLoss, match="bucket 0") as err:
         WeightStreamReceiver().receive([first[0], (version, chunk), *first[2:], *second])
     assert err.value.code == "CORRUPT_CHUNK"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda p: setattr(p, "dtype", 99), "a"),
+        (lambda p: p.shape.__setitem__(0, 2), "a"),
+        (lambda p: (p.shape.pop(), p.shape.extend([-1, 4])), "a"),
+    ],
+    ids=["unknown-dtype", "shape-disagrees-with-bytes", "negative-dimension"],
+)
+def test_a_malformed_chunk_is_invalid_argument_not_data_loss(mutate: Any, field: str) -> None:
+    """A chunk whose checksums hold but whose header cannot be right (dtype, shape) is
+    the sender's mistake, INVALID_ARGUMENT naming the tensor; DATA_LOSS stays for bytes
+    that differ from what was checksummed (above)."""
+    [(version, chunk)] = list(_stream([({"a": torch.ones(3)}, _meta(0, final=True, tensors=1))]))
+    mutate(chunk.pieces[0])
+    with pytest.raises(InvalidArgument) as err:
+        WeightStreamReceiver().receive([(version, chunk)])
+    assert err.value.code == "MALFORMED_CHUNK" and err.value.field == field, err.value
 
 
 def test_receiver_checks_the_version_first() -> None:

@@ -381,9 +381,15 @@ def expected_nbytes(name: str, dtype: int, shape: Sequence[int]) -> int:
     """``prod(shape) x itemsize``; CodecError for an unknown dtype or a negative size."""
     itemsize = _ITEMSIZE.get(dtype)
     if itemsize is None:
-        raise CodecError(f"tensor {name!r}: unknown dtype {dtype_name(dtype)}")
+        raise CodecError(
+            f"tensor {name!r}: unknown dtype {dtype_name(dtype)}", field=name, value=dtype
+        )
     if any(d < 0 for d in shape):
-        raise CodecError(f"tensor {name!r}: negative dimension in shape {list(shape)}")
+        raise CodecError(
+            f"tensor {name!r}: negative dimension in shape {list(shape)}",
+            field=name,
+            value=list(shape),
+        )
     return math.prod(shape) * itemsize
 
 

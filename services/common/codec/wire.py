@@ -66,6 +66,7 @@ from rlfleet.v1 import common_pb2
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
+    "ChecksumMismatch",
     "ChunkAssembler",
     "ChunkLike",
     "ChunkView",
@@ -96,6 +97,12 @@ DEFAULT_MAX_CHUNK_BYTES = 4_000_000
 # besides their bytes (bookkeeping), so that a stream of empty chunks is bounded too.
 _CHUNK_CHARGE = 256
 _PIECE_CHARGE = 128
+
+
+class ChecksumMismatch(CodecError):
+    """The bytes differ from what the sender checksummed (a chunk's crc32c, the
+    stream's digest): corrupted in transit, where other codec errors are a malformed
+    request."""
 
 
 class StreamTooLarge(CodecError):
@@ -993,7 +1000,7 @@ class ChunkAssembler:
         for p, dst in zip(view.pieces, places, strict=True):
             crc = copy_crc(np.frombuffer(p.data, dtype=np.uint8), dst, crc)
         if crc != view.crc32c:
-            raise CodecError(
+            raise ChecksumMismatch(
                 f"{where}: crc32c of piece data is {crc:#010x}, the chunk says {view.crc32c:#010x}"
             )
         self._meta.update(view.meta)
@@ -1036,10 +1043,12 @@ class ChunkAssembler:
             if p.nbytes != expected:
                 raise CodecError(
                     f"{where}: tensor {name!r} says nbytes={p.nbytes}, but "
-                    f"{dtype_name(p.dtype)} {list(p.shape)} needs {expected}"
+                    f"{dtype_name(p.dtype)} {list(p.shape)} needs {expected}",
+                    field=name,
+                    value=p.nbytes,
                 )
             if name in self._columns:
-                raise CodecError(f"{where}: tensor {name!r} has the name of a column")
+                raise CodecError(f"{where}: tensor {name!r} has the name of a column", field=name)
             if name in self._out:
                 slot = self._destination(p, where)
             else:
@@ -1065,21 +1074,30 @@ class ChunkAssembler:
                 raise CodecError(
                     f"{where}: tensor {name!r} piece says {dtype_name(p.dtype)} "
                     f"{list(p.shape)} nbytes={p.nbytes}, earlier pieces said "
-                    f"{dtype_name(slot.dtype)} {list(slot.shape)} nbytes={slot.nbytes}"
+                    f"{dtype_name(slot.dtype)} {list(slot.shape)} nbytes={slot.nbytes}",
+                    field=name,
+                    value=list(p.shape),
                 )
             if slot.filled == slot.nbytes:
                 raise CodecError(
-                    f"{where}: tensor {name!r} got a piece at offset {p.offset} after it was complete"
+                    f"{where}: tensor {name!r} got a piece at offset {p.offset} after it was "
+                    "complete",
+                    field=name,
+                    value=p.offset,
                 )
         if p.offset != slot.filled:
             raise CodecError(
                 f"{where}: tensor {name!r} piece starts at offset {p.offset}, expected "
-                f"{slot.filled} (pieces must arrive in order, without gaps or overlaps)"
+                f"{slot.filled} (pieces must arrive in order, without gaps or overlaps)",
+                field=name,
+                value=p.offset,
             )
         if p.offset + n > slot.nbytes:
             raise CodecError(
                 f"{where}: tensor {name!r} piece [{p.offset}, {p.offset + n}) overflows its "
-                f"{slot.nbytes} bytes"
+                f"{slot.nbytes} bytes",
+                field=name,
+                value=p.offset + n,
             )
         slot.filled += n
         self._bytes += n
@@ -1139,7 +1157,9 @@ class ChunkAssembler:
         else:
             raise CodecError(f"{where}: unknown digest scheme {scheme!r} in {view.digest!r}")
         if got != want:
-            raise CodecError(f"{where}: digest {scheme}:{got} != {view.digest!r} in the chunk")
+            raise ChecksumMismatch(
+                f"{where}: digest {scheme}:{got} != {view.digest!r} in the chunk"
+            )
         self._done = True
 
     def result(self, *, to: To = "torch") -> tuple[Batch, dict[str, str]]:
