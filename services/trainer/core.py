@@ -280,6 +280,13 @@ class TrainerCore:
             raise InvalidArgument(
                 f"set_lr_scale: scale must be in (0, 1], got {scale}", field="scale", value=scale
             )
+        base = float(getattr(self.config, role).lr)
+        if base > 0 and base * scale < 1e-30:  # an lr that underflows trains nothing
+            raise InvalidArgument(
+                f"set_lr_scale: scale {scale} makes the {role} lr {base} x {scale} underflow",
+                field="scale",
+                value=scale,
+            )
         self._need(role, "set_lr_scale")
         with self.lock:
             lrs = self.run_on_ranks("set_lr_scale", role=role, scale=scale)

@@ -181,14 +181,16 @@ def bucket_meta(version: int, bucket: int, *, final: bool, tensors: int = 0) -> 
 
 
 def _int_meta(meta: dict[str, str], key: str, version: int) -> int:
-    try:
-        return int(meta[key])
-    except ValueError as e:
+    """A non-negative integer written as senders write it: ASCII digits only (Python's
+    ``int`` would also take ``-0``, `` 1_0`` or other scripts' digits)."""
+    text = meta[key]
+    if not (text.isascii() and text.isdigit() and len(text) <= 20):
         raise InvalidArgument(
-            f"weight update {version}: meta {key}={meta[key]!r} is not an integer",
+            f"weight update {version}: meta {key}={text[:32]!r} is not a non-negative integer",
             field=key,
-            value=meta[key],
-        ) from e
+            value=text[:32],
+        )
+    return int(text)
 
 
 class WeightStreamReceiver:

@@ -123,7 +123,7 @@ def test_set_lr_scale_keeps_the_schedule(tiny_model_dir: Path) -> None:
     assert core.set_lr_scale("actor", 1.0) == pytest.approx(1e-3)
 
 
-@pytest.mark.parametrize("scale", [0.0, -0.5, 1.5, math.nan, math.inf])
+@pytest.mark.parametrize("scale", [0.0, -0.5, 1.5, math.nan, math.inf, 5e-324])
 def test_set_lr_scale_refuses_bad_scales(tiny_model_dir: Path, scale: float) -> None:
     core = TrainerCore(make_config(str(tiny_model_dir)))
     with pytest.raises(InvalidArgument) as e:
