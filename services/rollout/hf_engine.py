@@ -591,20 +591,24 @@ class HFEngine:
         tensors); the KV cache lives only during a batch, so there is nothing else
         to free. CPU: level 1 frees nothing (weights already live in host memory),
         level 2 drops the weights (empty tensors; the next full update restores
-        them). Returns the bytes released on the device."""
+        them). Asleep at level 1, level 2 drops the weights (host memory). Returns the
+        bytes released on the device."""
         torch = self._torch
         if level not in (1, 2):
-            raise InvalidArgument(f"sleep level must be 1 or 2, got {level}", field="level")
+            raise InvalidArgument(
+                f"sleep level must be 1 or 2, got {level}", field="level", value=level
+            )
         with self._lock:
-            if self._sleep_level:
+            if self._sleep_level >= level:
                 return 0
+            deeper = self._sleep_level == 1  # level 2 now: the weights (on the host) go
             unique = {id(p): p for p in self._params.values()}.values()
             nbytes = sum(p.numel() * p.element_size() for p in unique)
             freed = 0
             with torch.no_grad():
                 for p in unique:
-                    if level == 2:  # an empty tensor on the same device frees the storage
-                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                    if level == 2:  # an empty tensor on the engine's device frees the storage
+                        p.data = torch.empty(0, dtype=p.dtype, device=self._device)
                     elif self._device.type != "cpu":
                         p.data = p.data.to("cpu")
                 if level == 1 and self._device.type != "cpu":
@@ -613,7 +617,7 @@ class HFEngine:
             if level == 2:
                 self._weights_dropped = True
                 self._lora_base.clear()
-                freed = nbytes
+                freed = 0 if deeper and self._device.type != "cpu" else nbytes
                 released, self._release = self._release, None
                 if released is not None:  # the adopted tensors are no parameters now
                     released()

@@ -740,10 +740,18 @@ class VLLMEngine:
 
     def sleep(self, level: int = 1) -> int:
         if level not in (1, 2):
-            raise InvalidArgument(f"sleep level must be 1 or 2, got {level}", field="level")
+            raise InvalidArgument(
+                f"sleep level must be 1 or 2, got {level}", field="level", value=level
+            )
         with self._lock:
-            if self._sleep_level:
+            if self._sleep_level >= level:
                 return 0
+            if self._sleep_level:  # asleep at 1, asked for 2: vLLM cannot go deeper
+                raise FailedPrecondition(
+                    "asleep at level 1: wake it up before sleeping at level 2",
+                    field="level",
+                    value=level,
+                )
             if self._sleep_mode:
                 self.llm.sleep(level=level)
             elif level == 2:

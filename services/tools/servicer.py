@@ -41,6 +41,7 @@ class ToolServicer(tools_pb2_grpc.ToolServiceServicer):
             raise InvalidArgument(
                 f"call_id has {len(request.call_id)} characters; at most {MAX_CALL_ID_CHARS}",
                 field="call_id",
+                value=len(request.call_id),
             )
         timeout = request.timeout_s
         left = context.time_remaining()

@@ -288,6 +288,8 @@ def test_sleep_without_sleep_mode(engine: VLLMEngine) -> None:
     assert engine.sleep(1) == 0
     with pytest.raises(FailedPrecondition, match="asleep"):
         engine.generate([GenerationRequest(PROMPTS, GREEDY)])
+    with pytest.raises(FailedPrecondition, match="asleep at level 1: wake it up"):
+        engine.sleep(2)  # not OK-and-nothing-done
     engine.wake_up()
     assert token_ids(engine.generate([GenerationRequest(PROMPTS, GREEDY)])[0]) == token_ids(before)
 

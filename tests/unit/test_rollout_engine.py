@@ -196,6 +196,22 @@ def test_sleep_level2_drops_weights_until_an_update(tiny_model_dir: Path) -> Non
     assert eng.info().weight_version == 1
 
 
+def test_sleep_at_level_1_then_2_goes_deeper(tiny_model_dir: Path) -> None:
+    """Asked for level 2 while asleep at level 1, the engine drops its weights (it
+    returned OK and did nothing); the same level again, or a lower one, is a no-op."""
+    eng = HFEngine(tiny_model_dir)
+    nbytes = sum(p.numel() * 4 for p in eng.model.parameters())
+    assert eng.sleep(level=1) == 0  # cpu: the weights already live in host memory
+    assert eng.sleep(level=1) == 0
+    assert eng.sleep(level=2) == nbytes
+    assert eng.model.model.embed_tokens.weight.numel() == 0
+    assert eng.sleep(level=1) == 0 and eng.sleep(level=2) == 0
+    eng.wake_up()
+    req = [GenerationRequest(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4))]
+    with pytest.raises(FailedPrecondition, match="update"):
+        eng.generate(req)
+
+
 def test_update_weights_checks_names_shapes_dtypes(tiny_model_dir: Path) -> None:
     eng = HFEngine(tiny_model_dir)
     sd = {k: v.clone() for k, v in eng.model.state_dict().items()}
