@@ -137,6 +137,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.RegisterRequest, context: grpc.ServicerContext
     ) -> scheduler_pb2.RegisterResponse:
         spec = spec_from_proto(request.info)
+        if "openai_url" in spec.capabilities:  # agents are sent there: a URL, from anyone
+            _openai_address(spec.capabilities["openai_url"])
         caller = caller_role()
         endpoint = ""
         if caller not in (None, "driver", ADMIN):

@@ -117,6 +117,27 @@ def test_probed_services_stay_alive_while_healthy(server: SchedulerServer) -> No
         healthy.stop(0)
 
 
+def test_an_openai_url_is_a_url_whoever_registers_it(server: SchedulerServer) -> None:
+    """The driver (here: no auth, every caller privileged) is not held to its own host,
+    but an openai_url it registers is still checked: agents are sent there."""
+    with RemoteSchedulerClient(server.address) as client:
+        for url in ("ftp://x", "http://nohostport", "not a url"):
+            with pytest.raises(InvalidArgument) as info:
+                client.register(
+                    ServiceSpec(
+                        role="rollout", address="127.0.0.1:7", capabilities={"openai_url": url}
+                    )
+                )
+            assert info.value.field == "info.capabilities[openai_url]"
+        client.register(
+            ServiceSpec(
+                role="rollout",
+                address="127.0.0.1:8",
+                capabilities={"openai_url": "http://127.0.0.1:9/v1"},
+            )
+        )
+
+
 def test_plan_refuses_pools_and_roles_by_name(server: SchedulerServer) -> None:
     """A pool that lists no node, a role that does not exist, a mapping to a pool that
     is not there: refused by name (they were planned as nothing, or ignored)."""
