@@ -1466,7 +1466,10 @@ ROWS: tuple[Row, ...] = (
         "trainer.default_local_dir",
         "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
         "trainer.default_local_dir",
-        note="the run dir: checkpoints, config.yaml, metrics",
+        note="the run dir: config.yaml, metrics, and checkpoints in its checkpoints/ "
+        "(global_step_N/ with actor and critic .safetensors + .json, huggingface/ and "
+        "trainer_state.json; verl writes global_step_N/actor/... straight into this "
+        "folder, so verl's tools read rlfleet's checkpoints through huggingface/)",
     ),
     _map("trainer.max_actor_ckpt_to_keep", None, "trainer.max_actor_ckpt_to_keep"),
     _map("trainer.max_critic_ckpt_to_keep", None, "trainer.max_critic_ckpt_to_keep"),
