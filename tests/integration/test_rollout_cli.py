@@ -81,10 +81,10 @@ def test_generate_prints_json_lines(
 def test_generate_reports_bad_input(address: str, tmp_path: Path, capsys) -> None:
     prompts = tmp_path / "bad.jsonl"
     prompts.write_text('{"nothing": 1}\n')
-    assert cli.run(parse(["generate", "--addr", address, "--prompts", str(prompts)])) == 1
+    assert cli.run(parse(["generate", "--addr", address, "--prompts", str(prompts)])) == 2
     assert "expected an object with prompt" in capsys.readouterr().err
-    prompts.write_text('{"token_ids": []}\n')
-    assert cli.run(parse(["generate", "--addr", address, "--prompts", str(prompts)])) == 1
+    prompts.write_text('{"token_ids": []}\n')  # refused by the replica: still bad input
+    assert cli.run(parse(["generate", "--addr", address, "--prompts", str(prompts)])) == 2
     assert "prompts[0].token_ids" in capsys.readouterr().err
 
 
@@ -119,11 +119,10 @@ def test_serve_torch_threads_set_before_the_engine_loads(
         server.serve_main(parser.parse_args(["--model", "m", "--torch-threads", "3", "--insecure"]))
     assert calls == [3, "build_engine"]
     calls.clear()
-    assert (
-        server.serve_main(parser.parse_args(["--model", "m", "--torch-threads", "0", "--insecure"]))
-        == 2
-    )
-    assert "--torch-threads must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # the flag's type, before anything loads
+        parser.parse_args(["--model", "m", "--torch-threads", "0", "--insecure"])
+    assert refused.value.code == 2
+    assert "argument --torch-threads: must be >= 1 (got 0)" in capsys.readouterr().err
     assert calls == []
 
 
@@ -148,8 +147,10 @@ def test_serve_lora_rank_reaches_the_vllm_engine_and_is_checked(
         server.serve_main(parser.parse_args([*base, "--lora-rank", "8"]))
     assert seen["engine"] == "vllm" and seen["lora_rank"] == 8
     seen.clear()
-    assert server.serve_main(parser.parse_args([*base, "--lora-rank", "-1"])) == 2
-    assert "--lora-rank must be >= 0, got -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        parser.parse_args([*base, "--lora-rank", "-1"])
+    assert refused.value.code == 2
+    assert "argument --lora-rank: must be >= 0 (got -1)" in capsys.readouterr().err
     assert seen == {}
     # The KV cache's size and partial rollouts reach the vLLM engine too.
     flags = [*base, "--kv-cache-memory-bytes", "1048576", "--partial-rollout"]
@@ -157,6 +158,8 @@ def test_serve_lora_rank_reaches_the_vllm_engine_and_is_checked(
         server.serve_main(parser.parse_args(flags))
     assert seen["kv_cache_memory_bytes"] == 1 << 20 and seen["partial_rollout"] is True
     seen.clear()
-    assert server.serve_main(parser.parse_args([*base, "--kv-cache-memory-bytes", "-1"])) == 2
-    assert "--kv-cache-memory-bytes must be >= 0, got -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        parser.parse_args([*base, "--kv-cache-memory-bytes", "-1"])
+    assert refused.value.code == 2
+    assert "argument --kv-cache-memory-bytes: must be >= 0 (got -1)" in capsys.readouterr().err
     assert seen == {}

@@ -29,8 +29,9 @@ def test_scale_records_the_desired_count_for_the_driver_only(
         out = json.loads(capsys.readouterr().out)
         assert out == {"role": "rollout", "replicas": 3, "request": 1}
         assert core.scale("rollout") == (3, 1)
-        assert main(["scale", "rollout", "0", "--scheduler", address]) == 1
-        assert "replicas" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as refused:  # refused here, before any call
+            main(["scale", "rollout", "0", "--scheduler", address])
+        assert refused.value.code == 2 and "must be >= 1 (got 0)" in capsys.readouterr().err
         monkeypatch.setenv("RLFLEET_CREDENTIALS", str(secrets / "observer.json"))
         assert main(["scale", "rollout", "5", "--scheduler", address]) == 1
         assert "may not call" in capsys.readouterr().err
