@@ -108,6 +108,7 @@ from rlfleet.common.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     Unavailable,
 )
 from rlfleet.weightsync import shm as shm_transport
@@ -149,6 +150,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_VERSION_STEP = 1 << 20
 #: Transports a replica serves, in no particular order (the sender's offer orders).
 SERVED: tuple[str, ...] = ("shm", "tcp", "grpc")
+#: Bulk transfers open at once at most (each holds a model-sized staging buffer at
+#: worst, a listener and a thread until committed, aborted or expired); one trainer
+#: pushing keeps one open (one bucket at a time).
+MAX_OPEN_TRANSFERS = 4
 
 
 class WeightReceiver:
@@ -432,6 +437,18 @@ class BulkReceiver:
                 field="transports",
                 value=offer.transports,
             )
+        if transport in BULK:
+            with self._lock:
+                open_now = sum(1 for x in self._transfers.values() if x.transport in BULK)
+            if open_now >= MAX_OPEN_TRANSFERS:  # each holds a staging buffer and a thread
+                raise ResourceExhausted(
+                    f"{open_now} bulk weight transfers are open here, the most a replica "
+                    "keeps: commit or abort them, or wait for them to expire "
+                    f"({self._timeout_s:g}s)",
+                    field="transfer",
+                    value=open_now,
+                    code="TOO_MANY_TRANSFERS",
+                )
         now = time.monotonic()
         t = _Transfer(uuid.uuid4().hex, offer, transport, now)
         if not offer.whole and transport != "grpc" and update is None:

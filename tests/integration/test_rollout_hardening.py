@@ -457,6 +457,31 @@ def test_a_commit_waits_no_longer_than_its_callers_deadline(served) -> None:
         channel.close()
 
 
+def test_open_bulk_transfers_are_bounded(served) -> None:
+    """Offers never sent: each held a staging buffer, a listener and a thread until it
+    expired, with no limit (20 took 10x the model's bytes). Past MAX_OPEN_TRANSFERS the
+    replica refuses with RESOURCE_EXHAUSTED; an abort frees a place at once."""
+    from rlfleet.weightsync.receiver import MAX_OPEN_TRANSFERS
+
+    _, address, engine = served
+    w = _perturbed(engine.inner, 12)
+    opened = [_open_tcp(address, w, 1) for _ in range(MAX_OPEN_TRANSFERS)]
+    _channel, stub, offer, _plan = opened[0]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.OpenWeightTransfer(wire.offer_to_proto(offer), timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert to_rlfleet_error(e.value).code == "TOO_MANY_TRANSFERS"
+    abort = rollout_pb2.AbortWeightTransferRequest(update_id=opened[0][3].transfer_id)
+    assert stub.AbortWeightTransfer(abort, timeout=30).aborted
+    opened.append(_open_tcp(address, w, 1))  # a place again
+    for _channel, each, _offer, plan in opened[1:]:
+        each.AbortWeightTransfer(
+            rollout_pb2.AbortWeightTransferRequest(update_id=plan.transfer_id), timeout=30
+        )
+    for channel, *_ in opened:
+        channel.close()
+
+
 def test_a_stranger_on_the_listener_does_not_hold_up_the_push(served, tiny_model_dir) -> None:
     """A connection that sends 31 bytes (one short of a token) and stays open, and one
     with a wrong token, do not delay the real sender; the stranger is closed once the
