@@ -26,7 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("rlfleet.common.tiny_model", "build a tiny Llama model and tokenizer offline"),
     "serve": (
         "rlfleet.launch.serve",
-        "run one service (scheduler, reward, rollout, trainer) in the foreground",
+        "run one service (scheduler, reward, rollout, tools, trainer) in the foreground",
     ),
     "status": ("rlfleet.launch.cli", "show the cluster's services and training status"),
     "up": (
