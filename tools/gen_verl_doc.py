@@ -60,7 +60,15 @@ each given key with its value and the rlfleet key it set (or why it was ignored)
 rlfleet keys that verl's defaults set, and the rlfleet keys passed through.
 
 `*` in a key stands for one level, `**` for everything below. A key mapped only under
-a condition (vLLM knobs with `rollout.name vllm`) is ignored otherwise.
+a condition (vLLM knobs with `rollout.name vllm`) is ignored otherwise, whatever its
+value; a value left as OmegaConf's `???` is reported as required and not set.
+
+What `load_config` returns is rlfleet's `Config`: code that reads verl's paths from it
+(`config.actor_rollout_ref.model.path`) reads rlfleet's instead (`config.actor.model_path`;
+the table's third column, and `{REPORT_FILE}` per run, say which). Checkpoints go to the
+run dir's `checkpoints/` (see `trainer.default_local_dir` below), a missing logger package
+(`wandb`, `tensorboard`) is a warning at start rather than an import error, and the
+checks of batch sizes are rlfleet's (a mini-batch must divide `data.train_batch_size`).
 
 """
 
