@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PY) -m pip install -q -e '.[all,dev]'
+	# OpenTelemetry's own OTLP schema, for tests/unit/test_tracing.py only, outside the
+	# environment: an importable `opentelemetry` package makes Ray's dashboard load
+	# OpenTelemetry's metrics API, which this package alone does not have.
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/otlp-proto 'opentelemetry-proto>=1.20'
 	@touch $@
 
 # The embedded default: tiny model, arithmetic data, SFT warm start, then PPO (GAE)
