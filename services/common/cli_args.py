@@ -11,6 +11,7 @@ import logging
 import math
 
 __all__ = [
+    "add_override_argument",
     "address",
     "fraction",
     "log_level",
@@ -110,3 +111,16 @@ def address(text: str) -> str:
     if not 1 <= int(port_text) <= 65535:
         raise argparse.ArgumentTypeError(f"port must be 1-65535 (got {text!r})")
     return text
+
+
+def add_override_argument(parser: argparse.ArgumentParser, example: str = "") -> None:
+    """``-o/--override KEY=VALUE`` (repeatable), as every service takes its config's
+    dotted overrides; ``args.override`` is their list."""
+    parser.add_argument(
+        "-o",
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"dotted config override{f', e.g. {example}' if example else ''} (repeatable)",
+    )

@@ -151,14 +151,7 @@ def start_reward_service(
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``rlfleet serve reward``."""
     parser.add_argument("--config", help="YAML run config; its `reward` section is used")
-    parser.add_argument(
-        "-o",
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted config override, e.g. reward.num_workers=8 (repeatable)",
-    )
+    cli_args.add_override_argument(parser, "reward.num_workers=8")
     parser.add_argument("--host", default="127.0.0.1", help="interface (0.0.0.0 to expose)")
     parser.add_argument(
         "--port", type=cli_args.port, default=DEFAULT_PORT, help="0 picks a free port"

@@ -311,14 +311,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="run config (YAML): its rollout section (model, engine, dtype, token budget, "
         "vLLM knobs) and trainer.device give the defaults; the flags below override them",
     )
-    parser.add_argument(
-        "-o",
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted config override, e.g. rollout.dtype=bfloat16 (repeatable)",
-    )
+    cli_args.add_override_argument(parser, "rollout.dtype=bfloat16")
     parser.add_argument(
         "--model", default=None, help="Hugging Face model directory (default: the config's)"
     )

@@ -320,14 +320,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--metrics-host", default=None, help="default: --host")
     parser.add_argument("--config", default=None, help="run config: device kind and pools")
-    parser.add_argument(
-        "-o",
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted config override (repeatable)",
-    )
+    cli_args.add_override_argument(parser)
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default=None, help="default: trainer.device, else cpu"
     )

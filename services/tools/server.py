@@ -59,14 +59,7 @@ def start_tool_server(
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="run config (YAML): its tools section")
-    parser.add_argument(
-        "-o",
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted config override, e.g. tools.builtin=[calculator] (repeatable)",
-    )
+    cli_args.add_override_argument(parser, "tools.builtin=[calculator]")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
     parser.add_argument(
         "--port", type=cli_args.port, default=0, help="gRPC port; 0 picks a free one"

@@ -54,15 +54,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="for the lr schedule",
     )
     parser.add_argument("overrides", nargs="*", help="dotted config overrides key.path=value")
-    parser.add_argument(
-        "-o",
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted config override, as every other service takes it (repeatable; "
-        "joins the positional ones)",
-    )
+    cli_args.add_override_argument(parser, "actor.lr=1e-6; joins the positional ones")
     from rlfleet.common.rpc import add_security_arguments
 
     add_security_arguments(parser)
