@@ -286,21 +286,12 @@ def check_spec(spec: ServiceSpec) -> None:
     for key, value in spec.capabilities.items():
         _check_text(key, "info.capabilities")
         _check_text(value, f"info.capabilities[{key}]", MAX_CAPABILITY_CHARS)
-    seen: dict[tuple[str, int, str], int] = {}
     for i, d in enumerate(spec.devices):
         _check_text(d.name, f"info.devices[{i}].name")
         if d.index < 0 or d.memory_bytes < 0:
             raise InvalidArgument(
                 "index and memory_bytes must be >= 0", field=f"info.devices[{i}]", value=d.index
             )
-        device = (d.kind, d.index, d.name)
-        if device in seen:  # one device counted twice in placement
-            raise InvalidArgument(
-                f"{d.kind}:{d.index} is listed twice (devices {seen[device]} and {i})",
-                field=f"info.devices[{i}]",
-                value=f"{d.kind}:{d.index}",
-            )
-        seen[device] = i
     if spec.capacity < 0 or spec.pid < 0:
         raise InvalidArgument("capacity and pid must be >= 0", field="info", value=spec.capacity)
 

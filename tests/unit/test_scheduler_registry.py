@@ -296,10 +296,10 @@ def test_one_service_credential_cannot_fill_the_registry() -> None:
     reg.register(ServiceSpec(role="trainer", address="127.0.0.1:9999"), caller="driver")
 
 
-def test_status_metrics_heartbeat_load_and_devices_are_bounded() -> None:
+def test_status_metrics_and_heartbeat_load_are_bounded() -> None:
     """The training status is kept and sent to every GetTrainingStatus: its metrics
     are bounded in count and name length; a heartbeat's tokens/s feeds the autoscaler
-    (finite, >= 0); one device listed twice would count twice in placement."""
+    (finite, >= 0)."""
     from rlfleet.scheduler.registry import MAX_METRIC_NAME_CHARS, MAX_STATUS_METRICS
 
     core = SchedulerCore(Registry(clock=Clock()))
@@ -319,8 +319,6 @@ def test_status_metrics_heartbeat_load_and_devices_are_bounded() -> None:
         assert info.value.field == "load.tokens_per_second"
     assert reg.heartbeat(sid, ServiceLoad(tokens_per_second=12.5))
 
-    twice = [Device("cuda", 0), Device("cuda", 1), Device("cuda", 0)]
-    with pytest.raises(InvalidArgument) as info:
-        reg.register(spec(port=7, devices=twice))
-    assert info.value.field == "info.devices[2]"
-    reg.register(spec(port=8, devices=[Device("cuda", 0), Device("cpu", 0)]))
+    # A service on several nodes (a trainer's ranks) lists each node's devices: one
+    # index may repeat.
+    reg.register(spec(port=8, devices=[Device("cpu", 0), Device("cpu", 1), Device("cpu", 0)]))
