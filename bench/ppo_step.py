@@ -147,7 +147,9 @@ class FakeTrainer:
     def _busy(self, key: str) -> None:
         self.device.busy(self.train_s * TRAIN_SPLIT[key])
 
-    def train_step(self, batch: dict[str, Any], *, on_policy: bool = False) -> TrainStepResult:
+    def train_step(
+        self, batch: dict[str, Any], *, on_policy: bool = False, total_steps: int = 0
+    ) -> TrainStepResult:
         """The one call per step: every phase's share of ``train_s``, timed as the
         trainer times them."""
         timing: dict[str, float] = {}

@@ -876,7 +876,9 @@ class PPOTrainer:
         on_policy = self._on_policy(gb)
         t0 = time.perf_counter()
         with tracing.span("train", rows=len(gb.samples), on_policy=on_policy):
-            result = self._w.trainer.train_step(batch, on_policy=on_policy)
+            result = self._w.trainer.train_step(
+                batch, on_policy=on_policy, total_steps=self.total_training_steps
+            )
         expected, self._trainer_step = self._trainer_step, result.global_step
         if expected is not None and result.global_step != expected + 1:
             self._trainer_step = None

@@ -97,6 +97,11 @@ class Backend(Protocol):
         ``scale`` (see :func:`rlfleet.trainer.fsdp.set_base_lr`)."""
         ...
 
+    def set_total_steps(self, total: int) -> None:
+        """The run's total training steps for every lr schedule (warm-up ratio and
+        decay; see :func:`rlfleet.trainer.fsdp.set_schedule_total`)."""
+        ...
+
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel group (identity on one rank)."""
         ...

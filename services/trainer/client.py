@@ -79,11 +79,14 @@ class TrainerClient(Protocol):
     def compute_advantage(self, batch: Batch) -> tuple[Batch, dict[str, float]]: ...
     def update_critic(self, batch: Batch) -> UpdateResult: ...
     def update_actor(self, batch: Batch) -> UpdateResult: ...
-    def train_step(self, batch: Batch, *, on_policy: bool = False) -> TrainStepResult:
+    def train_step(
+        self, batch: Batch, *, on_policy: bool = False, total_steps: int = 0
+    ) -> TrainStepResult:
         """One PPO step on a scored batch, sent once (the trainer keeps it): old
         log-probs, ref, values, advantages, critic and actor updates, each timed on the
         trainer. ``on_policy``: every sample was generated with the weights the trainer
-        holds now, which lets it skip a redundant old-log-prob pass."""
+        holds now, which lets it skip a redundant old-log-prob pass. ``total_steps``:
+        the run's total training steps, for the lr schedules (0: the trainer's own)."""
         ...
 
     def sft_step(self, batch: Batch) -> UpdateResult: ...
@@ -142,8 +145,12 @@ class InProcessTrainerClient:
     def update_actor(self, batch: Batch) -> UpdateResult:
         return self._result(self.core.update_actor(batch))
 
-    def train_step(self, batch: Batch, *, on_policy: bool = False) -> TrainStepResult:
-        result: TrainStepResult = self.core.train_step_result(batch, on_policy=on_policy)
+    def train_step(
+        self, batch: Batch, *, on_policy: bool = False, total_steps: int = 0
+    ) -> TrainStepResult:
+        result: TrainStepResult = self.core.train_step_result(
+            batch, on_policy=on_policy, total_steps=total_steps
+        )
         return result
 
     def sft_step(self, batch: Batch) -> UpdateResult:
@@ -305,13 +312,16 @@ class RemoteTrainerClient:
     def update_actor(self, batch: Batch) -> UpdateResult:
         return self._update("UpdateActor", batch)
 
-    def train_step(self, batch: Batch, *, on_policy: bool = False) -> TrainStepResult:
+    def train_step(
+        self, batch: Batch, *, on_policy: bool = False, total_steps: int = 0
+    ) -> TrainStepResult:
         call = self._channel.stream_unary(
             _METHOD + "TrainStep",
             request_serializer=serialize_chunk,  # bytes pass through
             response_deserializer=trainer_pb2.TrainStepResponse.FromString,
         )
-        requests = iter_chunk_bytes(batch, envelope=train_step_envelope(on_policy=on_policy))
+        envelope = train_step_envelope(on_policy=on_policy, total_steps=total_steps)
+        requests = iter_chunk_bytes(batch, envelope=envelope)
         return train_step_from_proto(self._call(call, requests))
 
     def sft_step(self, batch: Batch) -> UpdateResult:

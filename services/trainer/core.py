@@ -166,6 +166,8 @@ class TrainerCore:
             loss_kl.type, a.kl_loss_coef, loss_kl.target_kl, loss_kl.horizon
         )
         self.state = TrainerState(kl_coef=self.kl_ctrl.value, kl_loss_coef=self.kl_loss_ctrl.value)
+        # The lr schedules' total (None: not known yet; a caller may give it later).
+        self.total_training_steps = total_training_steps or config.trainer.total_training_steps
         # Token ids are checked against it before any model sees them.
         self.vocab_size = model_vocab_size(config, self.roles)
         # One operation at a time: gRPC serves calls on a thread pool, and the
@@ -291,6 +293,26 @@ class TrainerCore:
         with self.lock:
             lrs = self.run_on_ranks("set_lr_scale", role=role, scale=scale)
         return float(lrs[0])
+
+    def set_total_training_steps(self, total: int) -> None:
+        """The run's total training steps for the lr schedules (``lr_warmup_steps_ratio``
+        and the cosine decay to ``min_lr_ratio`` follow it), from the current step on.
+        The driver sends it with every :meth:`train_step_result`; a no-op when unchanged.
+
+        Raises:
+            InvalidArgument: ``total`` not a positive integer.
+        """
+        if isinstance(total, bool) or not isinstance(total, int) or not 0 < total < 2**53:
+            raise InvalidArgument(
+                f"total_steps must be a positive integer below 2^53, got {total!r}",
+                field="total_steps",
+                value=total,
+            )
+        with self.lock:
+            if total == self.total_training_steps:
+                return
+            self.run_on_ranks("set_total_steps", total=total)
+            self.total_training_steps = total
 
     def _check(self, results: list[Any]) -> list[Any]:
         for r, res in enumerate(results):
@@ -553,12 +575,16 @@ class TrainerCore:
         )
         return on_policy and a.ppo_epochs == 1 and one_minibatch
 
-    def train_step(self, batch: Batch, *, on_policy: bool = False) -> dict[str, float]:
+    def train_step(
+        self, batch: Batch, *, on_policy: bool = False, total_steps: int = 0
+    ) -> dict[str, float]:
         """One PPO step on a scored batch, in verl's order; its metrics (see
         :meth:`train_step_result`)."""
-        return self.train_step_result(batch, on_policy=on_policy).metrics
+        return self.train_step_result(batch, on_policy=on_policy, total_steps=total_steps).metrics
 
-    def train_step_result(self, batch: Batch, *, on_policy: bool = False) -> TrainStepResult:
+    def train_step_result(
+        self, batch: Batch, *, on_policy: bool = False, total_steps: int = 0
+    ) -> TrainStepResult:
         """One PPO step on a scored batch, in verl's order (see the module docstring).
 
         Args:
@@ -568,6 +594,8 @@ class TrainerCore:
             on_policy: every sample was generated with the weights this trainer holds
                 now (the caller knows; never assumed): lets the old-log-prob pass be
                 skipped when one epoch over one mini-batch makes it redundant.
+            total_steps: the run's total training steps, for the lr schedules
+                (:meth:`set_total_training_steps`); 0 keeps the trainer's.
 
         Returns:
             Metrics (the updates', the data metrics, ``timing_s/<phase>`` of each phase
@@ -575,6 +603,8 @@ class TrainerCore:
             whether the actor updated.
         """
         self._validate(batch, "train_step", self._train_step_keys(batch))
+        if total_steps:
+            self.set_total_training_steps(total_steps)
         batch = B.ensure_defaults(batch)
         bs = B.batch_size(batch)
         a = self.config.actor

@@ -51,6 +51,7 @@ class RankOps:
             "drain_full_params": self.drain_full_params,
             "export_hf": self.export_hf,
             "set_lr_scale": self.set_lr_scale,
+            "set_total_steps": self.backend.set_total_steps,
         }
 
     def run(self, op: str, arg: Any, kwargs: dict[str, Any]) -> Any:

@@ -50,6 +50,7 @@ __all__ = [
     "build_scheduler",
     "ensure_process_group",
     "set_base_lr",
+    "set_schedule_total",
 ]
 
 logger = logging.getLogger(__name__)
@@ -58,13 +59,30 @@ logger = logging.getLogger(__name__)
 class WarmupSchedule:
     """lr multiplier: linear warm-up over ``warmup`` steps, then constant or cosine decay
     to ``min_lr_ratio`` at ``total`` steps. A class (not a lambda) so that LambdaLR's
-    state_dict captures it."""
+    state_dict captures it. ``warmup_ratio`` (verl's ``lr_warmup_steps_ratio``, used
+    when ``lr_warmup_steps`` is negative) makes the warm-up follow the total when the
+    total is only known later (:meth:`set_total`)."""
 
-    def __init__(self, warmup: int, total: int | None, kind: str, min_lr_ratio: float) -> None:
+    def __init__(
+        self,
+        warmup: int,
+        total: int | None,
+        kind: str,
+        min_lr_ratio: float,
+        warmup_ratio: float | None = None,
+    ) -> None:
         self.warmup = warmup
         self.total = total
         self.kind = kind
         self.min_lr_ratio = min_lr_ratio
+        self.warmup_ratio = warmup_ratio
+
+    def set_total(self, total: int) -> None:
+        """The run's total training steps from now on (the warm-up follows it when
+        given as a ratio)."""
+        self.total = total
+        if self.warmup_ratio is not None:
+            self.warmup = int(self.warmup_ratio * total)
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
@@ -81,12 +99,23 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """verl's schedule: ``lr_warmup_steps`` (or ``lr_warmup_steps_ratio * total``) of
     linear warm-up, then constant or cosine (``lr_scheduler``) down to ``min_lr_ratio``."""
-    if section.lr_warmup_steps >= 0:
-        warmup = section.lr_warmup_steps
-    else:
-        warmup = int(section.lr_warmup_steps_ratio * (total or 0))
-    schedule = WarmupSchedule(warmup, total, section.lr_scheduler, section.min_lr_ratio)
+    ratio = None if section.lr_warmup_steps >= 0 else section.lr_warmup_steps_ratio
+    warmup = section.lr_warmup_steps if ratio is None else int(ratio * (total or 0))
+    schedule = WarmupSchedule(warmup, total, section.lr_scheduler, section.min_lr_ratio, ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def set_schedule_total(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, total: int
+) -> None:
+    """Give ``scheduler``'s schedules the run's total training steps (warm-up ratio and
+    decay follow it) and put the lr for the current step into effect at once."""
+    for i, group in enumerate(optimizer.param_groups):
+        schedule = scheduler.lr_lambdas[i]
+        if isinstance(schedule, WarmupSchedule):
+            schedule.set_total(total)
+        group["lr"] = scheduler.base_lrs[i] * schedule(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def set_base_lr(
@@ -372,6 +401,10 @@ class FSDPBackend:
 
     def set_lr_scale(self, role: ModelRole, scale: float) -> None:
         set_base_lr(self.optimizers[role], self.schedulers[role], self.sections[role].lr * scale)
+
+    def set_total_steps(self, total: int) -> None:
+        for role, scheduler in self.schedulers.items():
+            set_schedule_total(self.optimizers[role], scheduler, total)
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         if not self.distributed or self.world_size == 1:

@@ -51,7 +51,12 @@ from torch import nn
 from rlfleet.common.config import ActorConfig, Config, CriticConfig, MegatronConfig
 from rlfleet.common.errors import FailedPrecondition
 from rlfleet.trainer.backend import LossFn, Metrics, ModelRole, Outputs
-from rlfleet.trainer.fsdp import build_scheduler, ensure_process_group, set_base_lr
+from rlfleet.trainer.fsdp import (
+    build_scheduler,
+    ensure_process_group,
+    set_base_lr,
+    set_schedule_total,
+)
 from rlfleet.trainer.megatron_convert import (
     ModelShape,
     ParamSpec,
@@ -738,6 +743,10 @@ class MegatronBackend:
 
     def set_lr_scale(self, role: ModelRole, scale: float) -> None:
         set_base_lr(self.optimizers[role], self.schedulers[role], self.sections[role].lr * scale)
+
+    def set_total_steps(self, total: int) -> None:
+        for role, scheduler in self.schedulers.items():
+            set_schedule_total(self.optimizers[role], scheduler, total)
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.dp_size == 1:

@@ -88,30 +88,32 @@ def encode_result(batch: Batch, metrics: dict[str, float]) -> Iterator[bytes]:
 
 
 class TrainStepPart:
-    """One parsed ``TrainStepRequest``: its chunk (tensor bytes not copied) and flag."""
+    """One parsed ``TrainStepRequest``: its chunk (tensor bytes not copied) and the
+    step's fields (read from the first part)."""
 
-    __slots__ = ("chunk", "on_policy")
+    __slots__ = ("chunk", "on_policy", "total_steps")
 
-    def __init__(self, chunk: ChunkView, on_policy: bool) -> None:
+    def __init__(self, chunk: ChunkView, on_policy: bool, total_steps: int = 0) -> None:
         self.chunk = chunk
         self.on_policy = on_policy
+        self.total_steps = total_steps
 
 
 _TRAIN_STEP_CHUNK = 1  # TrainStepRequest.chunk
-_ON_POLICY = b"\x10\x01"  # TrainStepRequest.on_policy = true (field 2, varint)
 
 
-def train_step_envelope(*, on_policy: bool) -> Envelope:
+def train_step_envelope(*, on_policy: bool, total_steps: int = 0) -> Envelope:
     """Codec chunks framed as ``TrainStepRequest``s in place (the chunk as field 1,
-    the flag after it), so that no chunk is copied again to frame it."""
-    return Envelope(field=_TRAIN_STEP_CHUNK, suffix=_ON_POLICY if on_policy else b"")
+    the step's fields after it), so that no chunk is copied again to frame it."""
+    head = trainer_pb2.TrainStepRequest(on_policy=on_policy, total_steps=total_steps)
+    return Envelope(field=_TRAIN_STEP_CHUNK, suffix=head.SerializeToString())
 
 
 def parse_train_step_request(data: bytes | memoryview) -> TrainStepPart:
     """A ``TrainStepRequest`` (any valid encoding) with its chunk parsed by
     :func:`parse_chunk`. Raises ``CodecError`` on malformed bytes."""
-    chunk, flags = codec_wire.parse_envelope(data, _TRAIN_STEP_CHUNK, trainer_pb2.TrainStepRequest)
-    return TrainStepPart(chunk, flags.on_policy)
+    chunk, head = codec_wire.parse_envelope(data, _TRAIN_STEP_CHUNK, trainer_pb2.TrainStepRequest)
+    return TrainStepPart(chunk, head.on_policy, head.total_steps)
 
 
 def decode_result(asm: ChunkAssembler) -> tuple[Batch, dict[str, float]]:

@@ -51,7 +51,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--total-training-steps",
         type=cli_args.positive_int,
         default=None,
-        help="for the lr schedule",
+        help="for the lr schedules until a caller sends the run's own (the driver sends it "
+        "with every TrainStep); default: trainer.total_training_steps",
     )
     parser.add_argument("overrides", nargs="*", help="dotted config overrides key.path=value")
     cli_args.add_override_argument(parser, "actor.lr=1e-6; joins the positional ones")

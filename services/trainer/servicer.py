@@ -128,8 +128,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         with tracing.span("trainer.train_step") as attrs:
             batch = self._batch(chunks())
             on_policy = bool(first) and first[0].on_policy
+            total_steps = first[0].total_steps if first else 0
             attrs["on_policy"] = on_policy
-            result = self.core.train_step_result(batch, on_policy=on_policy)
+            result = self.core.train_step_result(
+                batch, on_policy=on_policy, total_steps=total_steps
+            )
         return train_step_to_proto(result)
 
     def SFTStep(

@@ -27,7 +27,7 @@ from rlfleet.v1 import common_pb2 as rlfleet_dot_v1_dot_common__pb2
 from rlfleet.v1 import rollout_pb2 as rlfleet_dot_v1_dot_rollout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/trainer.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/common.proto\x1a\x18rlfleet/v1/rollout.proto\"\xa7\x01\n\x0eUpdateResponse\x12\x38\n\x07metrics\x18\x01 \x03(\x0b\x32\'.rlfleet.v1.UpdateResponse.MetricsEntry\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x04\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"R\n\x10TrainStepRequest\x12+\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1c.rlfleet.v1.TensorBatchChunk\x12\x11\n\ton_policy\x18\x02 \x01(\x08\"\xc4\x01\n\x11TrainStepResponse\x12;\n\x07metrics\x18\x01 \x03(\x0b\x32*.rlfleet.v1.TrainStepResponse.MetricsEntry\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x04\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\x15\n\ractor_updated\x18\x04 \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"`\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x18\n\x10\x65xtra_state_json\x18\x03 \x01(\t\x12\x11\n\texport_hf\x18\x04 \x01(\x08\"F\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"%\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"N\n\x16LoadCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x18\n\x10\x65xtra_state_json\x18\x03 \x01(\t\"4\n\rRolloutTarget\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x98\x01\n\x12PushWeightsRequest\x12*\n\x07targets\x18\x01 \x03(\x0b\x32\x19.rlfleet.v1.RolloutTarget\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12/\n\ntransports\x18\x03 \x03(\x0e\x32\x1b.rlfleet.v1.WeightTransport\x12\x14\n\x0c\x62ucket_bytes\x18\x04 \x01(\x04\"|\n\nPushResult\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12.\n\ttransport\x18\x04 \x01(\x0e\x32\x1b.rlfleet.v1.WeightTransport\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"^\n\x13PushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\'\n\x07results\x18\x03 \x03(\x0b\x32\x16.rlfleet.v1.PushResult\"0\n\x11SetLRScaleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05scale\x18\x02 \x01(\x01\" \n\x12SetLRScaleResponse\x12\n\n\x02lr\x18\x01 \x01(\x01\"\x19\n\x17GetTrainerStatusRequest\"\x7f\n\rTrainerStatus\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\r\n\x05roles\x18\x05 \x03(\t\x12\r\n\x05model\x18\x06 \x01(\t2\xa2\x08\n\x0eTrainerService\x12P\n\x0e\x43omputeLogProb\x12\x1c.rlfleet.v1.TensorBatchChunk\x1a\x1c.rlfleet.v1.TensorBatchChunk(\x01\x30\x01\x12S\n\x11\x43omputeRefLogProb\x12\x1c.rlfleet.v1.TensorBatchChunk\x1a\x1c.rlfleet.v1.TensorBatchChunk(\x01\x30\x01\x12O\n\rComputeValues\x12\x1c.rlfleet.v1.TensorBatchChunk\x1a\x1c.rlfleet.v1.TensorBatchChunk(\x01\x30\x01\x12R\n\x10\x43omputeAdvantage\x12\x1c.rlfleet.v1.TensorBatchChunk\x1a\x1c.rlfleet.v1.TensorBatchChunk(\x01\x30\x01\x12J\n\x0cUpdateCritic\x12\x1c.rlfleet.v1.TensorBatchChunk\x1a\x1a.rlfleet.v1.UpdateResponse(\x01\x12I\n\x0bUpdateActor\x12\x1c.rlfleet.v1.TensorBatchChunk\x1a\x1a.rlfleet.v1.UpdateResponse(\x01\x12J\n\tTrainStep\x12\x1c.rlfleet.v1.TrainStepRequest\x1a\x1d.rlfleet.v1.TrainStepResponse(\x01\x12\x45\n\x07SFTStep\x12\x1c.rlfleet.v1.TensorBatchChunk\x1a\x1a.rlfleet.v1.UpdateResponse(\x01\x12W\n\x0eSaveCheckpoint\x12!.rlfleet.v1.SaveCheckpointRequest\x1a\".rlfleet.v1.SaveCheckpointResponse\x12W\n\x0eLoadCheckpoint\x12!.rlfleet.v1.LoadCheckpointRequest\x1a\".rlfleet.v1.LoadCheckpointResponse\x12N\n\x0bPushWeights\x12\x1e.rlfleet.v1.PushWeightsRequest\x1a\x1f.rlfleet.v1.PushWeightsResponse\x12K\n\nSetLRScale\x12\x1d.rlfleet.v1.SetLRScaleRequest\x1a\x1e.rlfleet.v1.SetLRScaleResponse\x12K\n\tGetStatus\x12#.rlfleet.v1.GetTrainerStatusRequest\x1a\x19.rlfleet.v1.TrainerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/trainer.proto\x12\nrlfleet.v1\x1a\x17rlfleet/v1/common.proto\x1a\x18rlfleet/v1/rollout.proto\"\xa7\x01\n\x0eUpdateResponse\x12\x38\n\x07metrics\x18\x01 \x03(\x0b\x32\'.rlfleet.v1.UpdateResponse.MetricsEntry\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x04\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"g\n\x10TrainStepRequest\x12+\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1c.rlfleet.v1.TensorBatchChunk\x12\x11\n\ton_policy\x18\x02 \x01(\x08\x12\x13\n\x0btotal_steps\x18\x03 \x01(\x04\"\xc4\x01\n\x11TrainStepResponse\x12;\n\x07metrics\x18\x01 \x03(\x0b\x32*.rlfleet.v1.TrainStepResponse.MetricsEntry\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x04\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\x15\n\ractor_updated\x18\x04 \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"`\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x18\n\x10\x65xtra_state_json\x18\x03 \x01(\t\x12\x11\n\texport_hf\x18\x04 \x01(\x08\"F\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"%\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"N\n\x16LoadCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x18\n\x10\x65xtra_state_json\x18\x03 \x01(\t\"4\n\rRolloutTarget\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x98\x01\n\x12PushWeightsRequest\x12*\n\x07targets\x18\x01 \x03(\x0b\x32\x19.rlfleet.v1.RolloutTarget\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12/\n\ntransports\x18\x03 \x03(\x0e\x32\x1b.rlfleet.v1.WeightTransport\x12\x14\n\x0c\x62ucket_bytes\x18\x04 \x01(\x04\"|\n\nPushResult\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12.\n\ttransport\x18\x04 \x01(\x0e\x32\x1b.rlfleet.v1.WeightTransport\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"^\n\x13PushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\'\n\x07results\x18\x03 \x03(\x0b\x32\x16.rlfleet.v1.PushResult\"0\n\x11SetLRScaleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05scale\x18\x02 \x01(\x01\" \n\x12SetLRScaleResponse\x12\n\n\x02lr\x18\x01 \x01(\x01\"\x19\n\x17GetTrainerStatusRequest\"\x7f\n\rTrainerStatus\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\r\n\x05roles\x18\x05 \x03(\t\x12\r\n\x05model\x18\x06 \x01(\t2\xa2\x08\n\x0eTrainerService\x12P\n\x0e\x43omputeLogProb\x12\x1c.rlfleet.v1.TensorBatchChunk\x1a\x1c.rlfleet.v1.TensorBatchChunk(\x01\x30\x01\x12S\n\x11\x43omputeRefLogProb\x12\x1c.rlfleet.v1.TensorBatchChunk\x1a\x1c.rlfleet.v1.TensorBatchChunk(\x01\x30\x01\x12O\n\rComputeValues\x12\x1c.rlfleet.v1.TensorBatchChunk\x1a\x1c.rlfleet.v1.TensorBatchChunk(\x01\x30\x01\x12R\n\x10\x43omputeAdvantage\x12\x1c.rlfleet.v1.TensorBatchChunk\x1a\x1c.rlfleet.v1.TensorBatchChunk(\x01\x30\x01\x12J\n\x0cUpdateCritic\x12\x1c.rlfleet.v1.TensorBatchChunk\x1a\x1a.rlfleet.v1.UpdateResponse(\x01\x12I\n\x0bUpdateActor\x12\x1c.rlfleet.v1.TensorBatchChunk\x1a\x1a.rlfleet.v1.UpdateResponse(\x01\x12J\n\tTrainStep\x12\x1c.rlfleet.v1.TrainStepRequest\x1a\x1d.rlfleet.v1.TrainStepResponse(\x01\x12\x45\n\x07SFTStep\x12\x1c.rlfleet.v1.TensorBatchChunk\x1a\x1a.rlfleet.v1.UpdateResponse(\x01\x12W\n\x0eSaveCheckpoint\x12!.rlfleet.v1.SaveCheckpointRequest\x1a\".rlfleet.v1.SaveCheckpointResponse\x12W\n\x0eLoadCheckpoint\x12!.rlfleet.v1.LoadCheckpointRequest\x1a\".rlfleet.v1.LoadCheckpointResponse\x12N\n\x0bPushWeights\x12\x1e.rlfleet.v1.PushWeightsRequest\x1a\x1f.rlfleet.v1.PushWeightsResponse\x12K\n\nSetLRScale\x12\x1d.rlfleet.v1.SetLRScaleRequest\x1a\x1e.rlfleet.v1.SetLRScaleResponse\x12K\n\tGetStatus\x12#.rlfleet.v1.GetTrainerStatusRequest\x1a\x19.rlfleet.v1.TrainerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,35 +43,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UPDATERESPONSE_METRICSENTRY']._serialized_start=213
   _globals['_UPDATERESPONSE_METRICSENTRY']._serialized_end=259
   _globals['_TRAINSTEPREQUEST']._serialized_start=261
-  _globals['_TRAINSTEPREQUEST']._serialized_end=343
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=346
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=542
+  _globals['_TRAINSTEPREQUEST']._serialized_end=364
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=367
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=563
   _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=213
   _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=259
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=544
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=640
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=642
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=712
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=714
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=751
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=753
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=831
-  _globals['_ROLLOUTTARGET']._serialized_start=833
-  _globals['_ROLLOUTTARGET']._serialized_end=885
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=888
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1040
-  _globals['_PUSHRESULT']._serialized_start=1042
-  _globals['_PUSHRESULT']._serialized_end=1166
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1168
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1262
-  _globals['_SETLRSCALEREQUEST']._serialized_start=1264
-  _globals['_SETLRSCALEREQUEST']._serialized_end=1312
-  _globals['_SETLRSCALERESPONSE']._serialized_start=1314
-  _globals['_SETLRSCALERESPONSE']._serialized_end=1346
-  _globals['_GETTRAINERSTATUSREQUEST']._serialized_start=1348
-  _globals['_GETTRAINERSTATUSREQUEST']._serialized_end=1373
-  _globals['_TRAINERSTATUS']._serialized_start=1375
-  _globals['_TRAINERSTATUS']._serialized_end=1502
-  _globals['_TRAINERSERVICE']._serialized_start=1505
-  _globals['_TRAINERSERVICE']._serialized_end=2563
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=565
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=661
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=663
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=733
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=735
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=772
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=774
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=852
+  _globals['_ROLLOUTTARGET']._serialized_start=854
+  _globals['_ROLLOUTTARGET']._serialized_end=906
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=909
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1061
+  _globals['_PUSHRESULT']._serialized_start=1063
+  _globals['_PUSHRESULT']._serialized_end=1187
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1189
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1283
+  _globals['_SETLRSCALEREQUEST']._serialized_start=1285
+  _globals['_SETLRSCALEREQUEST']._serialized_end=1333
+  _globals['_SETLRSCALERESPONSE']._serialized_start=1335
+  _globals['_SETLRSCALERESPONSE']._serialized_end=1367
+  _globals['_GETTRAINERSTATUSREQUEST']._serialized_start=1369
+  _globals['_GETTRAINERSTATUSREQUEST']._serialized_end=1394
+  _globals['_TRAINERSTATUS']._serialized_start=1396
+  _globals['_TRAINERSTATUS']._serialized_end=1523
+  _globals['_TRAINERSERVICE']._serialized_start=1526
+  _globals['_TRAINERSERVICE']._serialized_end=2584
 # @@protoc_insertion_point(module_scope)

@@ -27,12 +27,14 @@ class UpdateResponse(_message.Message):
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ..., global_step: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
-    __slots__ = ("chunk", "on_policy")
+    __slots__ = ("chunk", "on_policy", "total_steps")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     ON_POLICY_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     chunk: _common_pb2.TensorBatchChunk
     on_policy: bool
-    def __init__(self, chunk: _Optional[_Union[_common_pb2.TensorBatchChunk, _Mapping]] = ..., on_policy: _Optional[bool] = ...) -> None: ...
+    total_steps: int
+    def __init__(self, chunk: _Optional[_Union[_common_pb2.TensorBatchChunk, _Mapping]] = ..., on_policy: _Optional[bool] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
     __slots__ = ("metrics", "global_step", "weight_version", "actor_updated")

@@ -110,7 +110,16 @@ def _config(model: Path, data: Path, run_dir: Path) -> Config:
             },
             # One mini-batch of the whole batch, one epoch: the old-log-prob pass is
             # skipped once the driver knows the batch is on-policy (from step 2).
-            "actor": {"model_path": str(model), "lr": 1e-4, "ppo_mini_batch_size": 4},
+            # A warm-up ratio and a cosine decay: the trainer below is not told the
+            # run's length, so they follow the total the driver sends with each step.
+            "actor": {
+                "model_path": str(model),
+                "lr": 1e-4,
+                "ppo_mini_batch_size": 4,
+                "lr_warmup_steps_ratio": 0.5,
+                "lr_scheduler": "cosine",
+                "min_lr_ratio": 0.1,
+            },
             "rollout": {"n": 2},
             "algorithm": {"adv_estimator": "grpo"},
             "reward": {"num_workers": 1},
@@ -140,12 +149,17 @@ def test_each_step_is_one_train_step_and_one_push(
     tiny_model_dir: Path, data_dir: Path, tmp_path: Path
 ) -> None:
     cfg = _config(tiny_model_dir, data_dir, tmp_path / "run")
+    # The trainer service as `rlfleet serve trainer --config` starts it from a config
+    # that does not give the run's length (the driver works it out).
+    unsized = cfg.model_copy(
+        update={"trainer": cfg.trainer.model_copy(update={"total_training_steps": None})}
+    )
     counter = CallCounter()
     trainer_server = create_server(
         [
             (
                 trainer_add_to_server,
-                TrainerServicer(TrainerCore(cfg)),
+                TrainerServicer(TrainerCore(unsized)),
             )
         ],
         interceptors=[counter],
@@ -198,3 +212,7 @@ def test_each_step_is_one_train_step_and_one_push(
     assert [r.metrics["rollout/on_policy"] for r in records] == [0.0, 1.0, 1.0]
     assert [r.metrics["actor/old_log_prob_skipped"] for r in records] == [0.0, 1.0, 1.0]
     assert ["timing_s/old_log_prob" in r.metrics for r in records] == [True, False, False]
+    # The lr schedule knew the run's 3 steps: warm-up int(0.5 x 3) = 1 step (lr x 1/2),
+    # then cosine from 1.0 down towards 0.1 at step 3 (halfway: 0.55).
+    lrs = [r.metrics["actor/lr"] for r in records]
+    assert lrs == pytest.approx([0.5e-4, 1e-4, 0.55e-4], rel=1e-6)

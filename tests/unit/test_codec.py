@@ -782,7 +782,7 @@ def test_an_envelope_frames_each_chunk_in_place(elements: int, on_policy: bool) 
             batch,
             max_chunk_bytes=100_000,
             stream_id="s",
-            envelope=train_step_envelope(on_policy=on_policy),
+            envelope=train_step_envelope(on_policy=on_policy, total_steps=300 * elements),
         )
     )
     weights = list(
@@ -796,8 +796,10 @@ def test_an_envelope_frames_each_chunk_in_place(elements: int, on_policy: bool) 
         msg = trainer_pb2.TrainStepRequest.FromString(step)
         assert msg.chunk == common_pb2.TensorBatchChunk.FromString(chunk)
         assert msg.on_policy is on_policy
+        assert msg.total_steps == 300 * elements
         part = parse_train_step_request(step)
         assert part.on_policy is on_policy
+        assert part.total_steps == 300 * elements
         assert part.chunk.crc32c == wire.parse_chunk(chunk).crc32c
         w = rollout_pb2.WeightChunk.FromString(weight)
         assert w.version == 7 and w.chunk == msg.chunk

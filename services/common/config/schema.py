@@ -271,7 +271,11 @@ class ActorConfig(_Section):
     lr: float = Field(default=1e-6, gt=0)
     lr_warmup_steps: int = Field(default=-1, description="< 0: use lr_warmup_steps_ratio instead")
     lr_warmup_steps_ratio: float = Field(
-        default=0.0, ge=0, le=1, description="warm-up as a fraction of the total training steps"
+        default=0.0,
+        ge=0,
+        le=1,
+        description="warm-up as a fraction of the run's total training steps (the driver "
+        "sends the total to the trainer)",
     )
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(

@@ -428,7 +428,8 @@ def _optim_rows(
         _ign(
             f"{prefix}.optim.total_training_steps",
             -1,
-            "verl fills it in at run time from trainer.total_training_steps; so does rlfleet",
+            "verl fills it in at run time from the run's total steps; so does rlfleet (the driver "
+            "sends it to the trainer with every step)",
         ),
         _map(f"{prefix}.optim.weight_decay", 0.01, f"{role}.weight_decay"),
         _map(f"{prefix}.optim.betas", NO_DEFAULT, f"{role}.betas", convert=_tuple),
