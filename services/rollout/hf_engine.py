@@ -102,11 +102,16 @@ class HFEngine:
         attn_implementation: str | None = None,
         max_num_batched_tokens: int | None = None,
         partial_rollout: bool = False,
+        trust_remote_code: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         torch_dtype = _torch_dtype(dtype)
-        kwargs: dict[str, Any] = {"dtype": torch_dtype, "local_files_only": True}
+        kwargs: dict[str, Any] = {
+            "dtype": torch_dtype,
+            "local_files_only": True,
+            "trust_remote_code": trust_remote_code,
+        }
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
         model = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)

@@ -390,11 +390,13 @@ def openai_url(endpoint: HttpEndpoint, host: str) -> str:
     return f"{scheme}://{h}:{endpoint.port}/v1"
 
 
-def load_tokenizer(model: str) -> Any:
+def load_tokenizer(model: str, *, trust_remote_code: bool = False) -> Any:
     """The model folder's tokenizer (the endpoint's chat template, encode and decode)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    return AutoTokenizer.from_pretrained(
+        model, local_files_only=True, trust_remote_code=trust_remote_code
+    )
 
 
 # --------------------------------------------------------------------------- CLI

@@ -94,6 +94,7 @@ def build_engine(
             device=device,
             max_num_batched_tokens=kwargs.get("max_num_batched_tokens"),
             partial_rollout=bool(kwargs.get("partial_rollout", False)),
+            trust_remote_code=bool(kwargs.get("trust_remote_code", False)),
         )
     if engine == "vllm":
         from rlfleet.rollout.vllm_engine import VLLMEngine
@@ -102,12 +103,14 @@ def build_engine(
     raise ValueError(f"engine must be 'hf' or 'vllm', got {engine!r}")
 
 
-def load_detokenizer(model: str) -> Detokenizer | None:
+def load_detokenizer(model: str, *, trust_remote_code: bool = False) -> Detokenizer | None:
     """``tokenizer.decode`` of the model folder, or None if it has no tokenizer."""
     try:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(
+            model, local_files_only=True, trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError) as e:
         logger.warning("no tokenizer in %s (%s): detokenize requests will be refused", model, e)
         return None
@@ -128,7 +131,9 @@ def load_multi_turn(config: Any, model: str, registry: Any = None) -> MultiTurn 
 
     from rlfleet.rollout.multiturn import multi_turn_from_config
 
-    tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(
+        model, local_files_only=True, trust_remote_code=config.actor.trust_remote_code
+    )
     return multi_turn_from_config(config, tok, metrics_registry=registry)
 
 
@@ -427,6 +432,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "adapters up to this rank (0: merge them into the weights instead; default: the "
         "config's actor.lora_rank)",
     )
+    parser.add_argument(
+        "--trust-remote-code",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the model folder's own Python code for its model and tokenizer classes "
+        "(default: the config's actor.trust_remote_code; else off)",
+    )
     parser.add_argument("--log-level", type=cli_args.log_level, default="INFO")
     add_openai_arguments(parser)
     add_security_arguments(parser)
@@ -443,6 +455,7 @@ _FLAG_DEFAULTS: dict[str, Any] = {
     "tensor_parallel_size": 1,
     "partial_rollout": False,
     "lora_rank": 0,
+    "trust_remote_code": False,
     **OPENAI_FLAG_DEFAULTS,
 }
 
@@ -455,6 +468,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         extra["partial_rollout"] = True
     if args.max_num_batched_tokens:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.trust_remote_code:
+        extra["trust_remote_code"] = True
     if args.engine == "vllm":
         extra["gpu_memory_utilization"] = args.gpu_memory_utilization
         if args.kv_cache_memory_bytes:
@@ -495,6 +510,7 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
             tensor_parallel_size=r.tensor_parallel_size if r.engine == "vllm" else 1,
             partial_rollout=cfg.trainer.pipeline.enable and cfg.trainer.pipeline.partial_rollout,
             lora_rank=cfg.actor.lora_rank,
+            trust_remote_code=cfg.actor.trust_remote_code,
             **openai_config_defaults(r.openai),
         )
     for name, value in defaults.items():
@@ -635,7 +651,7 @@ def serve_main(args: argparse.Namespace) -> int:
     tokenizer = None
     if trajectories is not None:
         try:
-            tokenizer = load_tokenizer(args.model)
+            tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
         except (OSError, ValueError) as e:
             print(f"rlfleet serve rollout: --openai-port needs the model's tokenizer: {e}",
                   file=sys.stderr)  # fmt: skip
@@ -645,7 +661,7 @@ def serve_main(args: argparse.Namespace) -> int:
         core,
         host=args.host,
         port=args.port,
-        detokenize=load_detokenizer(args.model),
+        detokenize=load_detokenizer(args.model, trust_remote_code=args.trust_remote_code),
         trajectories=trajectories,
     )
     address = f"{advertise}:{server.port}"

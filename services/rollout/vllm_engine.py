@@ -209,6 +209,7 @@ class VLLMEngine:
         seed: int = 0,
         lora_rank: int = 0,
         partial_rollout: bool = False,
+        trust_remote_code: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         import torch
@@ -237,6 +238,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             enforce_eager=True,
             worker_extension_cls=f"{__name__}.WorkerWeightLoader",
+            trust_remote_code=trust_remote_code,
             **llm_kwargs,
         )
         self._vllm = vllm
@@ -255,9 +257,13 @@ class VLLMEngine:
         self.llm.llm_engine.set_weight_version(str(weight_version))  # labels every token
         model_config = self.llm.llm_engine.model_config
         self._max_len = int(model_config.max_model_len)
-        config = AutoConfig.from_pretrained(self._name, local_files_only=True)
+        config = AutoConfig.from_pretrained(
+            self._name, local_files_only=True, trust_remote_code=trust_remote_code
+        )
         with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+            meta = AutoModelForCausalLM.from_config(
+                config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+            )
         self._specs = {
             n: (str(p.dtype).removeprefix("torch."), tuple(int(d) for d in p.shape))
             for n, p in meta.named_parameters(remove_duplicate=False)

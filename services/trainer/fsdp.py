@@ -217,7 +217,7 @@ class FSDPBackend:
     # ---------------------------------------------------------------- building
 
     def _load(self, role: ModelRole, loader: Any, path: str) -> nn.Module:
-        model: nn.Module = loader(path)
+        model: nn.Module = loader(path, trust_remote_code=self.config.actor.trust_remote_code)
         if self.packed[role]:
             enable_packing(model)
         return model
