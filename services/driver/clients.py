@@ -256,6 +256,7 @@ def _in_process_trainer(config: Config) -> TrainerClient:
 
 def _in_process_rollouts(config: Config) -> list[RolloutReplica]:
     from rlfleet.rollout.core import RolloutCore
+    from rlfleet.rollout.engine import GenerateLimits
     from rlfleet.rollout.hf_engine import HFEngine
 
     path = config.rollout.model_path or config.actor.model_path
@@ -266,12 +267,16 @@ def _in_process_rollouts(config: Config) -> list[RolloutReplica]:
             path,
             dtype=config.rollout.dtype,
             device=device,
+            trust_remote_code=config.actor.trust_remote_code,
             max_num_batched_tokens=config.rollout.max_num_batched_tokens,
             partial_rollout=config.trainer.pipeline.enable
             and config.trainer.pipeline.partial_rollout,
         )
         core = RolloutCore(
-            engine, replica_id=f"rollout-{i}", multi_turn=_in_process_multi_turn(config, path)
+            engine,
+            replica_id=f"rollout-{i}",
+            multi_turn=_in_process_multi_turn(config, path),
+            limits=GenerateLimits().covering(config),
         )
         out.append(RolloutReplica(core.replica_id, _ClosingRollout(core)))
     return out

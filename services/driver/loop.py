@@ -114,7 +114,7 @@ from rlfleet.driver.reward import (
     reward_error_metrics,
 )
 from rlfleet.driver.tracking import SchedulerMetrics, Tracking, start_metrics_server
-from rlfleet.rollout.engine import SampleOutput, SamplingParams
+from rlfleet.rollout.engine import GenerateLimits, SampleOutput, SamplingParams
 from rlfleet.trainer.ppo import core_algos
 
 if TYPE_CHECKING:
@@ -937,8 +937,11 @@ class PPOTrainer:
             logger.warning("validation skipped: no reward function to score it with")
             return {}
         ds = self.val_dataset
-        size = self.config.data.val_batch_size or len(ds)
         params = self._sampling(validate=True, step=0)
+        # The whole set by default, in requests a replica's default limits take.
+        size = self.config.data.val_batch_size or min(
+            len(ds), max(1, GenerateLimits().max_samples // params.n)
+        )
         key = self.config.data.reward_fn_key
         per_source: dict[str, list[float]] = {}
         extras: dict[str, list[float]] = {}  # "<key>/<source>": a scorer's numeric extras

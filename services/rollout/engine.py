@@ -208,6 +208,26 @@ class GenerateLimits:
         if bad:
             raise ValueError(f"generate limits must be >= 1: {', '.join(bad)}")
 
+    def covering(self, config: Any) -> GenerateLimits:
+        """These limits, each raised where a run of ``config`` needs more (a step's
+        prompts x ``rollout.n`` on one replica, the response length, ``val_kwargs.n``):
+        what a replica started with the run's config accepts, so that a config the
+        checks took is not refused by its own replicas."""
+        r, d = config.rollout, config.data
+        prompts = max(d.train_batch_size, d.gen_batch_size or 0)
+        samples = prompts * r.n
+        max_tokens = r.response_length or d.max_response_length
+        return GenerateLimits(
+            max_n=max(self.max_n, r.n, r.val_kwargs.n),
+            max_prompts=max(self.max_prompts, prompts),
+            max_samples=max(self.max_samples, samples),
+            max_new_tokens=max(self.max_new_tokens, max_tokens),
+            max_request_tokens=max(
+                self.max_request_tokens, samples * (d.max_prompt_length + max_tokens)
+            ),
+            max_stop_token_ids=self.max_stop_token_ids,
+        )
+
     def check(self, request: GenerationRequest) -> None:
         """Raise ``InvalidArgument`` (code ``LIMIT_EXCEEDED``) naming the first field
         over its limit, with the value and the limit."""

@@ -360,7 +360,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     # Per-request bounds (GenerateLimits; docs/rollout.md, Limits).
     limits = GenerateLimits()
-    for flag, attr, what in (
+    for flag, attr, what in (  # the attributes: _LIMIT_FLAGS
         ("--max-n", "max_n", "samples per prompt"),
         ("--max-prompts", "max_prompts", "prompts per request"),
         ("--max-samples", "max_samples", "samples (prompts x n) per request"),
@@ -370,8 +370,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             flag,
             type=cli_args.positive_int,
-            default=getattr(limits, attr),
-            help=f"{what} at most; more: refused",
+            default=None,
+            help=f"{what} at most; more: refused (default: {getattr(limits, attr)}, or what "
+            "the --config's run needs if more)",
         )
     parser.add_argument(
         "--max-version-step",
@@ -444,6 +445,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_security_arguments(parser)
 
 
+#: The per-request limit flags (GenerateLimits' attributes): unset, the defaults, raised
+#: to what the ``--config``'s run needs (:meth:`GenerateLimits.covering`).
+_LIMIT_FLAGS = ("max_n", "max_prompts", "max_samples", "max_new_tokens", "max_request_tokens")
+
 #: What a flag left unset takes without a config.
 _FLAG_DEFAULTS: dict[str, Any] = {
     "engine": "hf",
@@ -513,6 +518,10 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
             trust_remote_code=cfg.actor.trust_remote_code,
             **openai_config_defaults(r.openai),
         )
+        limits = GenerateLimits().covering(cfg)
+    else:
+        limits = GenerateLimits()
+    defaults.update({name: getattr(limits, name) for name in _LIMIT_FLAGS})
     for name, value in defaults.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)

@@ -118,11 +118,13 @@ def test_value_check_spans_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_server_arguments_carry_the_limits() -> None:
     pytest.importorskip("grpc")
-    from rlfleet.rollout.server import add_serve_arguments
+    from rlfleet.rollout.server import add_serve_arguments, resolve_arguments
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    args = parser.parse_args(["--model", "m", "--max-n", "3", "--max-version-step", "9"])
+    args = resolve_arguments(
+        parser.parse_args(["--model", "m", "--max-n", "3", "--max-version-step", "9"])
+    )
     assert (args.max_n, args.max_samples, args.max_version_step) == (3, 8192, 9)
 
 
@@ -191,3 +193,50 @@ def test_partial_rollout_comes_from_the_pipeline_section(tmp_path: Path) -> None
     assert not resolve_arguments(parser.parse_args(["--model", "/m"])).partial_rollout
     flag = parser.parse_args(["--model", "/m", "--partial-rollout"])
     assert resolve_arguments(flag).partial_rollout
+
+
+def test_a_replica_started_with_the_run_config_takes_the_runs_requests(tmp_path: Path) -> None:
+    """The limits a replica starts with cover what the run it serves sends it (one
+    step's prompts x n on a single replica, the response length, val_kwargs.n): a config
+    the checks accepted is not refused by its own replicas. A flag given wins."""
+    pytest.importorskip("grpc")
+    from rlfleet.common.config import load_config
+    from rlfleet.rollout.server import add_serve_arguments, resolve_arguments
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "actor: {model_path: /models/actor, ppo_mini_batch_size: 256}\n"
+        "data: {train_batch_size: 1024, max_prompt_length: 1024,\n"
+        "       max_response_length: 40000}\n"
+        "rollout: {n: 65, val_kwargs: {n: 70}}\n"
+    )
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = resolve_arguments(parser.parse_args(["--config", str(config)]))
+    limits = GenerateLimits(
+        max_n=args.max_n,
+        max_prompts=args.max_prompts,
+        max_samples=args.max_samples,
+        max_new_tokens=args.max_new_tokens,
+        max_request_tokens=args.max_request_tokens,
+    )
+    assert limits == GenerateLimits().covering(load_config(str(config)))
+    assert (limits.max_n, limits.max_prompts, limits.max_samples) == (70, 8192, 1024 * 65)
+    assert limits.max_new_tokens == 40000
+    assert limits.max_request_tokens == 1024 * 65 * (1024 + 40000)
+    # The run's own step request passes; one beyond it is still refused.
+    step = GenerationRequest(
+        prompts=[[1] * 1024] * 1024, params=SamplingParams(n=65, max_tokens=40000)
+    )
+    limits.check(step)
+    with pytest.raises(InvalidArgument, match="samples per prompt 71"):
+        limits.check(GenerationRequest(prompts=[[1]], params=SamplingParams(n=71)))
+    # Defaults that already cover a small run stay as they are; a flag given wins.
+    small = tmp_path / "small.yaml"
+    small.write_text("actor: {model_path: /models/actor}\n")
+    args = resolve_arguments(parser.parse_args(["--config", str(small)]))
+    assert (args.max_n, args.max_samples, args.max_new_tokens) == (64, 8192, 32768)
+    args = resolve_arguments(parser.parse_args(["--config", str(config), "--max-n", "8"]))
+    assert args.max_n == 8
+    bare = resolve_arguments(parser.parse_args(["--model", "/m"]))
+    assert bare.max_request_tokens == GenerateLimits().max_request_tokens

@@ -156,7 +156,10 @@ class DataConfig(_Section):
         "dynamic sampling (verl's DAPO key); None: train_batch_size",
     )
     val_batch_size: int | None = Field(
-        default=None, ge=1, description="prompts per validation batch; None: the whole set at once"
+        default=None,
+        ge=1,
+        description="prompts per validation batch; None: the whole set, in pieces of at most "
+        "8192 samples (a replica's default --max-samples)",
     )
     max_prompt_length: int = Field(
         default=128, ge=1, description="tokens; longer prompts: see truncation"
