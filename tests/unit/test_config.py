@@ -345,7 +345,21 @@ VLLM_TP2 = ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"]
         ([*CUDA_POOLS, "rollout.engine=vllm"], None),
         # parallel layouts
         (
-            [*CUDA_POOLS, "actor.backend=megatron", "actor.megatron.tensor_model_parallel_size=2"],
+            [
+                *CUDA_POOLS,
+                "actor.backend=megatron",
+                "actor.megatron.tensor_model_parallel_size=2",
+                "critic.megatron.tensor_model_parallel_size=2",
+            ],
+            None,
+        ),
+        (
+            [
+                *CUDA_POOLS,
+                *GRPO,
+                "actor.backend=megatron",
+                "actor.megatron.tensor_model_parallel_size=2",
+            ],
             None,
         ),
         (
@@ -383,6 +397,21 @@ VLLM_TP2 = ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"]
             ],
             "critic.backend",
         ),
+        (
+            [
+                *CUDA_POOLS,
+                "actor.backend=megatron",
+                "algorithm.adv_estimator=gae",
+                "actor.use_remove_padding=false",
+                "critic.use_remove_padding=false",
+                "critic.megatron.tensor_model_parallel_size=2",
+            ],
+            "critic.megatron.tensor_model_parallel_size",
+        ),
+        (["actor.clip_ratio=1.5"], "actor"),  # no lower clip left (1 - 1.5 < 0)
+        (["actor.clip_ratio=1.5", "actor.clip_ratio_low=0.2"], None),
+        (["data.seed=-1"], "data.seed"),
+        (["trainer.seed=9223372036854775808"], "trainer.seed"),
         ([*CUDA_POOLS, "actor.fsdp.world_size=16"], "actor.fsdp.world_size"),
         ([*CUDA_POOLS, "actor.fsdp.sequence_parallel_size=3"], "actor.fsdp.sequence_parallel_size"),
         ([*CUDA_POOLS, "actor.fsdp.fsdp_size=3"], "actor.fsdp.fsdp_size"),
@@ -559,6 +588,7 @@ def test_world_and_dp_sizes() -> None:
             "actor.megatron.tensor_model_parallel_size=2",
             "actor.megatron.pipeline_model_parallel_size=2",
             *VLLM_TP2,
+            "algorithm.adv_estimator=grpo",  # no critic (its layout would be the actor's)
         ],
     )
     assert gpu.world_size("actor") == 8

@@ -338,6 +338,16 @@ def _check_megatron_features(cfg: Config) -> Iterator[ConfigIssue]:
                 "ppo_micro_batch_size",
                 True,
             )
+        if role == "critic":
+            a = cfg.actor.megatron
+            for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+                if getattr(m, key) != getattr(a, key):
+                    yield ConfigIssue(
+                        f"critic.megatron.{key}",
+                        f"must equal actor.megatron.{key} ({getattr(a, key)}): actor and "
+                        "critic share one process group",
+                        getattr(m, key),
+                    )
 
 
 @_check("actor.lora_rank", "actor.backend")

@@ -170,7 +170,9 @@ class DataConfig(_Section):
         default="data_source", min_length=1, description="column that picks the reward scorer"
     )
     shuffle: bool = True
-    seed: int = Field(default=1, description="seed of the training dataloader's shuffle")
+    seed: int = Field(
+        default=1, ge=0, lt=2**63, description="seed of the training dataloader's shuffle"
+    )
     truncation: Literal["error", "left", "right"] = Field(
         default="error", description="what to do with prompts over max_prompt_length"
     )
@@ -375,6 +377,12 @@ class ActorConfig(_Section):
         if isinstance(self.target_modules, list) and not self.target_modules:
             raise ValueError("target_modules: give 'all-linear' or at least one module name")
         if self.clip_ratio_low is None:
+            if self.clip_ratio >= 1:  # the ratio's floor 1 - clip_ratio would be <= 0
+                raise ValueError(
+                    f"clip_ratio: {self.clip_ratio} >= 1 leaves no lower clip (the ratio is "
+                    "clipped at 1 - clip_ratio); give clip_ratio < 1, or clip_ratio_low < 1 "
+                    "and clip_ratio_high for an asymmetric clip"
+                )
             self.clip_ratio_low = self.clip_ratio
         if self.clip_ratio_high is None:
             self.clip_ratio_high = self.clip_ratio
@@ -623,7 +631,10 @@ class RolloutConfig(_Section):
         default=True, description="colocated: release the KV cache while the trainer works"
     )
     log_prob_micro_batch_size: int | None = Field(
-        default=None, ge=1, description="samples per device when recomputing log-probs; None: all"
+        default=None,
+        ge=1,
+        description="samples per device when recomputing log-probs; None: "
+        "actor.ppo_micro_batch_size",
     )
     log_prob_use_dynamic_bsz: bool | None = Field(
         default=None,
@@ -1180,7 +1191,7 @@ class TrainerConfig(_Section):
     logger: list[Logger] = Field(default_factory=lambda: list[Logger](["console"]))
     log_val_generations: int = Field(default=0, ge=0, description="validation samples to log")
     val_before_train: bool = True
-    seed: int = 42
+    seed: int = Field(default=42, ge=0, lt=2**63)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     rollout_source: Literal["dataset", "external"] = Field(
         default="dataset",
