@@ -276,18 +276,37 @@ def _session_id(value: Any, where: str) -> str:
     return value
 
 
-def _json_depth_ok(v: Any, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether ``v`` nests no deeper than ``limit`` (iterative: no recursion)."""
+def _json_problem(v: Any, limit: int = MAX_JSON_DEPTH) -> str | None:
+    """What makes ``v`` unusable, or None: nesting deeper than ``limit``, or a string
+    (a value or a key) with a lone surrogate (``"\\ud800"`` decodes to one; it cannot
+    be encoded as UTF-8 again, for a tokenizer or a protobuf). Iterative: no recursion."""
     stack = [(v, 0)]
     while stack:
         x, d = stack.pop()
         if d > limit:
-            return False
-        if isinstance(x, dict):
+            return f"the body nests deeper than {limit} levels"
+        if isinstance(x, str):
+            if not x.isascii():
+                try:
+                    x.encode("utf-8")
+                except UnicodeEncodeError:
+                    return "the body has a string with a lone surrogate (not valid Unicode)"
+        elif isinstance(x, dict):
             stack.extend((y, d + 1) for y in x.values())
+            stack.extend((k, d + 1) for k in x)
         elif isinstance(x, list):
             stack.extend((y, d + 1) for y in x)
-    return True
+    return None
+
+
+def _token_ids(ids: list[Any]) -> list[int]:
+    """A prompt's token ids, each in [0, 2^31) (an id beyond the model's vocabulary is
+    the engine's 400; one beyond any integer type is this one)."""
+    out = [int(x) for x in ids]
+    bad = next((t for t in out if not 0 <= t < 2**31), None)
+    if bad is not None:
+        raise ApiError(400, f"prompt: token id {bad} is not in [0, 2^31)", param="prompt")
+    return out
 
 
 def _reject_constant(name: str) -> Any:
@@ -295,15 +314,17 @@ def _reject_constant(name: str) -> Any:
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """The request's JSON object; NaN/Infinity, deep nesting and non-objects are 400s."""
+    """The request's JSON object; NaN/Infinity, deep nesting, lone surrogates and
+    non-objects are 400s."""
     try:
         body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ApiError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}")
-    if not _json_depth_ok(body):
-        raise ApiError(400, f"the body nests deeper than {MAX_JSON_DEPTH} levels")
+    problem = _json_problem(body)
+    if problem is not None:
+        raise ApiError(400, problem)
     return body
 
 
@@ -658,11 +679,11 @@ class OpenAIFrontend:
             return [self._encode(prompt)]
         if isinstance(prompt, list) and prompt:
             if all(_is_int(x) for x in prompt):
-                return [[int(x) for x in prompt]]
+                return [_token_ids(prompt)]
             if all(isinstance(x, str) for x in prompt):
                 return [self._encode(x) for x in prompt]
             if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in prompt):
-                return [[int(t) for t in x] for x in prompt]
+                return [_token_ids(x) for x in prompt]
         raise ApiError(
             400,
             "prompt must be a string, a list of token ids, or a non-empty list of either",

@@ -7,6 +7,7 @@ by the server's interceptor (``rlfleet.common.rpc``); corrupt weight bytes map t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -22,6 +23,8 @@ from rlfleet.rollout.trajectories import TrajectoryStore
 from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc
 from rlfleet.weightsync import wire
 
+logger = logging.getLogger(__name__)
+
 #: With ``pack_results``: samples per ``GenerateResult`` message at most, and tokens
 #: (a packed message of 2**18 tokens with log-probs and versions is about 5 MB, well
 #: inside the 64 MiB message limit).
@@ -33,10 +36,12 @@ __all__ = ["Detokenizer", "RolloutServicer", "add_to_server"]
 #: token ids -> text (the model's tokenizer ``decode``).
 Detokenizer = Callable[[Sequence[int]], str]
 
-#: Sessions one GetTrajectories may name, and the tokens one answer may carry (about
-#: 12 bytes each on the wire: well under the 64 MiB message limit).
+#: Sessions one GetTrajectories may name, and the tokens one answer may carry (12-20
+#: bytes each on the wire), and its bytes (under the 64 MiB message limit): the rest
+#: waits for the next call.
 MAX_TRAJECTORY_IDS = 1024
 MAX_TRAJECTORY_TOKENS = 1 << 22
+MAX_TRAJECTORY_BYTES = 48 << 20
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -191,12 +196,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 code="LIMIT_EXCEEDED",
             )
         found: list[rollout_pb2.Trajectory] = []
-        tokens = 0
+        tokens = size = 0
         for t in store.get(ids):
             tokens += t.tokens
             if found and tokens > MAX_TRAJECTORY_TOKENS:
                 break  # the caller asks again for the rest
-            found.append(serde.trajectory_to_proto(t))
+            msg = serde.trajectory_to_proto(t)
+            size += msg.ByteSize()
+            if found and size > MAX_TRAJECTORY_BYTES:
+                break
+            found.append(msg)
         return rollout_pb2.TrajectoriesResponse(trajectories=found, replica_id=self.core.replica_id)
 
     def PopTrajectories(
@@ -207,10 +216,27 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             min(max(1, request.max_sessions), MAX_TRAJECTORY_IDS),
             max_tokens=MAX_TRAJECTORY_TOKENS,
         )
-        return rollout_pb2.TrajectoriesResponse(
-            trajectories=[serde.trajectory_to_proto(t) for t in taken],
-            replica_id=self.core.replica_id,
-        )
+        out: list[rollout_pb2.Trajectory] = []
+        size = 0
+        for i, t in enumerate(taken):
+            try:
+                msg = serde.trajectory_to_proto(t)
+            except (ValueError, TypeError) as e:  # e.g. text protobuf cannot encode
+                logger.error("session %r dropped: it cannot be sent (%s)", t.session_id, e)
+                continue
+            size += msg.ByteSize()
+            if size > MAX_TRAJECTORY_BYTES:
+                if not out:
+                    logger.error(
+                        "session %r dropped: %d bytes, more than one answer carries (%d)",
+                        t.session_id, msg.ByteSize(), MAX_TRAJECTORY_BYTES,
+                    )  # fmt: skip
+                    store.put_back(taken[i + 1 :])
+                else:
+                    store.put_back(taken[i:])  # the caller asks again for the rest
+                break
+            out.append(msg)
+        return rollout_pb2.TrajectoriesResponse(trajectories=out, replica_id=self.core.replica_id)
 
 
 def add_to_server(servicer: RolloutServicer, server: Any) -> None:

@@ -311,6 +311,19 @@ class TrajectoryStore:
             self._counts["popped"] += len(out)
             return out
 
+    def put_back(self, trajectories: Sequence[Trajectory]) -> None:
+        """Sessions :meth:`pop_finished` handed out that the caller could not deliver
+        (an answer too large): they wait again, first in line, in the order given."""
+        with self._lock:
+            now = self._clock()
+            for t in reversed(trajectories):
+                if t.session_id in self._finished or t.session_id in self._open:
+                    continue  # the id was used again meanwhile: the newer session stays
+                self._finished[t.session_id] = _Entry(t, now, t.tokens)
+                self._finished.move_to_end(t.session_id, last=False)
+                self._tokens += t.tokens
+                self._counts["popped"] -= 1
+
     def stats(self) -> dict[str, int]:
         """Sessions open and finished, tokens held, and the counters (``completions``,
         ``finished``, ``popped``, ``evicted_open``, ``evicted_finished``, ``expired``,

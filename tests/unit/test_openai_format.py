@@ -215,6 +215,8 @@ def test_chat_requests_out_of_bounds_are_400_naming_the_parameter(
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "n": 4, "max_tokens": 16, "seed": 2**64}, "seed"),
+        ({"prompt": [10**30]}, "prompt"),  # beyond any integer type: 400, not 500
+        ({"prompt": [[1], [-1]]}, "prompt"),
     ],
 )
 def test_completion_requests_out_of_bounds(
@@ -325,7 +327,9 @@ def test_tool_calls_in_the_output_finish_with_tool_calls(front: OpenAIFrontend, 
 @pytest.mark.parametrize(
     "raw",
     [b"not json", b"[1, 2]", b'{"a": NaN}', b'{"a": Infinity}', b"\xff\xfe", b"[" * 100000,
-     json.dumps({"a": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}).encode()],
+     json.dumps({"a": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}).encode(),
+     # lone surrogates (JSON escapes that are not Unicode): in a value, in a key
+     b'{"prompt": "hi \\ud800"}', b'{"stop": ["\\udc00"]}', b'{"\\ud83d": 1}'],
 )  # fmt: skip
 def test_bodies_that_are_not_a_plain_json_object_are_400(raw: bytes) -> None:
     with pytest.raises(ApiError) as info:

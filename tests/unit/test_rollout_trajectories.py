@@ -137,6 +137,20 @@ def test_pop_respects_a_token_budget_but_always_gives_one() -> None:
     assert [t.session_id for t in store.pop_finished(3, max_tokens=1)] == ["c"]
 
 
+def test_sessions_put_back_wait_first_in_line() -> None:
+    """What a PopTrajectories answer could not carry goes back, ahead of the rest."""
+    store = TrajectoryStore()
+    for sid in ("a", "b", "c"):
+        store.record(sid, completion(10, 10))
+        store.finish(sid, 1.0)
+    a, b = store.pop_finished(2)
+    tokens = store.stats()["tokens"]
+    store.put_back([a, b])
+    assert store.stats()["tokens"] == tokens + a.tokens + b.tokens
+    assert store.stats()["popped"] == 0
+    assert [t.session_id for t in store.pop_finished(3)] == ["a", "b", "c"]
+
+
 def test_completion_ids_and_logprobs_must_pair_up() -> None:
     with pytest.raises(InvalidArgument):
         Completion.of(
@@ -167,3 +181,34 @@ def test_trajectory_proto_round_trip() -> None:
         )
     unscored = serde.trajectory_from_proto(serde.trajectory_to_proto(Trajectory("x")))
     assert unscored.reward is None and not unscored.finished
+
+
+def test_pop_trajectories_answers_stay_under_the_message_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An answer carries sessions up to a byte bound (the 64 MiB message limit is
+    counted in bytes, not tokens); the rest waits for the next call, none is lost, and
+    a session no answer can carry is dropped alone."""
+    from rlfleet.rollout import servicer as servicer_mod
+    from rlfleet.v1 import rollout_pb2
+
+    store = TrajectoryStore()
+    for sid in ("a", "b", "c"):
+        store.record(sid, completion(100, 100))
+        store.finish(sid, 1.0)
+    store.record("huge", completion(100, 5000))
+    store.finish("huge", 0.0)
+    one = serde.trajectory_to_proto(store.get(["a"])[0]).ByteSize()
+    monkeypatch.setattr(servicer_mod, "MAX_TRAJECTORY_BYTES", 2 * one + 10)
+    servicer = servicer_mod.RolloutServicer(None, trajectories=store)  # type: ignore[arg-type]
+    servicer.core = type("Core", (), {"replica_id": "r0"})()  # what the answer names
+
+    def pop() -> list[str]:
+        request = rollout_pb2.PopTrajectoriesRequest(max_sessions=10)
+        answer = servicer.PopTrajectories(request, None)  # type: ignore[arg-type]
+        return [t.session_id for t in answer.trajectories]
+
+    assert pop() == ["a", "b"]
+    assert pop() == ["c"]  # "huge" went back behind it and cannot fit after it
+    assert pop() == []  # alone, "huge" is more than any answer carries: dropped
+    assert store.stats()["finished_waiting"] == 0
