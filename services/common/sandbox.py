@@ -450,6 +450,7 @@ class Sandbox:
         report: the isolation to use (from :func:`probe`); None probes now.
         isolation, python, allow_unisolated: passed to :func:`probe` when
             ``report`` is None.
+        setting: the config section whose ``allow_unisolated`` the refusal names.
 
     Raises:
         SandboxUnavailable: the report's mode is ``unavailable``.
@@ -463,6 +464,7 @@ class Sandbox:
         isolation: str = "auto",
         python: str | None = None,
         allow_unisolated: bool = False,
+        setting: str = "reward.sandbox",
     ) -> None:
         self.limits = limits or SandboxLimits()
         self.report = report or probe(
@@ -473,7 +475,7 @@ class Sandbox:
                 "no sandbox for untrusted code: "
                 + "; ".join(self.report.missing)
                 + " (install bubblewrap, allow user namespaces, or set "
-                "reward.sandbox.allow_unisolated: true to run code with rlimits only)"
+                f"{setting}.allow_unisolated: true to run code with rlimits only)"
             )
         self.python = self.report.python
 

@@ -136,14 +136,14 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         return text, []
     calls: list[dict[str, Any]] = []
     for body in _TOOL_CALL.findall(text, start):
-        try:
+        try:  # the model's own text: any JSON, however deep (RecursionError) or odd
             obj = json.loads(body.strip())
-        except ValueError:
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                return text, []
+            args = obj.get("arguments", obj.get("parameters", {}))
+            arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        except (ValueError, RecursionError):
             return text, []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return text, []
-        args = obj.get("arguments", obj.get("parameters", {}))
-        arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
         calls.append(
             {
                 "id": f"call_{uuid.uuid4().hex[:24]}",

@@ -291,7 +291,7 @@ def tool_core_from_config(config: Any, names: Sequence[str] | None = None) -> To
         report = probe(
             isolation=py.isolation, python=py.python, allow_unisolated=py.allow_unisolated
         )
-        sandbox = Sandbox(limits, report=report)
+        sandbox = Sandbox(limits, report=report, setting="tools.python")
     calc = Calculator(
         max_chars=config.calculator.max_chars,
         max_ops=config.calculator.max_ops,

@@ -28,7 +28,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -146,6 +146,33 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
+def _read_until(response: Any, limit: int, deadline: float) -> bytes:
+    """Up to ``limit`` bytes of ``response``, read as they come, stopping at
+    ``deadline`` (a server that drips its answer does not hold the call past its
+    time-out; each read waits at most the socket's time-out, the call's).
+
+    Raises:
+        TimeoutError: the deadline passed before the answer ended.
+    """
+    parts: list[bytes] = []
+    got = 0
+    while got < limit:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the answer did not end in time")
+        part = response.read1(min(1 << 16, limit - got))
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def _unicode(text: str) -> str:
+    """``text`` with lone surrogates (``"\\ud83d"`` in JSON decodes to one) replaced:
+    what goes into the model's context must encode as UTF-8."""
+    return text if text.isascii() else text.encode("utf-8", "replace").decode("utf-8")
+
+
 class HttpToolClient:
     """One tool behind an HTTP endpoint (the protocol is in the module docstring).
 
@@ -166,7 +193,8 @@ class HttpToolClient:
         self.url = url
         self.spec = spec
         self.max_response_bytes = max_response_bytes
-        self._opener = urllib.request.build_opener(_NoRedirect)
+        # No redirects, and no HTTP(S)_PROXY from the environment: calls go to the URL.
+        self._opener = urllib.request.build_opener(_NoRedirect, urllib.request.ProxyHandler({}))
 
     def list_tools(self) -> list[ToolSpec]:
         return [self.spec]
@@ -189,9 +217,10 @@ class HttpToolClient:
             self.url, data=body, method="POST", headers={"Content-Type": "application/json"}
         )
         t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
         try:
             with self._opener.open(request, timeout=timeout_s) as r:
-                raw = r.read(self.max_response_bytes + 1)
+                raw = _read_until(r, self.max_response_bytes + 1, deadline)
         except urllib.error.HTTPError as e:
             detail = e.read(2048).decode("utf-8", "replace")
             return ToolResult(
@@ -223,7 +252,9 @@ class HttpToolClient:
                 seconds=seconds,
             )
         return ToolResult(
-            str(value.get("content", "")), error=str(value.get("error") or ""), seconds=seconds
+            _unicode(str(value.get("content", ""))),
+            error=_unicode(str(value.get("error") or "")),
+            seconds=seconds,
         )
 
     def close(self) -> None:

@@ -275,6 +275,15 @@ def clip_text(text: str, max_bytes: int) -> str:
     return raw[:keep].decode("utf-8", "ignore") + _TRUNCATED
 
 
+def _call_within(tool: Tool, arguments: Mapping[str, Any], deadline: float) -> str:
+    """Run ``tool`` with what is left of its call's time-out when a worker takes it
+    (a call that waited in the queue does not get its whole time-out again)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ToolError("timed out in the queue")
+    return tool.call(arguments, left)
+
+
 class ToolCore:
     """The tools one process serves (see the module docstring).
 
@@ -336,7 +345,8 @@ class ToolCore:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the tool core is closed")
-            future = self._pool.submit(tool.call, arguments, timeout)
+            deadline = time.monotonic() + timeout
+            future = self._pool.submit(_call_within, tool, arguments, deadline)
         try:
             content = future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:

@@ -8,6 +8,8 @@ does wrong is an answer (``error`` set), not a status.
 
 from __future__ import annotations
 
+import math
+
 import grpc
 
 from rlfleet.common.errors import InvalidArgument
@@ -44,6 +46,12 @@ class ToolServicer(tools_pb2_grpc.ToolServiceServicer):
                 value=len(request.call_id),
             )
         timeout = request.timeout_s
+        if not math.isfinite(timeout):  # refused before a deadline could hide it
+            raise InvalidArgument(
+                f"timeout_s must be a finite number >= 0 (0: the default), got {timeout}",
+                field="timeout_s",
+                value=timeout,
+            )
         left = context.time_remaining()
         if left is not None and (timeout == 0 or timeout > left):
             # No answer after the caller gave up: stop waiting when it does.

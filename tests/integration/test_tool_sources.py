@@ -122,3 +122,27 @@ def test_a_service_source_without_an_address_is_refused() -> None:
     config = _config([{"kind": "service"}])
     with pytest.raises(ValueError, match=r"services\.tools"):
         tool_box_from_config(config)
+
+
+def test_a_call_time_out_that_is_not_finite_is_refused_even_under_a_deadline(
+    servers: tuple[str, str],
+) -> None:
+    """``timeout_s`` inf or NaN is INVALID_ARGUMENT naming it, with or without the
+    caller's own deadline (which used to replace it unchecked)."""
+    import grpc
+
+    from rlfleet.common.rpc import create_channel
+    from rlfleet.v1 import tools_pb2, tools_pb2_grpc
+
+    address, _ = servers
+    with create_channel(address) as channel:
+        stub = tools_pb2_grpc.ToolServiceStub(channel)
+        for bad in (float("inf"), float("nan")):
+            for deadline in (5.0, None):
+                request = tools_pb2.CallToolRequest(
+                    name="calculator", arguments_json='{"expression": "1+1"}', timeout_s=bad
+                )
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.CallTool(request, timeout=deadline)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "timeout_s" in str(e.value.details())

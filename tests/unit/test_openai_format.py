@@ -76,6 +76,8 @@ def test_tool_calls_are_parsed_from_hermes_blocks() -> None:
         '<tool_call>["add"]</tool_call>',
         '<tool_call>{"arguments": {}}</tool_call>',  # no name
         '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{bad</tool_call>',
+        "<tool_call>" + "[" * 3000,  # nesting past the JSON parser's recursion limit
+        '<tool_call>{"name": "a", "arguments": ' + "[" * 3000 + "]" * 3000 + "}</tool_call>",
     ],
 )
 def test_text_that_is_not_a_clean_tool_call_stays_content(text: str) -> None:

@@ -100,6 +100,7 @@ class Sleepy:
     def __init__(self, seconds: float, name: str = "sleepy") -> None:
         self.seconds = seconds
         self.started = 0
+        self.given: list[float] = []  # the time-out each call started with
         self._name = name
 
     @property
@@ -108,6 +109,7 @@ class Sleepy:
 
     def call(self, arguments: Mapping[str, Any], timeout_s: float) -> str:
         self.started += 1
+        self.given.append(timeout_s)
         time.sleep(self.seconds)
         return "slept"
 
@@ -239,6 +241,22 @@ def test_a_call_still_queued_at_its_time_out_never_starts() -> None:
         assert slow.started == 1  # the queued call was dropped, not run late
 
 
+def test_a_call_that_waited_in_the_queue_runs_with_what_is_left() -> None:
+    """The wait in the queue counts against a call's time-out: the tool gets what is
+    left when it starts (a sandbox is killed then), not the whole time-out again."""
+    slow = Sleepy(0.6)
+    with ToolCore([slow], ToolLimits(max_concurrent_calls=1, default_timeout_s=5.0)) as c:
+        first = threading.Thread(target=c.call, args=("sleepy", "{}"), kwargs={"timeout_s": 5.0})
+        first.start()
+        while slow.started == 0:
+            time.sleep(0.01)
+        r = c.call("sleepy", "{}", timeout_s=1.0)
+        first.join()
+    assert r.timed_out and slow.started == 2  # (this tool sleeps past what it is given)
+    assert slow.given[0] == pytest.approx(5.0, abs=0.05)
+    assert slow.given[1] < 0.5  # waited about 0.6 s of its 1 s
+
+
 def test_time_outs_are_bounded_and_checked() -> None:
     lim = ToolLimits(default_timeout_s=2.0, max_timeout_s=3.0)
     assert lim.timeout(0) == 2.0 and lim.timeout(100) == 3.0 and lim.timeout(1) == 1.0
@@ -313,6 +331,15 @@ class _Handler(BaseHTTPRequestHandler):
         expr = body["arguments"].get("q", "")
         if self.path == "/slow":
             time.sleep(2.0)
+        if self.path == "/drip":  # headers at once, then a byte every 0.1 s for 3 s
+            self.send_response(200)
+            self.send_header("Content-Length", "30")
+            self.end_headers()
+            for _ in range(30):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(0.1)
+            return
         if self.path == "/redirect":
             self.send_response(302)
             self.send_header("Location", "http://127.0.0.1:1/elsewhere")
@@ -329,6 +356,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/garbage":
             out = ["not", "an", "object"]
         data = json.dumps(out).encode()
+        if self.path == "/surrogate":  # a JSON escape that decodes to a lone surrogate
+            data = b'{"content": "no results for \\ud83d"}'
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -378,6 +407,30 @@ def test_http_tool_time_out_and_unreachable_raise(http_base: str) -> None:
         _http(http_base + "/slow").call("search", "{}", timeout_s=0.3)
     with pytest.raises(Unavailable):
         _http("http://127.0.0.1:1/x").call("search", "{}", timeout_s=2)
+
+
+def test_http_tool_time_out_covers_the_whole_answer(http_base: str) -> None:
+    """A server that drips its answer does not hold the call past its time-out (the
+    socket's time-out is per read)."""
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        _http(http_base + "/drip").call("search", "{}", timeout_s=0.5)
+    assert time.monotonic() - t0 < 2.0  # the drip takes 3 s
+
+
+def test_http_tool_answer_is_valid_unicode(http_base: str) -> None:
+    r = _http(http_base + "/surrogate").call("search", "{}", timeout_s=5)
+    assert r.ok and r.content == "no results for ?"
+    r.content.encode("utf-8")  # what a tokenizer needs
+
+
+def test_http_tool_ignores_proxy_settings(http_base: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:1")
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:1")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    r = _http(http_base + "/ok").call("search", '{"q": "x"}', timeout_s=5)
+    assert r.ok and r.content == "search:x"
 
 
 def test_http_tool_address_must_be_a_url() -> None:
