@@ -15,7 +15,9 @@ site-packages. The spec (JSON, read from ``SPEC_FD``) says what to run and how:
    unix sockets) and over the service's secrets and home (``hide_folders``;
    ``/dev/null`` over ``hide_files``), and writes the program's files into ``/tmp``;
 3. it drops to the sandbox user (a uid of its own, no groups, no capabilities),
-   sets ``no_new_privs`` and the rlimits, and forks the program, whose parent it
+   sets ``no_new_privs``, a seccomp filter that refuses new user namespaces (bwrap's
+   ``--disable-userns``: inside one a program could mount a tmpfs of any size) and
+   the rlimits, and forks the program, whose parent it
    stays: a reaper that exits with the program's status. When PID 1 exits the
    kernel kills everything left in the namespace.
 
@@ -66,6 +68,24 @@ SYS_MOUNT_SETATTR = 442  # the same number on every architecture (asm-generic)
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
+
+# Classic BPF for the seccomp filter (linux/filter.h, linux/seccomp.h).
+BPF_LD_W_ABS = 0x20
+BPF_JEQ_K = 0x15
+BPF_JGE_K = 0x35
+BPF_JSET_K = 0x45
+BPF_RET_K = 0x06
+SECCOMP_RET_ALLOW = 0x7FFF0000
+SECCOMP_RET_ERRNO = 0x00050000
+EPERM, ENOSYS = 1, 38
+X32_SYSCALL_BIT = 0x40000000
+#: machine -> (AUDIT_ARCH_*, clone, unshare, clone3)
+_SYSCALLS = {
+    "x86_64": (0xC000003E, 56, 272, 435),
+    "aarch64": (0xC00000B7, 220, 97, 435),
+}
 
 SETUP_FAILED = 125
 EXEC_FAILED = 127
@@ -84,6 +104,57 @@ class _MountAttr(ctypes.Structure):
 
 class SetupError(Exception):
     pass
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    ]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _no_new_user_namespaces() -> bool:
+    """Install a seccomp filter that refuses new user namespaces (``unshare`` and
+    ``clone`` with ``CLONE_NEWUSER``: EPERM; ``clone3``, whose flags a filter cannot
+    read: ENOSYS, and the C library falls back to ``clone``; system calls of another
+    ABI, x32 or 32-bit: EPERM). In one, a program would hold every capability and
+    could mount a tmpfs of any size, past the sandbox's ``/tmp`` limit. Needs
+    ``no_new_privs``; inherited by every child and kept across ``exec``. False on a
+    machine this does not know (only x86_64 and aarch64 are)."""
+    known = _SYSCALLS.get(os.uname().machine)
+    if known is None:
+        return False
+    arch, clone, unshare, clone3 = known
+    deny, allow = SECCOMP_RET_ERRNO | EPERM, SECCOMP_RET_ALLOW
+    program = [
+        (BPF_LD_W_ABS, 0, 0, 4),  # 0: seccomp_data.arch
+        (BPF_JEQ_K, 1, 0, arch),  # 1: native -> 3
+        (BPF_RET_K, 0, 0, deny),  # 2
+        (BPF_LD_W_ABS, 0, 0, 0),  # 3: seccomp_data.nr
+        (BPF_JGE_K, 0, 1, X32_SYSCALL_BIT),  # 4: x32 -> 5, else 6
+        (BPF_RET_K, 0, 0, deny),  # 5
+        (BPF_JEQ_K, 0, 1, clone3),  # 6: clone3 -> 7, else 8
+        (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | ENOSYS),  # 7
+        (BPF_JEQ_K, 1, 0, unshare),  # 8: unshare -> 10
+        (BPF_JEQ_K, 0, 2, clone),  # 9: clone -> 10, else 12
+        (BPF_LD_W_ABS, 0, 0, 16),  # 10: the low half of args[0], the flags
+        (BPF_JSET_K, 1, 0, CLONE_NEWUSER),  # 11: CLONE_NEWUSER -> 13
+        (BPF_RET_K, 0, 0, allow),  # 12
+        (BPF_RET_K, 0, 0, deny),  # 13
+    ]
+    filters = (_SockFilter * len(program))(*(_SockFilter(*ins) for ins in program))
+    fprog = _SockFprog(len(program), filters)
+    _check(
+        _libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog), 0, 0),
+        "seccomp filter (no new user namespaces)",
+    )
+    return True
 
 
 def _check(result: int, what: str) -> None:
@@ -212,6 +283,8 @@ def _drop_privileges(spec: dict[str, Any]) -> None:
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if spec["namespaces"]:
+        _no_new_user_namespaces()
 
 
 def _set_limits(spec: dict[str, Any]) -> None:

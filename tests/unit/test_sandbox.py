@@ -294,6 +294,29 @@ def test_memory_blow_up_fails_inside(box: Sandbox) -> None:
     assert "MemoryError" in text(result.stderr)
 
 
+def test_no_user_namespace_to_mount_a_tmpfs_of_its_own(box: Sandbox) -> None:
+    """A program cannot make a user namespace (where it would hold every capability
+    and could mount a tmpfs of any size, past the /tmp limit): unshare and clone with
+    CLONE_NEWUSER are refused; threads and child processes still work."""
+    result = run(
+        box,
+        """
+        import ctypes, os, subprocess, sys, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        print("unshare", libc.unshare(0x10000000), ctypes.get_errno())
+        t = threading.Thread(target=lambda: print("thread ran"))
+        t.start(); t.join()
+        out = subprocess.run([sys.executable, "-c", "print('child ran')"], capture_output=True)
+        print(out.stdout.decode().strip())
+        """,
+    )
+    out = text(result.stdout)
+    assert result.exit_code == 0, text(result.stderr)
+    code, errno = out.split("\n")[0].split()[1:]
+    assert int(code) == -1 and int(errno) in (1, 28)  # EPERM here, ENOSPC (bwrap's way)
+    assert "thread ran" in out and "child ran" in out
+
+
 def test_infinite_loop_hits_the_wall_clock(box: Sandbox) -> None:
     limits = SandboxLimits(timeout_s=1.0, cpu_time_s=60.0)
     for program in ("while True: pass", "import time; time.sleep(3600)"):
