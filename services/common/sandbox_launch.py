@@ -252,6 +252,8 @@ def _mount_view(spec: dict[str, Any]) -> None:
     _mount(
         "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['tmp_bytes']},mode=0700{owner}"
     )
+    if os.path.isdir("/dev/shm"):  # the host's segments (a caller's own are readable)
+        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=1m,mode=1777")
     for hidden in ("/run", "/var/run"):
         if os.path.isdir(hidden) and not os.path.islink(hidden):
             _mount(

@@ -200,6 +200,26 @@ def test_root_only_files_are_unreadable(box: Sandbox, tmp_path: Path) -> None:
     assert text(result.stdout).split()[:2] == ["True", "denied"], result
 
 
+def test_the_hosts_shared_memory_segments_are_not_there(box: Sandbox) -> None:
+    """/dev/shm is a fresh one (weight-plane segments live in the host's, readable by
+    a sandbox that runs as the service's own user when not root)."""
+    name = f"rlfleet-test-{uuid.uuid4().hex}"
+    segment = Path("/dev/shm") / name
+    segment.write_bytes(b"weights")
+    try:
+        result = run(
+            box,
+            f"""
+            import os
+            print(os.path.exists({str(segment)!r}), os.listdir("/dev/shm"))
+            """,
+        )
+    finally:
+        segment.unlink()
+    assert result.exit_code == 0, text(result.stderr)
+    assert text(result.stdout).strip() == "False []"
+
+
 # --------------------------------------------------------------------- secrets
 
 
