@@ -373,6 +373,7 @@ class ExternalRollouts:
         """
         stats: dict[str, float] = {
             "external/stale_dropped": 0.0,
+            "external/oversized_dropped": 0.0,
             "external/unscored_dropped": 0.0,
             "external/scored_by_reward_fn": 0.0,
         }
@@ -384,10 +385,26 @@ class ExternalRollouts:
         rows: list[Row] = []
         scores: list[float] = []
         uids: list[str] = []
+        max_rows = self.cfg.max_rows_per_session
+        d = self.config.data
+        max_tokens = self.cfg.max_tokens_per_row or d.max_prompt_length + d.max_response_length
         for i, (t, reward) in enumerate(zip(sessions, rewards, strict=True)):
             if reward is None:
                 continue
-            for row in trajectory_rows(t, i):
+            session_rows = trajectory_rows(t, i)
+            longest = max(
+                (r.prompt_ids.size + r.response_ids.size for r in session_rows), default=0
+            )
+            if len(session_rows) > max_rows or longest > max_tokens:
+                # An agent's session must not blow up the padded batch (rows x longest row).
+                logger.warning(
+                    "external rollouts: session %r dropped: %d rows (max_rows_per_session %d), "
+                    "longest %d tokens (max_tokens_per_row %d)",
+                    t.session_id, len(session_rows), max_rows, longest, max_tokens,
+                )  # fmt: skip
+                stats["external/oversized_dropped"] += 1
+                continue
+            for row in session_rows:
                 rows.append(row)
                 scores.append(reward)
                 uids.append(t.info.get("group") or f"session:{t.session_id}")

@@ -142,6 +142,29 @@ def test_stale_sessions_are_dropped_and_a_short_step_keeps_what_it_took() -> Non
     assert min(s.weight_version for s in gb.samples) == 2
 
 
+def test_sessions_that_would_blow_up_the_batch_are_dropped() -> None:
+    """An agent's session cannot make the padded batch huge: more rows than
+    max_rows_per_session (completions that do not chain), or a row longer than
+    max_tokens_per_row, drops that session alone, counted."""
+    cfg = config(
+        "trainer.external.batch_size=3",
+        "trainer.external.max_rows_per_session=2",
+        "trainer.external.max_tokens_per_row=8",
+    )
+    store = TrajectoryStore()
+    finished(store, "ok", 1.0)
+    for k in range(3):  # three completions that do not chain: three rows
+        store.record("many", comp([50 + k], [60 + k]))
+    store.finish("many", 1.0)
+    store.record("long", comp([1] * 6, [2] * 3))  # 9 tokens
+    store.finish("long", 0.0)
+    ext = ExternalRollouts([InProcessTrajectorySource(store)], cfg, pad_token_id=0)
+    gb = ext.next_batch(step=1, policy_version=0)
+    assert gb.scores == [1.0]
+    assert gb.extra_metrics["external/oversized_dropped"] == 2
+    assert gb.trainer_batch is not None and gb.trainer_batch["input_ids"].shape[0] == 1
+
+
 def test_another_temperature_means_the_trainer_recomputes_log_probs() -> None:
     store = TrajectoryStore()
     finished(store, "a", 1.0, temperature=0.7)

@@ -1035,6 +1035,20 @@ class ExternalRolloutConfig(_Section):
         description="drop sessions with a completion more than this many weight versions "
         "behind the policy; None: keep all",
     )
+    max_rows_per_session: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description="a session whose completions do not chain (one training row each) with "
+        "more rows is dropped (metric external/oversized_dropped)",
+    )
+    max_tokens_per_row: int | None = Field(
+        default=None,
+        ge=2,
+        description="a session with a row (prompt + response tokens) longer than this is "
+        "dropped (external/oversized_dropped); None: data.max_prompt_length + "
+        "data.max_response_length",
+    )
     use_rollout_log_probs: bool = Field(
         default=True,
         description="the recorded log-probs are the old log-probs (no recompute) when every "
