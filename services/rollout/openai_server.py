@@ -169,12 +169,16 @@ class _Handler(BaseHTTPRequestHandler):
         if self.headers.get("Transfer-Encoding"):
             self.close_connection = True
             raise ApiError(411, "send the body with a Content-Length, not chunked")
-        raw_len = self.headers.get("Content-Length")
-        if raw_len is None:
+        lengths = self.headers.get_all("Content-Length") or []
+        if not lengths:
             self.close_connection = True
             raise ApiError(411, "a Content-Length header is required")
+        raw_len = lengths[0]
+        if len(lengths) > 1:  # which one frames the body is ambiguous (smuggling)
+            self.close_connection = True
+            raise ApiError(400, f"{len(lengths)} Content-Length headers; send one")
         try:
-            length = int(raw_len)
+            length = int(raw_len) if raw_len.strip().isdigit() else -1
         except ValueError:
             length = -1
         if length < 0:
