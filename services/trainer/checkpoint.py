@@ -427,7 +427,9 @@ def _merged_lora_state(adapter: dict[str, torch.Tensor], config: Config) -> dict
 
 def _keep(core: TrainerCore) -> int | None:
     t = core.config.trainer
-    keeps = [k for k in (t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep) if k is not None]
+    # A step's folder holds every role: the fewer kept wins, among the roles held.
+    critic = t.max_critic_ckpt_to_keep if "critic" in core.roles else None
+    keeps = [k for k in (t.max_actor_ckpt_to_keep, critic) if k is not None]
     return min(keeps) if keeps else None
 
 

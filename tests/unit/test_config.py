@@ -885,6 +885,30 @@ def test_a_group_estimator_with_one_response_per_prompt_runs_with_a_warning(
     )
 
 
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (
+            ["rollout.multi_turn.tools=[{kind: builtin, name: calculator}]"],
+            "rollout.multi_turn.tools",
+        ),
+        (["reward.reward_model.route_by_data_source=true"], "route_by_data_source"),
+        (["reward.custom_function.keep_builtin_scorers=true"], "keep_builtin_scorers"),
+        (
+            ["trainer.max_critic_ckpt_to_keep=2", "algorithm.adv_estimator=grpo", "rollout.n=2"],
+            "max_critic_ckpt_to_keep",
+        ),
+    ],
+)
+def test_a_key_that_needs_another_to_mean_anything_is_named_in_a_warning(
+    overrides: list[str], key: str
+) -> None:
+    from rlfleet.common.config import run_warnings
+
+    [warning] = run_warnings(config_from_dict(None, overrides))
+    assert key in warning
+
+
 def test_logger_may_be_one_name_as_verls_command_lines_give_it() -> None:
     cfg = config_from_dict({"actor": {"model_path": "m"}}, ["trainer.logger=console"])
     assert cfg.trainer.logger == ["console"]

@@ -225,3 +225,23 @@ def test_resume_path_may_name_another_runs_checkpoint(tiny_model_dir: Path, tmp_
         checkpoint.load(b, str(tmp_path))  # above the configured folder
     with pytest.raises(InvalidArgument, match="outside the trainer's run directory"):
         checkpoint.save(b, str(folder.parent))
+
+
+def test_kept_checkpoints_count_only_the_roles_held(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """With no critic, max_critic_ckpt_to_keep does not prune the actor's checkpoints;
+    with one, the fewer kept wins (a step's folder holds both)."""
+    for estimator, kept in (("grpo", [1, 2, 3]), ("gae", [3])):
+        run = tmp_path / estimator
+        cfg = make_config(
+            str(tiny_model_dir),
+            algorithm={"adv_estimator": estimator},
+            trainer={
+                "default_local_dir": str(run),
+                "max_actor_ckpt_to_keep": 3,
+                "max_critic_ckpt_to_keep": 1,
+            },
+        )
+        core = TrainerCore(cfg)
+        for step in (1, 2, 3):
+            checkpoint.save(core, step=step)
+        assert checkpoint.steps(run / "checkpoints") == kept, estimator

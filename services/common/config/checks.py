@@ -215,6 +215,30 @@ def run_warnings(cfg: Config) -> list[str]:
             "its advantage is its own score (no group baseline); set rollout.n >= 2 "
             "to compare responses to one prompt"
         )
+    # Keys that only mean something with another one on: say that they are unused.
+    mt = cfg.rollout.multi_turn
+    if mt.tools and not mt.enable:
+        out.append(
+            "rollout.multi_turn.tools is given but rollout.multi_turn.enable is false: "
+            "rollouts are single-turn and the tools are not used"
+        )
+    rm = cfg.reward.reward_model
+    if rm.route_by_data_source and not rm.enable:
+        out.append(
+            "reward.reward_model.route_by_data_source is set but reward.reward_model.enable "
+            "is false: there is no reward model to route to"
+        )
+    cf = cfg.reward.custom_function
+    if cf.keep_builtin_scorers and not cf.path:
+        out.append(
+            "reward.custom_function.keep_builtin_scorers is set without "
+            "reward.custom_function.path: the built-in scorers score everything anyway"
+        )
+    if cfg.trainer.max_critic_ckpt_to_keep is not None and not cfg.critic_enabled():
+        out.append(
+            "trainer.max_critic_ckpt_to_keep is set but this run has no critic: only "
+            "trainer.max_actor_ckpt_to_keep prunes checkpoints"
+        )
     return out
 
 
