@@ -411,6 +411,8 @@ VLLM_TP2 = ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"]
         (["actor.clip_ratio=1.5"], "actor"),  # no lower clip left (1 - 1.5 < 0)
         (["actor.clip_ratio=1.5", "actor.clip_ratio_low=0.2"], None),
         (["data.seed=-1"], "data.seed"),
+        (["trainer.recovery.wait_s=1e10"], "trainer.recovery.wait_s"),  # past any timer
+        (["reward.retry_s=31536000"], None),  # a year is the longest duration
         (["trainer.seed=9223372036854775808"], "trainer.seed"),
         ([*CUDA_POOLS, "actor.fsdp.world_size=16"], "actor.fsdp.world_size"),
         ([*CUDA_POOLS, "actor.fsdp.sequence_parallel_size=3"], "actor.fsdp.sequence_parallel_size"),

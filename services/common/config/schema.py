@@ -125,6 +125,10 @@ def _takes_bool(annotation: Any) -> bool:
     return True  # str, paths, lists, dicts, models: their own validation
 
 
+#: The longest duration any ``*_s`` key takes.
+MAX_SECONDS = 365 * 24 * 3600.0
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
@@ -135,6 +139,16 @@ class _Section(BaseModel):
         field = cls.model_fields.get(info.field_name or "")
         if isinstance(value, bool) and field is not None and not _takes_bool(field.annotation):
             raise ValueError("expected a number, not a boolean")
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _seconds_in_range(cls, value: Any, info: ValidationInfo) -> Any:
+        """Every duration (a key ending in ``_s``) fits the waits and timers it becomes:
+        at most a year (``threading`` refuses waits past ``TIMEOUT_MAX``)."""
+        name = info.field_name or ""
+        if name.endswith("_s") and isinstance(value, int | float) and value > MAX_SECONDS:
+            raise ValueError(f"at most {MAX_SECONDS:g} seconds (a year)")
         return value
 
 
