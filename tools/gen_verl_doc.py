@@ -33,6 +33,7 @@ rlfleet train --config my_ppo_trainer.yaml \\
     data.train_files=gsm8k/train.parquet data.val_files=gsm8k/test.parquet \\
     actor_rollout_ref.model.path=Qwen2.5-0.5B-Instruct critic.model.path=Qwen2.5-0.5B-Instruct \\
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 critic.optim.lr=1e-5 \\
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1 \\
     trainer.logger=console trainer.n_gpus_per_node=1 trainer.nnodes=1
 ```
 
