@@ -222,6 +222,28 @@ def _dtype(value: Any) -> Any:
     return _DTYPES.get(value, value) if isinstance(value, str) else value
 
 
+def _param_dtype(value: Any) -> Any:
+    """verl's ``fsdp_config.mixed_precision`` -> the compute dtype: its ``param_dtype``,
+    bf16 when null or not given (verl's FSDP workers' default)."""
+    if isinstance(value, Mapping):
+        return _dtype(value.get("param_dtype", "bf16"))
+    return "bfloat16"
+
+
+def _mixed_precision_ok(value: Any, cfg: Verl) -> bool:
+    if _empty(value, cfg):
+        return True
+    if not isinstance(value, Mapping) or set(value) - {
+        "param_dtype",
+        "reduce_dtype",
+        "buffer_dtype",
+    }:
+        return False
+    if value.get("param_dtype", "bf16") not in _DTYPES:
+        return False
+    return all(_dtype(value.get(k, "fp32")) == "float32" for k in ("reduce_dtype", "buffer_dtype"))
+
+
 def _strategy(value: Any) -> Any:
     return _STRATEGIES.get(value, value) if isinstance(value, str) else value
 
@@ -365,25 +387,30 @@ def _fsdp_rows(prefix: str, role: str, *, optimizer: bool = True) -> list[Row]:
                 True,
                 f"{role}.fsdp.reshard_after_forward",
             ),
-            _map(
+            _ign(
                 f"{prefix}.fsdp_config.model_dtype",
                 "fp32",
-                f"{role}.dtype",
-                convert=_dtype,
+                "rlfleet keeps the trained weights and the optimizer state in float32 and "
+                "computes in fsdp_config.mixed_precision's param_dtype (bf16 when null, as "
+                "verl); with a bf16 model_dtype verl keeps them in bf16",
                 only=_DTYPE_ONLY,
-                missing=_DTYPE_MISSING,
+                missing="model dtypes other than float32, bfloat16 and float16",
             ),
         ]
     else:
         rows.append(_ign(f"{prefix}.fsdp_config.reshard_after_forward", True, _WRAP))
     rows.append(
-        _ign(
+        _map(
             f"{prefix}.fsdp_config.mixed_precision",
-            NO_DEFAULT,
-            "null: the model computes in its dtype",
-            accepts=_empty,
-            accepted="null",
-            missing="FSDP mixed-precision policies (set the role's model_dtype instead)",
+            None,
+            f"{role}.dtype",
+            convert=_param_dtype,
+            accepts=_mixed_precision_ok,
+            accepted="null (bf16 compute, fp32 reduction), or {param_dtype, reduce_dtype: "
+            "fp32, buffer_dtype: fp32}",
+            missing="FSDP mixed precision with reductions or buffers in a dtype other than fp32",
+            note="the compute dtype on cuda, param_dtype (verl's default bf16); on cpu the "
+            "trainer computes in float32 whatever it says",
         )
     )
     return rows
