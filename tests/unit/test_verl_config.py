@@ -73,6 +73,21 @@ def test_verls_own_ppo_trainer_yaml_loads_unchanged() -> None:
     assert cfg.reward.reward_model.enable is False
 
 
+def test_compute_dtype_follows_verls_mixed_precision_not_its_model_dtype() -> None:
+    """verl's FSDP workers compute in bf16 (fp32 reduction) when mixed_precision is
+    null, whatever model_dtype (the stored weights') says; a param_dtype given wins;
+    reductions in another dtype are refused, naming the key."""
+    cfg = load_config(VERL_YAML)
+    assert (cfg.actor.dtype, cfg.critic.dtype, cfg.ref.dtype) == ("bfloat16",) * 3
+    mp = "+actor_rollout_ref.actor.fsdp_config.mixed_precision"
+    fp32 = load_config(VERL_YAML, [f"{mp}={{param_dtype: fp32, reduce_dtype: fp32}}"])
+    assert fp32.actor.dtype == "float32" and fp32.critic.dtype == "bfloat16"
+    stored = load_config(VERL_YAML, ["actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"])
+    assert stored.actor.dtype == "bfloat16"
+    with pytest.raises(ConfigError, match=r"fsdp_config\.mixed_precision"):
+        load_config(VERL_YAML, [f"{mp}={{param_dtype: bf16, reduce_dtype: bf16}}"])
+
+
 def test_every_row_accepts_verls_default() -> None:
     translation = verl_config.translate({"actor_rollout_ref": {}})
     assert translation.issues == []
