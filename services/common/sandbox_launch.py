@@ -12,8 +12,8 @@ site-packages. The spec (JSON, read from ``SPEC_FD``) says what to run and how:
    ``AT_RECURSIVE``, Linux >= 5.12), mounts a fresh ``/proc`` (only the sandbox's
    processes), a size-limited tmpfs on ``/tmp`` (the one writable place, owned by
    the sandbox user), an empty read-only tmpfs over ``/run`` (hiding the host's
-   unix sockets) and over the service's secrets and home (``hide_folders``;
-   ``/dev/null`` over ``hide_files``), and writes the program's files into ``/tmp``;
+   unix sockets), over ``/dev/shm`` (its shared-memory segments) and over the
+   service's secrets and home (``hide_folders``; ``/dev/null`` over ``hide_files``), and writes the program's files into ``/tmp``;
 3. it drops to the sandbox user (a uid of its own, no groups, no capabilities),
    sets ``no_new_privs``, a seccomp filter that refuses new user namespaces (bwrap's
    ``--disable-userns``: inside one a program could mount a tmpfs of any size) and
@@ -252,8 +252,9 @@ def _mount_view(spec: dict[str, Any]) -> None:
     _mount(
         "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['tmp_bytes']},mode=0700{owner}"
     )
-    if os.path.isdir("/dev/shm"):  # the host's segments (a caller's own are readable)
-        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=1m,mode=1777")
+    if os.path.isdir("/dev/shm"):  # hide the host's segments (a caller's own are readable)
+        flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+        _mount("tmpfs", "/dev/shm", "tmpfs", flags, "size=4k")
     for hidden in ("/run", "/var/run"):
         if os.path.isdir(hidden) and not os.path.islink(hidden):
             _mount(
