@@ -86,7 +86,7 @@ import torch
 
 from rlfleet.common import tracing
 from rlfleet.common.config import Config, run_warnings, save_resolved
-from rlfleet.common.errors import NotFound, RlfleetError, Unavailable
+from rlfleet.common.errors import NotFound, PermissionDenied, RlfleetError, Unavailable
 from rlfleet.driver.batch import (
     Batch,
     GeneratedBatch,
@@ -116,6 +116,7 @@ from rlfleet.driver.reward import (
 from rlfleet.driver.tracking import SchedulerMetrics, Tracking, start_metrics_server
 from rlfleet.rollout.engine import GenerateLimits, SampleOutput, SamplingParams
 from rlfleet.trainer.ppo import core_algos
+from rlfleet.trainer.push import PushOutcome
 
 if TYPE_CHECKING:
     from rlfleet.driver.data.dataset import RLHFDataset
@@ -809,11 +810,19 @@ class PPOTrainer:
         if remote:
             targets = [(r.replica_id, r.address or "") for r in remote]
             started = time.time_ns()
-            outcome = self._w.trainer.push_weights(
-                targets,
-                version=version,
-                transports=transports_for(self.config.rollout.weight_transport),
-            )
+            try:
+                outcome = self._w.trainer.push_weights(
+                    targets,
+                    version=version,
+                    transports=transports_for(self.config.rollout.weight_transport),
+                )
+            except PermissionDenied as e:
+                if not self._fleet.can_heal:
+                    raise
+                # The trainer checks targets against the scheduler's registry: a
+                # scheduler that just restarted lists none until the replicas'
+                # next heartbeats. Every target failed; replacements are waited for.
+                outcome = PushOutcome(version, 0, errors={rid: e.message for rid, _ in targets})
             pushed += [
                 (r, outcome.transports[r.replica_id], outcome.bytes, outcome.seconds[r.replica_id])
                 for r in remote

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,10 @@ from runlib import arithmetic, grpo_config, loader_order
 
 from rlfleet.common.config import Config, config_from_dict
 from rlfleet.common.errors import RlfleetError
-from rlfleet.driver.clients import remote_workers
+from rlfleet.driver.clients import Role, remote_workers
 from rlfleet.driver.loop import PPOTrainer, StepRecord
 from rlfleet.launch.cluster import LocalCluster
+from rlfleet.scheduler.client import RemoteSchedulerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -96,3 +98,66 @@ def test_without_a_wait_the_step_fails_naming_the_replicas(
             trainer.fit()
     assert trainer.global_steps == 1
     assert h.rollout[0] in str(failed.value)  # names the replica it lost
+
+
+def test_a_push_just_after_the_scheduler_restarted_waits_for_the_replicas(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scheduler is killed and restarted by the launcher between a step's start and
+    its weight push: the trainer, which sends weights only to replicas registered
+    there, finds none yet (they register again at their next heartbeat) and refuses
+    the push. The driver treats that as a push that reached no replica: it waits for
+    them, gives them the weights when they are back, and the run goes on."""
+    from rlfleet.trainer.client import RemoteTrainerClient
+
+    config = _config(
+        tiny_model_dir,
+        tmp_path,
+        rollout={"replicas": 2, "replica_wait_s": 120},
+        trainer={"total_training_steps": STEPS},
+        services={"max_restarts": 2, "restart_backoff_s": 0.2},
+    )
+    # Heartbeats every 3 s: the restarted registry stays empty long enough for the push.
+    with LocalCluster(config, tmp_path / "run", heartbeat_interval_s=3.0, grace_s=10) as cluster:
+        h = cluster.start(timeout_s=180)
+        trainer_client = RemoteTrainerClient(h.trainer)
+        real_push = trainer_client.push_weights
+        pushes: list[int] = []
+
+        def push_after_a_scheduler_restart(*args: Any, **kwargs: Any) -> Any:
+            pushes.append(kwargs.get("version", 0))
+            if len(pushes) == 2:  # step 2's push (the first is step 1's)
+                old = cluster.pids["scheduler"]
+                os.kill(old, signal.SIGKILL)
+                deadline = time.monotonic() + 60
+                while cluster.pids.get("scheduler") in (None, old):
+                    assert time.monotonic() < deadline, "the scheduler was not restarted"
+                    time.sleep(0.05)
+                with RemoteSchedulerClient(h.scheduler) as client:  # serving again
+                    while True:
+                        try:
+                            client.list_services("rollout")
+                            break
+                        except RlfleetError:
+                            assert time.monotonic() < deadline
+                            time.sleep(0.05)
+            return real_push(*args, **kwargs)
+
+        trainer_client.push_weights = push_after_a_scheduler_restart  # type: ignore[method-assign]
+        mapping = remote_workers(h.trainer, h.rollout, h.reward)
+        mapping[Role.ActorRolloutRef] = trainer_client
+        with PPOTrainer(
+            config=config,
+            role_worker_mapping=mapping,
+            scheduler=h.scheduler,
+            fleet_metrics=cluster.fleet_metrics,
+        ) as trainer:
+            records = trainer.fit()
+            expected = loader_order(trainer, STEPS)
+        trainer_client.close()
+    assert [r.step for r in records] == list(range(1, STEPS + 1))
+    assert [r.indices for r in records] == expected
+    assert all(r.metrics["rollout/samples"] == 8 for r in records)
+    assert "scheduler" in dict(cluster.restarts)
+    refused = [r.getMessage() for r in caplog.records if "reached no replica" in r.getMessage()]
+    assert refused and "registered with the scheduler" in refused[0]
