@@ -648,7 +648,11 @@ class LocalCluster:
         """
         while not self._stopped:
             time.sleep(0.5)
-            self._restart_dead()
+            try:
+                self._restart_dead()
+            except Exception:  # keep supervising: one bad round must not end it
+                if not self._stopped:
+                    logger.exception("supervising the services failed in this round")
 
     def _follow_scale_loop(self) -> None:
         while not self._stopped:
@@ -708,8 +712,13 @@ class LocalCluster:
             self.config.services.max_restarts, proc.log_path,
         )  # fmt: skip
         time.sleep(backoff)
-        if self._stopped:
-            return
+        with self._lock:
+            if self._stopped:
+                return
+            if proc not in self._procs:  # scaled away (retired) during the backoff
+                logger.info("%s was removed while it waited for its restart: not restarted",
+                            proc.name)  # fmt: skip
+                return
         self.restarts[proc.name] = done + 1
         self.events["restarted"] += 1
         argv = list(proc.argv)
@@ -721,7 +730,7 @@ class LocalCluster:
             proc, argv=argv, popen=None, start_time=None, address=None, metrics_address=None
         )
         with self._lock:
-            if self._stopped:
+            if self._stopped or proc not in self._procs:
                 return
             self._procs.remove(proc)
         try:

@@ -1221,15 +1221,21 @@ class RayCluster:
                 with contextlib.suppress(Exception):
                     ray.get(other.actor.stop.remote(2.0), timeout=20)
         time.sleep(backoff)
-        if self._stopped:
-            return
+        with self._lock:
+            if self._stopped:
+                return
+            if any(member not in self._services for member in group):
+                logger.info("%s was removed while it waited for its restart: not restarted",
+                            svc.name)  # fmt: skip
+                return
         self.restarts[key] = done + 1
         self.events["restarted"] += 1
         if svc.kind == "rollout":
             self._deregister(svc.address)
         with self._lock:
             for member in group:
-                self._services.remove(member)
+                if member in self._services:
+                    self._services.remove(member)
         if len(group) > 1:
             # A fresh rendezvous port: the old one may linger in TIME_WAIT.
             port = ray.get(group[0].actor.free_port.remote(), timeout=20)
