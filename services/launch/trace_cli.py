@@ -67,7 +67,10 @@ def load_spans(run_dir: Path) -> list[Span]:
     """Every span under ``run_dir/traces`` (lines that are not spans are skipped)."""
     out = []
     for path in sorted((run_dir / "traces").glob("*.jsonl")):
-        with open(path, encoding="utf-8") as f:
+        if not path.is_file():
+            continue
+        # A line that is not UTF-8 is not a span (skipped below, as any other).
+        with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 if len(line) > _MAX_LINE:
                     continue
@@ -320,7 +323,16 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     out = Path(args.out) if args.out else run_dir / "traces" / f"step-{args.step}.html"
-    out.write_text(_html(root, args.step), encoding="utf-8")
+    if out.suffix.lower() not in (".html", ".htm"):
+        print(f"rlfleet trace: --out {out}: the timeline is an HTML page; give a .html path",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        out.write_text(_html(root, args.step), encoding="utf-8")
+    except OSError as e:
+        print(f"rlfleet trace: cannot write the timeline to {out}: {e.strerror or e}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.json:
         print(json.dumps(_as_json(root)))
         return 0

@@ -129,6 +129,8 @@ def test_the_critical_path_follows_what_the_step_waited_for(tmp_path: Path) -> N
         ],
     )
     (tmp_path / "traces" / "junk.jsonl").write_text("not json\n{}\n")
+    (tmp_path / "traces" / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage\n")
+    (tmp_path / "traces" / "folder.jsonl").mkdir()  # not a file: skipped
     root = step_trace(load_spans(tmp_path), 3)
     assert root is not None and [c.name for c in root.children] == [
         "generate", "train", "weight_sync",
@@ -141,6 +143,34 @@ def test_the_critical_path_follows_what_the_step_waited_for(tmp_path: Path) -> N
         (0, "weight_sync", None),
     ]
     assert step_trace(load_spans(tmp_path), 4) is None
+
+
+def test_trace_cli_output_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out where it cannot be written, or not an HTML page: exit 2 and one line."""
+    import argparse
+
+    from rlfleet.launch.trace_cli import add_arguments, run
+
+    _write(tmp_path / "traces" / "driver.jsonl", [_s("step", "1", "", 0, 1, step=1)])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for out, why in (
+        (tmp_path / "missing" / "t.html", "cannot write"),
+        (tmp_path / "dir.html", "cannot write"),
+        (tmp_path / "t.png", "HTML page"),
+    ):
+        if out.name == "dir.html":
+            out.mkdir()
+        args = parser.parse_args(["--run", str(tmp_path), "--step", "1", "--out", str(out)])
+        assert run(args) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1, err
+    ok = parser.parse_args(
+        ["--run", str(tmp_path), "--step", "1", "--out", str(tmp_path / "t.html")]
+    )
+    assert run(ok) == 0 and (tmp_path / "t.html").read_text().startswith("<!")
 
 
 def test_a_prompts_path_through_a_requeue_and_a_trainer_restart(tmp_path: Path) -> None:
