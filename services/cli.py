@@ -117,8 +117,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CredentialError as e:
         print(f"rlfleet {args.command}: {e}", file=sys.stderr)
         return 2
+    from rlfleet.launch.cli import StateFileError
+
     try:
         return _load(args._module, "run")(args)
+    except StateFileError as e:  # status, scale, up, down on a broken state file
+        print(f"rlfleet {args.command}: {e}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # The reader went away (`rlfleet reward score ... | head`): stop quietly, as
         # Unix tools do; stdout is pointed at /dev/null so the flush at exit is quiet.

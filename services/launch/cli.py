@@ -48,13 +48,34 @@ def _state_path(state_dir: str | Path) -> Path:
     return Path(state_dir) / STATE_FILE
 
 
+class StateFileError(ValueError):
+    """The state file of ``rlfleet up`` exists but is not one (the CLI: one line, exit 2)."""
+
+
 def read_state(state_dir: str | Path) -> dict[str, Any] | None:
-    """The state file of ``rlfleet up`` in ``state_dir``, or None if there is none."""
+    """The state file of ``rlfleet up`` in ``state_dir``, or None if there is none.
+
+    Raises:
+        StateFileError: the file is there but unreadable or not a state file.
+    """
     path = _state_path(state_dir)
     try:
-        data: dict[str, Any] = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
+    except (OSError, ValueError) as e:  # ValueError: JSON, UTF-8
+        raise StateFileError(f"the cluster state file {path} is unreadable ({e}); remove it "
+                             "(and stop what it recorded by hand)") from None  # fmt: skip
+    processes = data.get("processes", []) if isinstance(data, dict) else None
+    fields = {"name", "pid", "start_time", "log"}
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("handle", {}), dict)
+        or not isinstance(processes, list)
+        or not all(isinstance(p, dict) and set(p) == fields for p in processes)
+    ):
+        raise StateFileError(f"{path} is not a cluster state file written by `rlfleet up`; "
+                             "remove it (and stop what it recorded by hand)")  # fmt: skip
     return data
 
 

@@ -35,13 +35,24 @@ from rlfleet.common import cli_args
 __all__ = ["add_arguments", "run"]
 
 
+#: What the scheduler takes (its registry's MAX_REPLICAS).
+MAX_REPLICAS = 1024
+
+
+def _replicas(text: str) -> int:
+    value = cli_args.positive_int(text)
+    if value > MAX_REPLICAS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_REPLICAS} (got {value})")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from rlfleet.launch.cli import DEFAULT_STATE_DIR
 
     parser.add_argument("role", choices=["rollout"], help="what to scale")
     parser.add_argument(
         "replicas",
-        type=cli_args.positive_int,
+        type=_replicas,
         nargs="?",
         help="replicas wanted (>= 1); omit with --watch-exec",
     )

@@ -73,6 +73,7 @@ def test_argument_types_name_the_bad_value() -> None:
         (["status", "--scheduler", "nohost"], "host:port (got 'nohost')"),
         (["status", "--timeout-s", "-1"], "--timeout-s"),
         (["scale", "rollout", "0"], "must be >= 1 (got 0)"),
+        (["scale", "rollout", "4294967296"], "must be at most 1024"),
         (["scale", "rollout"], "give either a replica count or --watch-exec"),
         (["secrets", "tls", "--dir", "x", "--days", "0"], "--days"),
         (["reward", "info", "--addr", "nohost"], "--addr"),
@@ -119,6 +120,23 @@ def test_local_files_that_cannot_be_read_exit_2(
         assert code == 2, (argv, err)
         assert words in err, err
         assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[]", b"\xff\xfe", b'{"processes": [1]}'])
+def test_a_broken_cluster_state_file_is_one_line(
+    content: bytes, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """status, scale and down on a state file that `rlfleet up` did not write (or that
+    was cut short): one line naming it, exit 2."""
+    (tmp_path / "cluster.json").write_bytes(content)
+    for argv in (
+        ["status", "--state-dir", str(tmp_path)],
+        ["scale", "rollout", "2", "--state-dir", str(tmp_path)],
+        ["down", "--state-dir", str(tmp_path)],
+    ):
+        code, err = _exit_code(argv, capsys)
+        assert code == 2, (argv, err)
+        assert "cluster.json" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_serve_rollout_refuses_a_cuda_device_this_machine_lacks(
