@@ -486,9 +486,9 @@ def _read_file(path: Path) -> Credentials:
         raise CredentialError(f"{source}: not JSON: {e}") from e
     if not isinstance(data, dict):
         raise CredentialError(f"{source}: expected a JSON object")
-    mode = path.stat().st_mode & 0o077
-    if mode:
-        logger.warning("%s is readable by group or others (mode %o); chmod 600 it", source, mode)
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        logger.warning("%s is readable by group or others (mode %03o); chmod 600 it", source, mode)
     return Credentials.from_json(data, source)
 
 
