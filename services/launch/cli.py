@@ -10,7 +10,9 @@
 outlive the command, and records their PIDs (with their start times) and addresses
 in ``<state-dir>/cluster.json``; ``down`` stops exactly those processes; ``status``
 asks the scheduler of that file (or ``--scheduler``) for its services and the
-training status. ``up --foreground`` instead keeps the cluster until Ctrl-C.
+training status. ``up --foreground`` instead keeps the cluster, and its launcher,
+until Ctrl-C: only then are dead services restarted and ``rlfleet scale`` followed (a
+detached cluster's processes run on their own).
 
 The module serves all three subcommands: ``add_arguments`` reads which one from the
 parser's ``prog`` (``rlfleet status``); under any other name it adds the three as
@@ -376,6 +378,9 @@ def _up(args: argparse.Namespace) -> int:
             "handle": handle.to_dict(),
             "tls_env": cluster.security.tls_env() if cluster.security is not None else {},
             "processes": [asdict(p) for p in cluster.processes()],
+            # Detached (the default), nothing restarts dead services or follows
+            # `rlfleet scale`: only `up --foreground` keeps the launcher running.
+            "supervised": bool(args.foreground),
         },
     )
     print(json.dumps({"event": "up", "state": str(path), **handle.to_dict()}), flush=True)

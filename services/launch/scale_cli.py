@@ -121,6 +121,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"rlfleet scale: scheduler {address}: {e}", file=sys.stderr)
         return 1
     print(json.dumps({"role": args.role, "replicas": replicas, "request": generation}))
+    if not args.scheduler and state is not None and state.get("supervised") is False:
+        print("rlfleet scale: warning: the cluster was started by `rlfleet up` without "
+              "--foreground, so no launcher follows this count (start it with `rlfleet up "
+              "--foreground`, or follow it with `rlfleet scale rollout --watch-exec CMD`)",
+              file=sys.stderr)  # fmt: skip
     return 0
 
 

@@ -68,3 +68,25 @@ def test_watch_exec_runs_the_hook_with_each_new_desired_count(
     # A count and a hook, or neither: refused.
     assert main(["scale", "rollout", "2", "--watch-exec", hook, "--scheduler", "x:1"]) == 2
     assert main(["scale", "rollout", "--watch-exec", "true", "--scheduler", "x:1"]) == 2
+
+
+def test_scaling_a_detached_cluster_warns_that_nothing_follows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`rlfleet up` without --foreground leaves no launcher behind: `rlfleet scale` on
+    its state file still records the count at the scheduler, and says that nothing
+    follows it; on a --foreground cluster it does not."""
+    tokens = generate_tokens()
+    secrets = write_credential_set(tmp_path / "s", tokens)
+    core = SchedulerCore()
+    server_security = Security(credentials=credential_set(tokens)["scheduler"])
+    with using_security(server_security), start_scheduler_server(core) as server:
+        monkeypatch.setenv("RLFLEET_CREDENTIALS", str(secrets / "driver.json"))
+        for supervised, warned in ((False, True), (True, False)):
+            state = {"handle": {"scheduler": server.address}, "processes": [],
+                     "supervised": supervised}  # fmt: skip
+            (tmp_path / "cluster.json").write_text(json.dumps(state))
+            assert main(["scale", "rollout", "2", "--state-dir", str(tmp_path)]) == 0
+            err = capsys.readouterr().err
+            assert ("no launcher follows this count" in err) is warned, err
+        assert core.scale("rollout")[0] == 2
