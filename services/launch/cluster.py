@@ -399,6 +399,10 @@ class LocalCluster:
         self._rollout_shares: list[Sequence[Device]] = []
         self._next_rollout = 0
         self._scale_generation = 0
+        # Replicas started in place of given-up ones (bounded by services.max_restarts),
+        # and when a failed scale-up may be tried again.
+        self._replacements = 0
+        self._scale_retry_at = 0.0
         self._config_path: Path | None = None
         self.events: dict[str, int] = {"restarted": 0, "scaled_up": 0, "scaled_down": 0}
 
@@ -700,6 +704,10 @@ class LocalCluster:
                     proc.name, proc.address, code, done,
                 )  # fmt: skip
                 self.given_up.add(proc.name)
+                if proc.kind == "rollout" and self.scheduler_address and proc.address:
+                    # Out of the registry (not listed dead for good); a desired count
+                    # set at the scheduler brings a new replica in its place.
+                    deregister_address(self.scheduler_address, proc.address)
                 continue
             self._restart(proc, code, done)
 
@@ -778,9 +786,30 @@ class LocalCluster:
         except RlfleetError as e:  # one line per round: the scheduler may come back
             logger.warning("desired scale unknown: scheduler %s: %s", self.scheduler_address, e)
             return
-        if not desired or generation == self._scale_generation:
+        if not desired:
             return
-        self.scale_rollout(desired)
+        if generation == self._scale_generation:
+            # The count is the one followed; a replica given up since then leaves the
+            # fleet short of it: one in its place (at most services.max_restarts times).
+            with self._lock:
+                owned = sum(
+                    1 for p in self._procs if p.kind == "rollout" and p.name not in self.given_up
+                )
+            if owned >= desired or time.monotonic() < self._scale_retry_at:
+                return
+            if self._replacements >= self.config.services.max_restarts:
+                return
+            self._replacements += desired - owned
+            logger.warning("rollout replicas given up: %d of the desired %d run; starting "
+                           "replacements", owned, desired)  # fmt: skip
+        try:
+            self.scale_rollout(desired)
+        except ServiceStartError:
+            # Not every 0.5 s: after the restart backoff's longest wait.
+            wait = self.config.services.restart_backoff_s * 2.0**self.config.services.max_restarts
+            self._scale_retry_at = time.monotonic() + max(5.0, wait)
+            self._scale_generation = generation
+            raise
         self._scale_generation = generation
 
     def scale_rollout(self, replicas: int, timeout_s: float = 120.0) -> None:

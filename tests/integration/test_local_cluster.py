@@ -328,3 +328,49 @@ def test_the_tools_service_is_launched_for_a_service_tool_source(
         h = cluster.start(timeout_s=180)
         assert set(h.pids) == {"scheduler", "tools", "rollout-0"}
         check_tools_service(h, h.pids["rollout-0"])
+
+
+def test_a_given_up_replica_is_replaced_to_keep_the_desired_count(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A desired count is set at the scheduler (the autoscaler, `rlfleet scale`) and a
+    replica dies past services.max_restarts: the launcher gives up on it, takes it out
+    of the registry (not listed dead for good) and starts a new replica in its place
+    (at most max_restarts times), so the fleet is back at the count and the
+    autoscaler, which waits for the fleet to match it, is not stuck."""
+    config = config_from_dict(
+        base_config(
+            tiny_model_dir,
+            tmp_path / "run",
+            services={"max_restarts": 1, "restart_backoff_s": 0.2},
+        )
+    )
+    with LocalCluster(config, tmp_path / "run", heartbeat_interval_s=0.5, grace_s=10) as cluster:
+        h = cluster.start(timeout_s=180)
+        deadline = time.monotonic() + 150
+        with RemoteSchedulerClient(h.scheduler) as client:  # type: ignore[arg-type]
+            client.set_scale("rollout", 1)
+            while cluster._scale_generation != 1:  # the launcher follows it (no change)
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            for _ in range(2):  # the restart, then past max_restarts
+                pid = cluster.pids["rollout-0"]
+                os.kill(pid, signal.SIGKILL)
+                while cluster.pids.get("rollout-0") == pid and "rollout-0" not in cluster.given_up:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+                while "rollout-0" not in cluster.given_up and not healthy(h.rollout[0]):
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+            while "rollout-1" not in cluster.rollout_replicas():
+                assert time.monotonic() < deadline, cluster.rollout_replicas()
+                time.sleep(0.2)
+            while True:
+                alive = client.list_services("rollout", alive_only=True)
+                listed = client.list_services("rollout")
+                if len(alive) == 1 and len(listed) == 1:
+                    break
+                assert time.monotonic() < deadline, (alive, listed)
+                time.sleep(0.2)
+        assert "rollout-0" in cluster.given_up
+        assert alive[0].spec.address != h.rollout[0]  # the new replica, not the given-up one
