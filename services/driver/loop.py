@@ -808,13 +808,23 @@ class PPOTrainer:
             with concurrent.futures.ThreadPoolExecutor(len(local)) as ex:
                 pushed += list(ex.map(hand_over, local))
         if remote:
-            targets = [(r.replica_id, r.address or "") for r in remote]
+            # A replica that froze since it last answered (SIGSTOP, a stuck device)
+            # would hold the whole push (every replica's buckets move together): it
+            # must answer a liveness probe first, or it fails this push alone.
+            frozen = _unresponsive(remote)
+            targets = [
+                (r.replica_id, r.address or "") for r in remote if r.replica_id not in frozen
+            ]
             started = time.time_ns()
             try:
-                outcome = self._w.trainer.push_weights(
-                    targets,
-                    version=version,
-                    transports=transports_for(self.config.rollout.weight_transport),
+                outcome = (
+                    self._w.trainer.push_weights(
+                        targets,
+                        version=version,
+                        transports=transports_for(self.config.rollout.weight_transport),
+                    )
+                    if targets
+                    else PushOutcome(version, 0)
                 )
             except PermissionDenied as e:
                 if not self._fleet.can_heal:
@@ -823,6 +833,9 @@ class PPOTrainer:
                 # scheduler that just restarted lists none until the replicas'
                 # next heartbeats. Every target failed; replacements are waited for.
                 outcome = PushOutcome(version, 0, errors={rid: e.message for rid, _ in targets})
+            for rid, why in frozen.items():
+                outcome.ok[rid] = False
+                outcome.errors[rid] = why
             pushed += [
                 (r, outcome.transports[r.replica_id], outcome.bytes, outcome.seconds[r.replica_id])
                 for r in remote
@@ -1589,6 +1602,26 @@ STATUS_METRICS = frozenset(
 def _val_line(step: int, val: Mapping[str, float]) -> str:
     parts = [f"{k.removeprefix('val/test_score/')} {v:.3f}" for k, v in val.items() if "score" in k]
     return f"validation at step {step}: " + ", ".join(parts)
+
+
+def _unresponsive(replicas: Sequence[RolloutReplica]) -> dict[str, str]:
+    """The replicas (by id) that do not answer a liveness probe (``GetStatus`` within
+    :data:`~rlfleet.rollout.client.PROBE_TIMEOUT_S`, all probed at once), and why."""
+    from rlfleet.rollout.client import PROBE_TIMEOUT_S
+
+    def probe(r: RolloutReplica) -> str | None:
+        try:
+            r.client.status(probe=True)
+        except RlfleetError as e:
+            return f"it did not answer a liveness probe in {PROBE_TIMEOUT_S:g}s ({e.message})"
+        return None
+
+    if len(replicas) == 1:
+        answers = [probe(replicas[0])]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(len(replicas)) as ex:
+            answers = list(ex.map(probe, replicas))
+    return {r.replica_id: why for r, why in zip(replicas, answers, strict=True) if why is not None}
 
 
 def _trace_pushes(replicas: Sequence[RolloutReplica], outcome: Any, started: int) -> None:

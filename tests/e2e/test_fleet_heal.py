@@ -161,3 +161,56 @@ def test_a_push_just_after_the_scheduler_restarted_waits_for_the_replicas(
     assert "scheduler" in dict(cluster.restarts)
     refused = [r.getMessage() for r in caplog.records if "reached no replica" in r.getMessage()]
     assert refused and "registered with the scheduler" in refused[0]
+
+
+def test_a_replica_frozen_before_a_push_fails_it_alone_and_fast(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A replica that froze while the trainer trained (SIGSTOP; a stuck device) does
+    not hold the weight push up (it took 23 s, every replica's buckets waiting on it):
+    it does not answer the liveness probe before the push, so it fails the push alone,
+    is dropped, and the run goes on with the other one (and takes it back, thawed)."""
+    from rlfleet.trainer.client import RemoteTrainerClient
+
+    config = _config(
+        tiny_model_dir,
+        tmp_path,
+        rollout={"replicas": 2, "replica_wait_s": 120},
+        trainer={"total_training_steps": STEPS},
+        services={"max_restarts": 2, "restart_backoff_s": 0.2},
+    )
+    with LocalCluster(config, tmp_path / "run", heartbeat_interval_s=0.5, grace_s=10) as cluster:
+        h = cluster.start(timeout_s=180)
+        trainer_client = RemoteTrainerClient(h.trainer)
+        real_train = trainer_client.train_step
+        frozen: list[int] = []
+
+        def train_then_freeze(*args: Any, **kwargs: Any) -> Any:
+            result = real_train(*args, **kwargs)
+            if not frozen and result.global_step == 2:  # before step 2's push
+                frozen.append(cluster.pids["rollout-1"])
+                os.kill(frozen[0], signal.SIGSTOP)
+            return result
+
+        trainer_client.train_step = train_then_freeze  # type: ignore[method-assign]
+        mapping = remote_workers(h.trainer, h.rollout, h.reward)
+        mapping[Role.ActorRolloutRef] = trainer_client
+        try:
+            with PPOTrainer(
+                config=config,
+                role_worker_mapping=mapping,
+                scheduler=h.scheduler,
+                fleet_metrics=cluster.fleet_metrics,
+            ) as trainer:
+                records = trainer.fit()
+                expected = loader_order(trainer, STEPS)
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+            trainer_client.close()
+    assert frozen, "the replica was never frozen"
+    assert [r.step for r in records] == list(range(1, STEPS + 1))
+    assert [r.indices for r in records] == expected
+    assert all(r.metrics["rollout/samples"] == 8 for r in records)
+    # The probe's second, not the 20 s a push to a frozen replica waited.
+    assert records[1].metrics["timing_s/weight_sync"] < 5.0, records[1].metrics
