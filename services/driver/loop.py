@@ -86,7 +86,13 @@ import torch
 
 from rlfleet.common import tracing
 from rlfleet.common.config import Config, run_warnings, save_resolved
-from rlfleet.common.errors import NotFound, PermissionDenied, RlfleetError, Unavailable
+from rlfleet.common.errors import (
+    DeadlineExceeded,
+    NotFound,
+    PermissionDenied,
+    RlfleetError,
+    Unavailable,
+)
 from rlfleet.driver.batch import (
     Batch,
     GeneratedBatch,
@@ -1606,14 +1612,20 @@ def _val_line(step: int, val: Mapping[str, float]) -> str:
 
 def _unresponsive(replicas: Sequence[RolloutReplica]) -> dict[str, str]:
     """The replicas (by id) that do not answer a liveness probe (``GetStatus`` within
-    :data:`~rlfleet.rollout.client.PROBE_TIMEOUT_S`, all probed at once), and why."""
+    :data:`~rlfleet.rollout.client.PROBE_TIMEOUT_S`, a second try after a deadline; all
+    probed at once), and why."""
     from rlfleet.rollout.client import PROBE_TIMEOUT_S
 
     def probe(r: RolloutReplica) -> str | None:
-        try:
-            r.client.status(probe=True)
-        except RlfleetError as e:
-            return f"it did not answer a liveness probe in {PROBE_TIMEOUT_S:g}s ({e.message})"
+        for attempt in range(2):  # a busy host may answer late once; frozen never does
+            try:
+                r.client.status(probe=True)
+                return None
+            except DeadlineExceeded as e:
+                if attempt:
+                    return f"it did not answer two liveness probes of {PROBE_TIMEOUT_S:g}s ({e})"
+            except RlfleetError as e:
+                return f"it did not answer a liveness probe ({e.message})"
         return None
 
     if len(replicas) == 1:
