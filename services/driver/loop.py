@@ -1154,12 +1154,17 @@ class PPOTrainer:
         self._recovery_metrics = {
             "fault/trainer_recoveries": float(self.recoveries),
             "fault/trainer_recovery_s": seconds,
-            "fault/redone_steps": float(failed_at - 1 - self.global_steps),
+            "fault/redone_steps": float(max(0, failed_at - 1 - self.global_steps)),
         }
+        redone = failed_at - 1 - self.global_steps  # fault/redone_steps: trained ones lost
+        again = (
+            f"steps {self.global_steps + 1}..{failed_at - 1} are redone, then step {failed_at}"
+            if redone > 0
+            else f"step {failed_at} runs again"
+        )
         tracking.warn(
             f"trainer back after {waited:.1f}s; restored {source} in {seconds - waited:.1f}s: "
-            f"continuing from step {self.global_steps} (steps {self.global_steps + 1}.."
-            f"{failed_at} are redone with the same prompts)"
+            f"continuing from step {self.global_steps} ({again}, with the same prompts)"
         )
         self._publish_status("running")
 
