@@ -97,7 +97,11 @@ def run(args: argparse.Namespace) -> int:
             problems = [translation.named_as_given(p) for p in problems]
         print("\n".join(f"rlfleet train: {p}" for p in problems), file=sys.stderr)
         return 2
-    if config.scheduler.autoscale.enable and (args.in_process or args.no_scheduler):
+    if (
+        config.scheduler.autoscale.enable
+        and (args.in_process or args.no_scheduler)
+        and not config.services.scheduler
+    ):
         how = "--in-process" if args.in_process else "--no-scheduler"
         print(f"rlfleet train: warning: scheduler.autoscale.enable does nothing with {how} "
               "(the autoscaler runs in the scheduler, and its count is followed by the "
