@@ -113,8 +113,15 @@ def test_the_ray_launcher_refuses_to_run_without_authentication(tmp_path: Any) -
     from rlfleet.common.auth import CredentialError
     from rlfleet.launch.ray_cluster import RayCluster
 
+    from rlfleet.common.config import ConfigError
+
     was = ray.is_initialized()
-    cfg = _config(trainer={"device": "cpu"}, security={"auth": False}, launcher="ray")
+    # The config check refuses it at load, naming the key (exit 2, nothing created)...
+    with pytest.raises(ConfigError, match=r"security\.auth: false is refused"):
+        _config(trainer={"device": "cpu"}, security={"auth": False}, launcher="ray")
+    # ... and the launcher itself, given such a config all the same.
+    ok = _config(trainer={"device": "cpu"}, launcher="ray")
+    cfg = ok.model_copy(update={"security": ok.security.model_copy(update={"auth": False})})
     with pytest.raises(CredentialError, match=r"security\.auth=false is refused"):
         RayCluster(cfg, tmp_path / "run").start(timeout_s=30)
     assert ray.is_initialized() == was

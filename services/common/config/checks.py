@@ -690,6 +690,18 @@ def _check_external(cfg: Config) -> Iterator[ConfigIssue]:
         )
 
 
+@_check("launcher", "security.auth")
+def _check_ray_auth(cfg: Config) -> Iterator[ConfigIssue]:
+    """Ray places services on their nodes' addresses: never without authentication."""
+    if cfg.launcher == "ray" and not cfg.security.auth:
+        yield ConfigIssue(
+            "security.auth",
+            "false is refused with launcher=ray: services listen on their nodes' "
+            "addresses, beyond loopback, only with authentication on",
+            False,
+        )
+
+
 @_check("algorithm.kl_ctrl")
 def _check_kl_ctrl(cfg: Config) -> Iterator[ConfigIssue]:
     kl = cfg.algorithm.kl_ctrl
