@@ -111,9 +111,8 @@ def test_the_ray_launcher_refuses_to_run_without_authentication(tmp_path: Any) -
     refused before Ray is joined or started."""
     ray = pytest.importorskip("ray")
     from rlfleet.common.auth import CredentialError
-    from rlfleet.launch.ray_cluster import RayCluster
-
     from rlfleet.common.config import ConfigError
+    from rlfleet.launch.ray_cluster import RayCluster
 
     was = ray.is_initialized()
     # The config check refuses it at load, naming the key (exit 2, nothing created)...
