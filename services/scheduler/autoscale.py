@@ -192,6 +192,13 @@ class Autoscaler:
                     "autoscale: rollout replicas set to %d from outside at step %d; next "
                     "decision after a step with them", target, sig.step,
                 )  # fmt: skip
+                lo, hi = self.settings.min_replicas, self.settings.max_replicas
+                if not lo <= target <= hi:
+                    logger.warning(
+                        "autoscale: %d is outside scheduler.autoscale's [%d, %d]: the "
+                        "autoscaler brings the count back within them (turn it off to "
+                        "keep it)", target, lo, hi,
+                    )  # fmt: skip
                 self._last_change, self._step_at_change = now, sig.step
             self._target = target
             if sig.replicas != target:
