@@ -1643,8 +1643,9 @@ def _unresponsive(replicas: Sequence[RolloutReplica]) -> dict[str, str]:
 
 def _trace_pushes(replicas: Sequence[RolloutReplica], outcome: Any, started: int) -> None:
     """One ``weight_push`` span per replica under the current ``weight_sync`` one,
-    laid out from the trainer's per-replica seconds (ending now; a failed one spans
-    the whole push), so that a trace shows which replica a slow push waited on."""
+    laid out from the trainer's per-replica seconds (the replicas' transfers start
+    together, when the push does; a failed one spans the whole push), so that a trace
+    shows which replica a slow push waited on."""
     end = time.time_ns()
     for r in replicas:
         seconds = outcome.seconds.get(r.replica_id)
@@ -1655,4 +1656,5 @@ def _trace_pushes(replicas: Sequence[RolloutReplica], outcome: Any, started: int
             attrs["transport"] = outcome.transports[r.replica_id]
         if r.replica_id in outcome.errors:
             attrs["error"] = str(outcome.errors[r.replica_id])[:500]
-        tracing.record_child("weight_push", end - int(float(seconds) * 1e9), end, **attrs)
+        stop = min(end, started + int(float(seconds) * 1e9))
+        tracing.record_child("weight_push", stop - int(float(seconds) * 1e9), stop, **attrs)
