@@ -53,6 +53,7 @@ def wrap_lora(
     from peft import LoraConfig, get_peft_model
 
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    _check_targets(model, targets)
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,  # type: ignore[arg-type]  # peft annotates int; a float scales
@@ -62,6 +63,39 @@ def wrap_lora(
     )
     wrapped: nn.Module = get_peft_model(model, config)
     return wrapped
+
+
+def _check_targets(model: nn.Module, targets: str | list[str]) -> None:
+    """Adapters go on linear layers that own their weight: an embedding (peft's
+    ``lora_embedding_*``, which the push and the export do not carry) or a layer tied
+    to another (the output head of a model with tied embeddings: merging into it
+    would change the input embeddings too, and the export drops it) is refused.
+
+    Raises:
+        FailedPrecondition: naming ``actor.target_modules`` and the module.
+    """
+    if isinstance(targets, str):  # "all-linear": peft leaves the output head out
+        return
+    from rlfleet.common.errors import FailedPrecondition
+
+    wanted = set(targets)
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] not in wanted and name not in wanted:
+            continue
+        why = None
+        if isinstance(module, nn.Embedding):
+            why = "an embedding (adapters go on linear layers)"
+        elif tied and module is head:
+            why = "the output head, tied to the input embeddings (tie_word_embeddings)"
+        if why is not None:
+            raise FailedPrecondition(
+                f"actor.target_modules: {name} is {why}; leave it out",
+                field="actor.target_modules",
+                value=list(targets),
+            )
 
 
 def is_adapter_name(name: str) -> bool:

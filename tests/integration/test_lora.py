@@ -279,3 +279,20 @@ def test_a_full_model_state_is_refused_by_a_lora_actor(
     core = TrainerCore(_config(tiny_model_dir, tmp_path / "run"))
     with pytest.raises(ValueError, match="lora_rank"):
         core.backend.load_state_dict("actor", {"model": _base_params(tiny_model_dir)})
+
+
+@pytest.mark.parametrize(
+    ("targets", "module"),
+    [(["q_proj", "lm_head"], "lm_head"), (["q_proj", "embed_tokens"], "embed_tokens")],
+)
+def test_adapters_on_embeddings_or_a_tied_head_are_refused(
+    tiny_model_dir: Path, tmp_path: Path, targets: list[str], module: str
+) -> None:
+    """The tiny model ties its output head to its input embeddings: an adapter there
+    would change both when merged (the rollout would sample a policy the trainer never
+    had) and the export dropped it; peft's embedding adapters are not pushed or
+    exported at all. Both are refused when the trainer builds the actor, naming the key."""
+    from rlfleet.common.errors import FailedPrecondition
+
+    with pytest.raises(FailedPrecondition, match=rf"actor\.target_modules: .*{module}"):
+        TrainerCore(_config(tiny_model_dir, tmp_path / "run", target_modules=targets))

@@ -596,6 +596,19 @@ def test_cispo_weights_and_seq_mean() -> None:
     assert_close(pg_loss, t(expected))
 
 
+def test_cispo_masked_nan_reaches_neither_the_loss_nor_the_gradient() -> None:
+    """What the mask leaves out cannot matter, NaN included, for CISPO as for PPO:
+    the product -w * A * log_prob would carry a NaN at a masked position into the
+    gradient of log_prob."""
+    old = t([[-1.0, -2.0, -0.5, float("nan")]])
+    new = t([[-0.9, -2.1, -0.5, float("nan")]]).requires_grad_()
+    adv = t([[1.0, -1.0, 0.5, float("nan")]])
+    pg_loss, *_ = ca.compute_policy_loss_cispo(old, new, adv, t(CISPO_MASK), 0.2, 0.28)
+    pg_loss.backward()
+    assert torch.isfinite(pg_loss) and new.grad is not None
+    assert torch.isfinite(new.grad).all() and new.grad[0, 3] == 0
+
+
 def test_policy_losses_reject_negative_clip_ratios() -> None:
     old, new = _gspo_inputs()
     for fn in (ca.compute_policy_loss_gspo, ca.compute_policy_loss_cispo):

@@ -894,7 +894,11 @@ def compute_policy_loss_cispo(
         low = ratio < 1.0 - clip_ratio_low
         pg_clipfrac = masked_mean((low | (ratio > 1.0 + clip_ratio_high)).to(ratio.dtype), valid)
         pg_clipfrac_lower = masked_mean(low.to(ratio.dtype), valid)
-    pg_losses = -weight * advantages * log_prob
+    # Masked positions out of the product itself (not only out of the mean): a NaN
+    # there would reach the gradient through ``log_prob`` (PPO's clamp blocks it).
+    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    weighted = torch.where(valid, weight * advantages, zero)
+    pg_losses = -weighted * torch.where(valid, log_prob, zero)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
     pg_loss = agg_loss(pg_losses, valid, loss_agg_mode)
