@@ -45,6 +45,8 @@ import contextlib
 import functools
 import logging
 import queue
+import re
+import socket
 import ssl
 import threading
 import time
@@ -169,9 +171,11 @@ class BulkUpdate:
         transports: Sequence[str] = AUTO,
         *,
         timeout_s: float = 600.0,
+        host: str | None = None,
     ) -> None:
         wire.check_transports(transports)
         self._stub = stub
+        self._host = host  # the replica's (as dialed): a TCP plan must point there
         self.version = version
         self._transports = list(transports)
         self._timeout_s = timeout_s
@@ -280,6 +284,7 @@ class BulkUpdate:
                 return None
             # Known from bucket 0's plan on: a failure from here on is abortable.
             self.update_id = plan.update_id or self.update_id
+            check_plan(plan, self._transports, self._host)
             try:
                 if plan.transport == "tcp":
                     tls = _tls_client()
@@ -360,7 +365,8 @@ def send_update(
     try:
         if any(t in BULK for t in transports):
             stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-            bulk = BulkUpdate(stub, version, transports, timeout_s=timeout_s)
+            host = target.rpartition(":")[0] if isinstance(target, str) else None
+            bulk = BulkUpdate(stub, version, transports, timeout_s=timeout_s, host=host)
             result = bulk.send(named_tensors, final=True)
             if result is not None:
                 return result
@@ -618,6 +624,48 @@ def _push_stream(
     return summary
 
 
+class PlanRefused(Exception):
+    """A replica's transfer plan this sender will not follow (see :func:`check_plan`)."""
+
+
+_SHM_SEGMENT = re.compile(r"rlfleet_[0-9a-f]{16}")
+_PLAN_TOKEN = re.compile(r"[0-9a-f]{32}")
+
+
+def _addresses(host: str) -> set[str]:
+    try:
+        return {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return set()
+
+
+def check_plan(plan: wire.TransferPlan, offered: Sequence[str], host: str | None) -> None:
+    """Follow a replica's plan only as far as the offer allows: a transport that was
+    offered, a token of the form the replica makes (32 hex digits), a shared-memory
+    segment named as replicas name theirs (a plain name in ``/dev/shm``: no path),
+    and a TCP endpoint on the replica's own host (``host``, as dialed; the same name
+    or an address both resolve to). A registered replica is not trusted to say where
+    the trainer writes or connects: a fake one could have named a file on the
+    trainer's host, or another service to send its bytes to.
+
+    Raises:
+        PlanRefused: naming what is wrong.
+    """
+    if plan.transport not in offered:
+        raise PlanRefused(f"the replica planned {plan.transport!r}, not offered ({offered})")
+    if not _PLAN_TOKEN.fullmatch(plan.token):
+        raise PlanRefused("the plan's token is not 32 hex digits")
+    if plan.transport == "shm" and not _SHM_SEGMENT.fullmatch(plan.endpoint.removeprefix("/")):
+        raise PlanRefused(f"the plan's segment {plan.endpoint[:80]!r} is not a replica's segment")
+    if plan.transport == "tcp" and host is not None:
+        ep_host = plan.endpoint.rpartition(":")[0].strip("[]")
+        wanted = host.strip("[]")
+        if ep_host != wanted and not (_addresses(ep_host) & _addresses(wanted)):
+            raise PlanRefused(
+                f"the plan's endpoint {plan.endpoint[:80]!r} is not on the replica's host {host}"
+            )
+
+
 class _BulkTarget:
     """One replica's update over the bulk data plane, a transfer per bucket; or its
     gRPC stream, when bucket 0 settled on the stream for it."""
@@ -636,7 +684,8 @@ class _BulkTarget:
         self._start = time.perf_counter()
         self.channel = create_channel(address, auth_token=token)
         stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
-        self.update = BulkUpdate(stub, version, transports, timeout_s=timeout_s)
+        host = address.rpartition(":")[0]
+        self.update = BulkUpdate(stub, version, transports, timeout_s=timeout_s, host=host)
         self.stream: _Sender | None = None
         self.failed = False
 

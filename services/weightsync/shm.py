@@ -149,11 +149,14 @@ class _Mappings:
         # SharedMemory registers the segment with this process's resource tracker,
         # which would unlink it (and warn) when this process exits.
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError as e:
             raise ShmUnavailable(f"shared-memory segment {path} does not exist on this host") from e
         try:
             st = os.fstat(fd)
+            # A plain file of /dev/shm itself: not a link, not something mounted there.
+            if not stat.S_ISREG(st.st_mode) or st.st_dev != os.stat(_SHM_DIR).st_dev:
+                raise ShmUnavailable(f"{path} is not a shared-memory segment")
             if st.st_size < nbytes:
                 raise ShmUnavailable(f"segment {path} is smaller than {nbytes} bytes")
             # MAP_POPULATE: map every page in one call rather than fault them in one
@@ -202,7 +205,10 @@ def _write_segment(
     specs: Sequence[TensorSpec],
     crcs: list[int] | None,
 ) -> None:
-    path = os.path.join(_SHM_DIR, plan.endpoint.lstrip("/"))
+    name = plan.endpoint.lstrip("/")
+    if not name or "/" in name or name in (".", ".."):  # a segment's name, not a path
+        raise ShmUnavailable(f"{plan.endpoint[:80]!r} is not a shared-memory segment's name")
+    path = os.path.join(_SHM_DIR, name)
     total = specs[-1].offset + specs[-1].nbytes if specs else 0
     nonce = plan.token.encode()
     mm = _MAPPINGS.get(path, HEADER + total)
