@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import pickle
 import shutil
@@ -334,8 +335,11 @@ def save(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        latest_tmp = root / f".{LATEST_FILE}.tmp"
-        _write_text(str(step), latest_tmp)
+        # A fresh name, created here (never a link someone left in its place).
+        latest_tmp = root / f".{LATEST_FILE}.{uuid.uuid4().hex[:8]}.tmp"
+        fd = os.open(latest_tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(str(step))
         _fsync_file(latest_tmp)
         latest_tmp.replace(root / LATEST_FILE)
         _fsync_file(root)
@@ -488,19 +492,75 @@ def read_rank_state(
     return states, rng
 
 
+def _read_meta(folder: Path, path: str | None) -> dict[str, Any]:
+    """``trainer_state.json`` of ``folder``, checked before anything is restored:
+    counters are integers in [0, 2^53), ``roles`` a list of known roles with the actor.
+
+    Raises:
+        CheckpointRefused: naming ``path``.
+    """
+    try:
+        meta = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointRefused(
+            f"{folder / STATE_FILE} is unreadable: {e}", field="path", value=path or str(folder)
+        ) from None
+
+    def counter(key: str, required: bool = True) -> bool:
+        v = meta.get(key)
+        if v is None and not required:
+            return True
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**53
+
+    def number(key: str, required: bool = True) -> bool:
+        v = meta.get(key)
+        if v is None and not required:
+            return True
+        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+    roles = meta.get("roles") if isinstance(meta, dict) else None
+    ok = (
+        isinstance(meta, dict)
+        and isinstance(roles, list)
+        and "actor" in roles
+        and all(r in ("actor", "critic", "ref") for r in roles)
+        and counter("global_step")
+        and counter("weight_version")
+        and counter("step", required=False)
+        and number("kl_coef")
+        and number("kl_loss_coef", required=False)
+    )
+    if not ok:
+        raise CheckpointRefused(
+            f"{folder / STATE_FILE} is not a trainer state (roles a list with the actor; "
+            "global_step, weight_version and step integers in [0, 2^53); finite KL "
+            "coefficients)",
+            field="path",
+            value=path or str(folder),
+        )
+    return dict(meta)
+
+
 def load(core: TrainerCore, path: str | None = None) -> tuple[Path, int, str]:
     """Load a checkpoint folder, or the latest one under a root (None: the configured
     root). Returns ``(folder, step it was saved as, extra_state_json)``."""
-    given = checkpoint_root(core, path, also=resume_root(core))
+    also = resume_root(core)
+    given = checkpoint_root(core, path, also=also)
     folder = given if (given / STATE_FILE).is_file() else find_latest(given)
     if folder is None:
         raise NotFound(f"no checkpoint in {given}", field="path", value=str(given))
-    meta = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
+    # The folder the root's latest file (or its newest step) names: confined as well
+    # (a link in the run dir must not lead the load outside it).
+    folder = checkpoint_root(core, str(folder), also=also)
+    meta = _read_meta(folder, path)
     roles = [r for r in meta["roles"] if r in core.roles]
     with core.lock:
         core.run_on_ranks(
             "load_checkpoint", path=str(folder), roles=roles, world_size=core.world_size
         )
+        # The schedules are the checkpoint's now, their total included: the next
+        # TrainStep's total_steps applies again even if it equals the one before.
+        core.total_training_steps = None
         core.restore_state(
             global_step=int(meta["global_step"]),
             weight_version=int(meta["weight_version"]),

@@ -603,8 +603,6 @@ class TrainerCore:
             whether the actor updated.
         """
         self._validate(batch, "train_step", self._train_step_keys(batch))
-        if total_steps:
-            self.set_total_training_steps(total_steps)
         batch = B.ensure_defaults(batch)
         bs = B.batch_size(batch)
         a = self.config.actor
@@ -614,6 +612,8 @@ class TrainerCore:
             critic_mini = self._mini_size(
                 bs, self.config.critic.ppo_mini_batch_size or 1, "train_step"
             )
+        if total_steps:  # once the batch passed its checks: a refused step changes nothing
+            self.set_total_training_steps(total_steps)
         metrics: dict[str, float] = {}
 
         def timed(phase: str, fn: Callable[[], Any]) -> Any:

@@ -77,3 +77,31 @@ def test_train_steps_carry_the_total_to_the_schedule(tiny_model_dir: Path) -> No
     for bad in (-1, 2**53, True):
         with pytest.raises(InvalidArgument, match="total_steps"):
             core.set_total_training_steps(bad)
+
+
+def test_a_refused_step_leaves_the_schedule_and_a_load_takes_the_next_total(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from rlfleet.trainer import checkpoint
+
+    cfg = make_config(
+        str(tiny_model_dir),
+        algorithm={"adv_estimator": "grpo"},
+        actor={"lr": 1e-3, "ppo_mini_batch_size": 2, "lr_warmup_steps_ratio": 0.5},
+        trainer={"default_local_dir": str(tmp_path / "run")},
+    )
+    core = TrainerCore(cfg)
+    before = core.backend.lr("actor")
+    bad = {**make_batch(bs=6, seed=0), "scores": torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])}
+    with pytest.raises(InvalidArgument):  # 6 rows: not whole mini-batches of 4
+        core.train_step(bad, total_steps=10)
+    assert core.backend.lr("actor") == before and core.total_training_steps is None
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    core.train_step({**make_batch(seed=1), "scores": scores}, total_steps=10)
+    checkpoint.save(core, step=1)
+    core.train_step({**make_batch(seed=2), "scores": scores}, total_steps=1000)
+    checkpoint.load(core)  # the schedule as saved, with its total of 10
+    assert core.total_training_steps is None
+    m = core.train_step({**make_batch(seed=2), "scores": scores}, total_steps=1000)
+    # Step index 1 of 1000 with a warm-up of 500: lr x 2/501, not the saved schedule's.
+    assert m["actor/lr"] == pytest.approx(1e-3 * 2 / 501, rel=1e-6)

@@ -245,3 +245,53 @@ def test_kept_checkpoints_count_only_the_roles_held(tiny_model_dir: Path, tmp_pa
         for step in (1, 2, 3):
             checkpoint.save(core, step=step)
         assert checkpoint.steps(run / "checkpoints") == kept, estimator
+
+
+def test_links_in_the_run_dir_lead_neither_a_load_nor_a_save_outside(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The folder a root's latest file names is confined like a path given, and the
+    latest file is written under a fresh name, never through a link left in place."""
+    run = tmp_path / "run"
+    outside = tmp_path / "outside"
+    core = TrainerCore(_config(tiny_model_dir, run))
+    elsewhere = TrainerCore(_config(tiny_model_dir, outside))
+    checkpoint.save(elsewhere, step=7)
+    root = run / "checkpoints"
+    root.mkdir(parents=True)
+    (root / "global_step_999").symlink_to(outside / "checkpoints" / "global_step_7")
+    (root / "latest_checkpointed_iteration.txt").write_text("999")
+    with pytest.raises(InvalidArgument, match="outside"):
+        checkpoint.load(core, "checkpoints")
+    (root / "global_step_999").unlink()
+    (root / "latest_checkpointed_iteration.txt").unlink()
+    precious = outside / "precious.txt"
+    precious.write_text("keep")
+    (root / ".latest_checkpointed_iteration.txt.tmp").symlink_to(precious)
+    checkpoint.save(core, step=5)
+    assert precious.read_text() == "keep"
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "5"
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        "{not json",
+        '{"global_step": 1, "weight_version": 1, "kl_coef": 0.0}',  # no roles
+        '{"roles": "actor", "global_step": 1, "weight_version": 1, "kl_coef": 0.0}',
+        '{"roles": ["actor"], "global_step": 1, "weight_version": -1, "kl_coef": 0.0}',
+        '{"roles": ["actor"], "global_step": 1180591620717411303424, "weight_version": 1,'
+        ' "kl_coef": 0.0}',
+    ],
+)
+def test_a_damaged_trainer_state_is_refused_before_anything_loads(
+    tiny_model_dir: Path, tmp_path: Path, state: str
+) -> None:
+    core = TrainerCore(_config(tiny_model_dir, tmp_path / "run"))
+    folder, _, _ = checkpoint.save(core, step=1)
+    (folder / checkpoint.STATE_FILE).write_text(state)
+    fresh = TrainerCore(_config(tiny_model_dir, tmp_path / "run"))
+    with pytest.raises(checkpoint.CheckpointRefused) as refused:
+        checkpoint.load(fresh, str(folder))
+    assert refused.value.field == "path"
+    assert fresh.global_step == 0 and fresh.weight_version == 0
