@@ -32,7 +32,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -364,12 +364,20 @@ class RolloutCore:
         return self._bulk.open(offer)
 
     def commit_transfer(
-        self, transfer_id: str, crc32c: Sequence[int], *, timeout_s: float | None = None
+        self,
+        transfer_id: str,
+        crc32c: Sequence[int],
+        *,
+        timeout_s: float | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> UpdateResult:
         """Verify a bulk transfer against the sender's per-tensor CRC-32Cs and apply it
         (a bucket that is not its update's last is staged instead); waiting for its
-        bytes ends at ``timeout_s`` too (the caller's deadline)."""
-        return self._record(self._bulk.commit(transfer_id, crc32c, timeout_s=timeout_s))
+        bytes ends at ``timeout_s`` too (the caller's deadline), or when ``cancelled()``
+        (the caller went away)."""
+        return self._record(
+            self._bulk.commit(transfer_id, crc32c, timeout_s=timeout_s, cancelled=cancelled)
+        )
 
     def abort_transfer(self, update_id: str, reason: str = "") -> AbortResult:
         """Drop a bucketed update its sender gave up (staged buckets freed at once);

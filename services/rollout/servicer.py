@@ -148,7 +148,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     ) -> rollout_pb2.UpdateWeightsResponse:
         return wire.update_to_proto(
             self.core.commit_transfer(
-                request.transfer_id, list(request.crc32c), timeout_s=context.time_remaining()
+                request.transfer_id,
+                list(request.crc32c),
+                timeout_s=context.time_remaining(),
+                cancelled=lambda: not context.is_active(),
             )
         )
 

@@ -154,6 +154,8 @@ SERVED: tuple[str, ...] = ("shm", "tcp", "grpc")
 #: worst, a listener and a thread until committed, aborted or expired); one trainer
 #: pushing keeps one open (one bucket at a time).
 MAX_OPEN_TRANSFERS = 4
+#: Bucketed updates staged at once (a newer one drops the one touched longest ago).
+MAX_STAGED_UPDATES = 2
 
 
 class WeightReceiver:
@@ -317,6 +319,8 @@ class _Transfer:
     error: str = ""
     update: _Update | None = None  # the bucketed update this transfer is a bucket of
     commit_deadline: float = math.inf  # monotonic: the committing caller's deadline
+    # The committing caller went away (its RPC was cancelled): stop waiting for bytes.
+    cancelled: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -379,6 +383,10 @@ class BulkReceiver:
         self._lock = threading.Lock()
         self._transfers: dict[str, _Transfer] = {}
         self._updates: dict[str, _Update] = {}
+        # Bulk transfers being committed (out of ``_transfers``, still holding a buffer
+        # and a caller's thread) and offers being opened: both count toward the limit.
+        self._committing = 0
+        self._reserved = 0
         # Spare staging buffers per transport: those of the last finished update.
         self._spare_arrays: list[np.ndarray] = []
         self._spare_shms: list[shared_memory.SharedMemory] = []
@@ -437,9 +445,14 @@ class BulkReceiver:
                 field="transports",
                 value=offer.transports,
             )
-        if transport in BULK:
-            with self._lock:
-                open_now = sum(1 for x in self._transfers.values() if x.transport in BULK)
+        if transport not in BULK:  # the sender streams instead: nothing is kept for it
+            return TransferPlan(uuid.uuid4().hex, transport)
+        with self._lock:  # counted and reserved at once: concurrent offers cannot overshoot
+            open_now = (
+                sum(1 for x in self._transfers.values() if x.transport in BULK)
+                + self._committing
+                + self._reserved
+            )
             if open_now >= MAX_OPEN_TRANSFERS:  # each holds a staging buffer and a thread
                 raise ResourceExhausted(
                     f"{open_now} bulk weight transfers are open here, the most a replica "
@@ -449,10 +462,25 @@ class BulkReceiver:
                     value=open_now,
                     code="TOO_MANY_TRANSFERS",
                 )
+            self._reserved += 1
+        try:
+            return self._open_bulk(offer, update, transport, specs)
+        finally:
+            with self._lock:
+                self._reserved -= 1
+
+    def _open_bulk(
+        self,
+        offer: TransferOffer,
+        update: _Update | None,
+        transport: str,
+        specs: Mapping[str, tuple[str, tuple[int, ...]]],
+    ) -> TransferPlan:
         now = time.monotonic()
         t = _Transfer(uuid.uuid4().hex, offer, transport, now)
-        if not offer.whole and transport != "grpc" and update is None:
+        if not offer.whole and update is None:
             update = _Update(uuid.uuid4().hex, offer.version, now, now)
+            self._make_room_for_an_update()
         t.update = update
         if transport == "tcp":
             self._open_tcp(t)
@@ -511,25 +539,59 @@ class BulkReceiver:
         if offer.final:  # the union must cover the model, checked before the last bytes move
             self._engine.check_weights({**u.specs, **specs}, complete=True)
 
+    def _make_room_for_an_update(self) -> None:
+        """At most :data:`MAX_STAGED_UPDATES` bucketed updates stage at once (each holds
+        up to a model's bytes): a new one drops the one touched longest ago (a sender
+        that stopped; a live one's next offer then fails and it starts again)."""
+        with self._lock:
+            stale = sorted(self._updates.values(), key=lambda u: u.touched)
+            stale = stale[: max(0, len(stale) - MAX_STAGED_UPDATES + 1)]
+        for u in stale:
+            self._drop_update(u, "a newer update started (at most "
+                              f"{MAX_STAGED_UPDATES} stage at once)")  # fmt: skip
+
     def commit(
-        self, transfer_id: str, crc32c: Sequence[int], *, timeout_s: float | None = None
+        self,
+        transfer_id: str,
+        crc32c: Sequence[int],
+        *,
+        timeout_s: float | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> UpdateResult:
         """Verify the transfer against the sender's per-tensor CRC-32Cs and apply it; a
         bucket of a bucketed update is staged, and its final bucket applies the union.
 
         Waiting for the bytes ends at the transfer's time-out, at ``timeout_s`` (the
-        caller's deadline: a caller that gave up holds no thread here) or when the
-        receiver closes, whichever comes first; the transfer is then dropped."""
+        caller's deadline: a caller that gave up holds no thread here), when
+        ``cancelled()`` says the caller went away, or when the receiver closes,
+        whichever comes first; the transfer is then dropped. A transfer being committed
+        still counts toward :data:`MAX_OPEN_TRANSFERS`."""
         with self._lock:
             t = self._transfers.pop(transfer_id, None)
+            if t is not None:
+                self._committing += 1
         if t is None:
             raise NotFound(
                 f"no open weight transfer {transfer_id!r} (unknown, committed or expired)",
                 field="transfer_id",
                 value=transfer_id,
             )
+        try:
+            return self._commit(t, crc32c, timeout_s, cancelled)
+        finally:
+            with self._lock:
+                self._committing -= 1
+
+    def _commit(
+        self,
+        t: _Transfer,
+        crc32c: Sequence[int],
+        timeout_s: float | None,
+        cancelled: Callable[[], bool] | None,
+    ) -> UpdateResult:
         if timeout_s is not None:
             t.commit_deadline = time.monotonic() + max(0.0, timeout_s)
+        t.cancelled = cancelled
         u = t.update
         if u is None:
             try:
@@ -753,6 +815,8 @@ class BulkReceiver:
         while not t.done.is_set():
             left = end - time.monotonic()
             if left <= 0 or self._closed.is_set():
+                return False
+            if t.cancelled is not None and t.cancelled():
                 return False
             t.done.wait(min(left, 0.25))
         return True

@@ -457,6 +457,75 @@ def test_a_commit_waits_no_longer_than_its_callers_deadline(served) -> None:
         channel.close()
 
 
+def test_commits_without_a_deadline_neither_wedge_the_replica_nor_escape_the_limit(
+    served,
+) -> None:
+    """Commits with no deadline on transfers whose bytes never come (the trainer's
+    credential): they still count toward MAX_OPEN_TRANSFERS (more offers are refused,
+    not planned and committed in turn until every handler thread waits), and a
+    commit whose caller goes away stops waiting; the replica answers throughout."""
+    from rlfleet.weightsync.receiver import MAX_OPEN_TRANSFERS
+
+    _, address, engine = served
+    w = _perturbed(engine.inner, 13)
+    opened = [_open_tcp(address, w, 1) for _ in range(MAX_OPEN_TRANSFERS)]
+    futures = []
+    for _channel, stub, offer, plan in opened:
+        commit = rollout_pb2.WeightTransferCommit(
+            transfer_id=plan.transfer_id, crc32c=[0] * len(offer.tensors)
+        )
+        futures.append(stub.CommitWeightTransfer.future(commit))  # no deadline
+    time.sleep(0.5)  # the commits wait for bytes now
+    _channel, stub, offer, _plan = opened[0]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.OpenWeightTransfer(wire.offer_to_proto(offer), timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stub.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=5).weight_version == 0
+    for f in futures:  # the callers go away
+        f.cancel()
+    deadline = time.monotonic() + 20
+    while True:  # their handlers stopped waiting: places again
+        try:
+            again = _open_tcp(address, w, 1)
+            break
+        except grpc.RpcError as refused:
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert time.monotonic() < deadline, "cancelled commits kept their places"
+            time.sleep(0.25)
+    again[1].AbortWeightTransfer(
+        rollout_pb2.AbortWeightTransferRequest(update_id=again[3].transfer_id), timeout=30
+    )
+    for channel, *_ in [*opened, again]:
+        channel.close()
+
+
+def test_concurrent_offers_stay_within_the_limit(served) -> None:
+    """The count and the new transfer are one step: offers at once do not overshoot."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlfleet.weightsync.receiver import MAX_OPEN_TRANSFERS
+
+    _, address, engine = served
+    w = _perturbed(engine.inner, 14)
+
+    def offer() -> Any:
+        try:
+            return _open_tcp(address, w, 1)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            return None
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(lambda _: offer(), range(12)))
+    opened = [r for r in results if r is not None]
+    assert len(opened) == MAX_OPEN_TRANSFERS
+    for channel, stub, _offer, plan in opened:
+        stub.AbortWeightTransfer(
+            rollout_pb2.AbortWeightTransferRequest(update_id=plan.transfer_id), timeout=30
+        )
+        channel.close()
+
+
 def test_open_bulk_transfers_are_bounded(served) -> None:
     """Offers never sent: each held a staging buffer, a listener and a thread until it
     expired, with no limit (20 took 10x the model's bytes). Past MAX_OPEN_TRANSFERS the

@@ -539,3 +539,33 @@ def test_spare_pool_takes_the_smallest_fit_among_arrays() -> None:
     assert receiver._take_smallest(pool, 8, lambda a: a.nbytes) is small
     assert receiver._take_smallest(pool, 100, lambda a: a.nbytes) is None
     assert pool == [] and big.nbytes == 64
+
+
+def test_staged_updates_and_streamed_plans_hold_nothing_past_their_bound(
+    engine: HFEngine,
+) -> None:
+    """Bucketed updates left unfinished (a sender that stopped, or an abuser with the
+    trainer's credential): at most MAX_STAGED_UPDATES stage at once, a newer one drops
+    the one touched longest ago, so the staged bytes stay bounded; an offer planned
+    for the gRPC stream keeps nothing on the replica."""
+    from rlfleet.weightsync.receiver import MAX_STAGED_UPDATES
+
+    bulk = BulkReceiver(WeightReceiver(engine), engine)
+    w = {k: v.to(torch.float32) for k, v in new_weights(engine).items()}
+    first = dict(list(w.items())[:1])
+    updates = []
+    for _ in range(MAX_STAGED_UPDATES + 2):
+        offer = make_offer(first, 2, ["tcp"], bucket=0, final=False)
+        plan = bulk.open(offer)
+        crcs = send("tcp", plan, first, offer.tensors)
+        bulk.commit(plan.transfer_id, crcs)  # bucket 0 staged
+        updates.append(plan.update_id)
+    staged = bulk.staged_updates()
+    assert list(staged) == updates[-MAX_STAGED_UPDATES:]
+    assert bulk.staged_bytes() <= MAX_STAGED_UPDATES * sum(
+        t.numel() * t.element_size() for t in first.values()
+    )
+    for _ in range(50):
+        assert bulk.open(make_offer(w, 3, ["grpc"])).transport == "grpc"
+    assert len(bulk._transfers) == 0
+    bulk.close()
