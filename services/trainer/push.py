@@ -97,13 +97,16 @@ def push_to_targets(
     version: int = 0,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     transports: Sequence[str] = (),
+    timeout_s: float = 600.0,
 ) -> PushOutcome:
     """Push the actor's weights (in the rollout's dtype) to ``targets`` (replica id,
     address) with :func:`rlfleet.weightsync.sender.push_weights`, each replica over
     the first of ``transports`` (names, preference order) it can take; empty is the
     trainer's ``rollout.weight_transport`` (default ``auto``, the best available:
     shared memory on the replica's host, else TCP, else the gRPC stream,
-    :data:`rlfleet.weightsync.wire.AUTO`)."""
+    :data:`rlfleet.weightsync.wire.AUTO`). ``timeout_s`` bounds each replica's calls
+    and socket waits (the caller's deadline, for a push over gRPC: a replica that
+    stalls cannot hold the trainer past it)."""
     check_push_targets(targets)
     names = (
         wire.transport_names(wire.transport_codes(transports))
@@ -114,7 +117,7 @@ def push_to_targets(
     dtype = torch_dtype(core.config.rollout.dtype)
     summary = push_weights(
         core.iter_weights(dtype), list(targets), version, bucket_bytes=bucket_bytes,
-        transports=names,
+        transports=names, timeout_s=timeout_s,
     )  # fmt: skip
     return PushOutcome(
         version=version,

@@ -176,6 +176,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         if refused and len(refused) == len(targets):
             i, why = next(iter(refused.items()))
             raise PermissionDenied(why, field=f"targets[{i}].address", value=targets[i][1])
+        left = context.time_remaining()
         response = push_outcome_to_proto(
             push_to_targets(
                 self.core,
@@ -183,6 +184,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 version=request.version,
                 bucket_bytes=request.bucket_bytes or self.default_bucket_bytes,
                 transports=wire.transport_names(request.transports),
+                # Within the caller's deadline: past it nobody waits for the answer.
+                timeout_s=600.0 if left is None else max(1.0, min(600.0, left)),
             )
         )
         # A target that left the registry (died, scaled away) fails alone: the others

@@ -524,3 +524,60 @@ def test_any_dtype_on_any_key_is_accepted_or_refused_by_name(core: TrainerCore) 
                     if key == "input_ids" and dtype in (torch.bool, torch.int16):
                         refused_ids.append(dtype)
     assert set(refused_ids) == {torch.bool, torch.int16}
+
+
+def test_a_stalled_replica_holds_the_trainer_no_longer_than_the_push_deadline(
+    address: str, stub: trainer_pb2_grpc.TrainerServiceStub
+) -> None:
+    """A replica (a fake one here) whose data endpoint takes the connection and never
+    reads: the push ends within its caller's deadline, and the trainer, whose weights
+    the push held, serves the next call at once (before, 600 s per socket wait)."""
+    import socket
+    import time
+
+    from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc
+
+    sink = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    class Stalled(rollout_pb2_grpc.RolloutServiceServicer):
+        def OpenWeightTransfer(self, request: Any, context: grpc.ServicerContext) -> Any:
+            return rollout_pb2.WeightTransferPlan(
+                transfer_id="t",
+                transport=rollout_pb2.WEIGHT_TRANSPORT_TCP,
+                endpoint=f"127.0.0.1:{sink.getsockname()[1]}",
+                token="ab" * 16,
+            )
+
+        def AbortWeightTransfer(self, request: Any, context: grpc.ServicerContext) -> Any:
+            return rollout_pb2.AbortWeightTransferResponse()
+
+    import threading
+
+    def accept() -> None:
+        conn, _ = sink.accept()  # and never read
+        held.append(conn)
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    fake = create_server(
+        [(lambda s, srv: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(s, srv), Stalled())]
+    )
+    try:
+        push = trainer_pb2.PushWeightsRequest(
+            targets=[trainer_pb2.RolloutTarget(replica_id="stalled", address=fake.address)],
+            transports=[rollout_pb2.WEIGHT_TRANSPORT_TCP],
+            bucket_bytes=64 << 10,  # buckets: the weights stay held between them
+        )
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PushWeights(push, timeout=5.0)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # A checkpoint needs the weights the push held: it is written right away.
+        saved = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(step=1), timeout=20)
+        assert saved.path and time.monotonic() - t0 < 25
+    finally:
+        fake.stop(0)
+        for conn in held:
+            conn.close()
+        sink.close()
