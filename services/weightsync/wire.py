@@ -292,7 +292,7 @@ class WeightStreamReceiver:
                     field="chunk.columns",
                     value=columns[0],
                 )
-            received += sum(int(t.numel()) * t.element_size() for t in values.values())
+            received += asm.held  # tensor bytes, names and slots: what the bucket holds
             asm = self._assembler(received)
             final = self._check_bucket(version, meta, values, tensors)
             tensors.update(values)

@@ -814,3 +814,17 @@ def test_a_padded_varint_has_the_width_asked_for() -> None:
     assert wire._padded_varint(300, 2) == wire.encode_varint(300)
     with pytest.raises(ValueError, match="width 1 cannot hold"):
         wire._padded_varint(300, 1)
+
+
+def test_names_and_slots_count_toward_the_assemblers_limit() -> None:
+    """Tensors of no bytes under long names are memory too: they are charged (name
+    and slot), so a stream of them is refused at the limit, not held without bound."""
+    batch = {f"t{i:04d}" + "x" * 2000: torch.empty(0) for i in range(100)}
+    asm = wire.ChunkAssembler(max_bytes=100_000)
+    with pytest.raises(wire.StreamTooLarge):
+        for chunk in wire.iter_chunk_bytes(batch, max_chunk_bytes=1 << 20):
+            asm.add(chunk)
+    small = wire.ChunkAssembler(max_bytes=100_000)
+    for chunk in wire.iter_chunk_bytes(dict(list(batch.items())[:10]), max_chunk_bytes=1 << 20):
+        small.add(chunk)
+    assert small.complete and 10 * 2005 < small.held <= 100_000

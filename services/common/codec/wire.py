@@ -874,6 +874,11 @@ def serialize_chunk(chunk: common_pb2.TensorBatchChunk | bytes) -> bytes:
 # --------------------------------------------------------------------------- assembly
 
 
+#: What one received tensor costs beyond its bytes and name (its slot, the Python
+#: objects around it), charged against an assembler's ``max_bytes``.
+SLOT_OVERHEAD_BYTES = 256
+
+
 @dataclass(slots=True)
 class _Slot:
     dtype: int
@@ -1052,8 +1057,10 @@ class ChunkAssembler:
             if name in self._out:
                 slot = self._destination(p, where)
             else:
+                # Its name and bookkeeping too: many empty tensors with long names are
+                # memory as well (a zero-byte tensor cost nothing before).
                 self._charge(
-                    p.nbytes,
+                    p.nbytes + len(name) + SLOT_OVERHEAD_BYTES,
                     name,
                     f"{where}: tensor {name!r} {dtype_name(p.dtype)} {list(p.shape)} "
                     f"({p.nbytes} bytes)",
@@ -1115,6 +1122,11 @@ class ChunkAssembler:
                 value=list(p.shape),
             )
         return _Slot(p.dtype, p.shape, p.nbytes, dst.data, value=self._out[p.name])
+
+    @property
+    def held(self) -> int:
+        """Bytes charged against ``max_bytes`` so far (tensor bytes, names, slots)."""
+        return self._held
 
     def _charge(self, nbytes: int, field: str, what: str) -> None:
         """Count ``nbytes`` more against ``max_bytes``; StreamTooLarge if over."""
