@@ -300,6 +300,14 @@ def save(
                 value=extra_state_json[:64],
             ) from e
     roles = [r for r in ("actor", "critic") if r in core.roles]
+    try:  # before any state is gathered: a path that names a file is the caller's
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise InvalidArgument(
+            f"checkpoint path {str(root)!r} is not a folder ({e.strerror})",
+            field="path",
+            value=path or str(root),
+        ) from None
     with core.lock:
         results = core.gather_states(roles)
         root.mkdir(parents=True, exist_ok=True)

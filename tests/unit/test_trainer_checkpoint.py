@@ -295,3 +295,16 @@ def test_a_damaged_trainer_state_is_refused_before_anything_loads(
         checkpoint.load(fresh, str(folder))
     assert refused.value.field == "path"
     assert fresh.global_step == 0 and fresh.weight_version == 0
+
+
+def test_a_save_path_that_names_a_file_is_refused_by_name(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    core = TrainerCore(_config(tiny_model_dir, tmp_path / "run"))
+    checkpoint.save(core, step=1)
+    for path in ("checkpoints/latest_checkpointed_iteration.txt", "checkpoints/x/y"):
+        if path.endswith("y"):
+            (tmp_path / "run" / "checkpoints" / "x").write_text("a file")
+        with pytest.raises(InvalidArgument, match="not a folder") as refused:
+            checkpoint.save(core, path, step=2)
+        assert refused.value.field == "path"
