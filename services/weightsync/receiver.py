@@ -1046,7 +1046,7 @@ class BulkReceiver:
                 t.listener.close()
             with conn:
                 t.error = tcp_transport.receive(
-                    conn, t.buffer, deadline=deadline, on_bytes=t.progress.advance
+                    conn, t.buffer, deadline=deadline, on_bytes=t.progress.advance, stop=t.stop
                 )
         except (OSError, ValueError) as e:  # ValueError: the listener closed (dropped)
             t.error = f"{type(e).__name__}: {e} after {t.progress.value} bytes"

@@ -381,17 +381,28 @@ def receive(
     *,
     deadline: float,
     on_bytes: Callable[[int], None],
+    stop: threading.Event | None = None,
 ) -> str:
     """Read ``len(buffer)`` bytes from the data connection into ``buffer`` (uint8),
     calling ``on_bytes(received so far)`` after each read. Returns "" when exactly
-    that many arrived, else what went wrong (the sender closed early, or sent more)."""
-    conn.settimeout(max(1.0, deadline - time.monotonic()))
+    that many arrived, else what went wrong (the sender closed early, or sent more,
+    or was still sending at ``deadline`` or when ``stop`` was set: the transfer was
+    dropped, and its connection goes with it)."""
     total = buffer.nbytes
     received = 0
     view = buffer.data  # a memoryview of the array, released below
     try:
         while received < total:
-            n = conn.recv_into(view[received : received + _BLOCK])
+            left = deadline - time.monotonic()
+            if left <= 0:  # a sender that trickles does not keep the transfer past it
+                return f"the transfer's time-out passed after {received} of {total} bytes"
+            if stop is not None and stop.is_set():
+                return f"the transfer was dropped after {received} of {total} bytes"
+            conn.settimeout(max(0.05, min(left, 1.0)))
+            try:
+                n = conn.recv_into(view[received : received + _BLOCK])
+            except TimeoutError:
+                continue  # a quiet second: look at the deadline and the stop again
             if n == 0:
                 break
             received += n
@@ -400,6 +411,7 @@ def receive(
         view.release()
     if received < total:
         return f"sender closed after {received} of {total} bytes"
+    conn.settimeout(max(0.05, deadline - time.monotonic()))  # its end of the stream
     if conn.recv(1):
         return f"sender sent more than the {total} bytes offered"
     return ""

@@ -569,3 +569,44 @@ def test_staged_updates_and_streamed_plans_hold_nothing_past_their_bound(
         assert bulk.open(make_offer(w, 3, ["grpc"])).transport == "grpc"
     assert len(bulk._transfers) == 0
     bulk.close()
+
+
+def test_a_trickling_sender_does_not_outlive_its_transfer(engine: HFEngine) -> None:
+    """A sender that presents the token, then a byte now and then: the commit ends at
+    its deadline, and the receive thread (its socket, its buffer) ends with the
+    transfer, not one receive time-out after another."""
+    import socket
+    import threading
+    import time
+
+    from rlfleet.common.errors import DeadlineExceeded
+
+    bulk = BulkReceiver(WeightReceiver(engine), engine, timeout_s=30.0)
+    w = {k: v.to(torch.float32) for k, v in new_weights(engine).items()}
+    offer = make_offer(w, 2, ["tcp"])
+    plan = bulk.open(offer)
+    host, _, port = plan.endpoint.rpartition(":")
+    conn = socket.create_connection((host, int(port)), timeout=5)
+    conn.sendall(plan.token.encode())
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.5):
+            try:
+                conn.send(b"\0")
+            except OSError:
+                return
+
+    threading.Thread(target=trickle, daemon=True).start()
+    name = f"rlfleet-weights-{plan.transfer_id[:8]}"
+    try:
+        with pytest.raises(DeadlineExceeded):
+            bulk.commit(plan.transfer_id, [0] * len(offer.tensors), timeout_s=1.5)
+        deadline = time.monotonic() + 10
+        while any(t.name == name for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "the receive thread outlived its transfer"
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        conn.close()
+        bulk.close()
