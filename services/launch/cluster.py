@@ -213,6 +213,17 @@ class _Proc:
         return 0 if self.popen is None else self.popen.pid
 
 
+def _argv_address(argv: Sequence[str]) -> str | None:
+    """``host:port`` of a service's ``--host`` / ``--port`` arguments (a restart keeps
+    its port there), or None when the port is not fixed."""
+
+    def value(flag: str) -> str | None:
+        return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
+
+    host, port = value("--host"), value("--port")
+    return f"{host}:{port}" if host and port and port != "0" else None
+
+
 def process_start_time(pid: int) -> int | None:
     """The PID's start time in clock ticks since boot (Linux), or None if unknown."""
     try:
@@ -395,6 +406,7 @@ class LocalCluster:
         self._supervisor: threading.Thread | None = None
         self._scaler: threading.Thread | None = None
         self._starting: set[str] = set()  # replicas a scale-up is bringing up
+        self._restarting: set[str] = set()  # out of _procs between a restart's two steps
         self.given_up: set[str] = set()
         self._rollout_shares: list[Sequence[Device]] = []
         self._next_rollout = 0
@@ -704,10 +716,11 @@ class LocalCluster:
                     proc.name, proc.address, code, done,
                 )  # fmt: skip
                 self.given_up.add(proc.name)
-                if proc.kind == "rollout" and self.scheduler_address and proc.address:
+                address = proc.address or _argv_address(proc.argv)  # died starting: argv's
+                if proc.kind == "rollout" and self.scheduler_address and address:
                     # Out of the registry (not listed dead for good); a desired count
                     # set at the scheduler brings a new replica in its place.
-                    deregister_address(self.scheduler_address, proc.address)
+                    deregister_address(self.scheduler_address, address)
                 continue
             self._restart(proc, code, done)
 
@@ -741,12 +754,16 @@ class LocalCluster:
             if self._stopped or proc not in self._procs:
                 return
             self._procs.remove(proc)
+            self._restarting.add(proc.name)
         try:
             self._launch(fresh)
             self._await([fresh], time.monotonic() + 120.0)
         except Exception as e:
             logger.error("restarting %s failed: %s", proc.name, e)
             return
+        finally:
+            with self._lock:
+                self._restarting.discard(proc.name)
         logger.warning("%s restarted at %s (pid %d)", fresh.name, fresh.address, fresh.pid)
         if fresh.kind in ("reward", "trainer") and self.scheduler_address:
             try:  # its entry names the new process (pid), not the dead one
@@ -791,10 +808,10 @@ class LocalCluster:
         if generation == self._scale_generation:
             # The count is the one followed; a replica given up since then leaves the
             # fleet short of it: one in its place (at most services.max_restarts times).
-            with self._lock:
+            with self._lock:  # a replica between its restart's two steps is still ours
                 owned = sum(
                     1 for p in self._procs if p.kind == "rollout" and p.name not in self.given_up
-                )
+                ) + sum(1 for n in self._restarting if n.startswith("rollout-"))
             if owned >= desired or time.monotonic() < self._scale_retry_at:
                 return
             if self._replacements >= self.config.services.max_restarts:

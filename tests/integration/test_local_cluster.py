@@ -353,24 +353,26 @@ def test_a_given_up_replica_is_replaced_to_keep_the_desired_count(
             while cluster._scale_generation != 1:  # the launcher follows it (no change)
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
-            for _ in range(2):  # the restart, then past max_restarts
-                pid = cluster.pids["rollout-0"]
-                os.kill(pid, signal.SIGKILL)
-                while cluster.pids.get("rollout-0") == pid and "rollout-0" not in cluster.given_up:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.2)
-                while "rollout-0" not in cluster.given_up and not healthy(h.rollout[0]):
-                    assert time.monotonic() < deadline
-                    time.sleep(0.2)
-            while "rollout-1" not in cluster.rollout_replicas():
-                assert time.monotonic() < deadline, cluster.rollout_replicas()
+            first = cluster.pids["rollout-0"]
+            os.kill(first, signal.SIGKILL)
+            while not (  # restarted, up, and registered again as the new process
+                cluster.restarts.get("rollout-0") == 1
+                and cluster.pids.get("rollout-0") not in (None, first)
+                and not cluster._restarting
+                and any(
+                    e.spec.pid == cluster.pids.get("rollout-0")
+                    for e in client.list_services("rollout", alive_only=True)
+                )
+            ):
+                assert time.monotonic() < deadline, "rollout-0 was not restarted"
                 time.sleep(0.2)
-            while True:
+            os.kill(cluster.pids["rollout-0"], signal.SIGKILL)  # past max_restarts
+            while True:  # the given-up one out of the registry, its replacement in it
                 alive = client.list_services("rollout", alive_only=True)
                 listed = client.list_services("rollout")
-                if len(alive) == 1 and len(listed) == 1:
+                if [e.spec.service_id for e in listed] == ["rollout-1"] and len(alive) == 1:
                     break
-                assert time.monotonic() < deadline, (alive, listed)
+                assert time.monotonic() < deadline, (cluster.rollout_replicas(), listed)
                 time.sleep(0.2)
         assert "rollout-0" in cluster.given_up
         assert alive[0].spec.address != h.rollout[0]  # the new replica, not the given-up one
