@@ -100,6 +100,30 @@ def test_without_a_wait_the_step_fails_naming_the_replicas(
     assert h.rollout[0] in str(failed.value)  # names the replica it lost
 
 
+def _two_replicas(model: Path, tmp_path: Path) -> Config:
+    return _config(
+        model,
+        tmp_path,
+        rollout={"replicas": 2, "replica_wait_s": 120},
+        trainer={"total_training_steps": STEPS},
+        services={"max_restarts": 2, "restart_backoff_s": 0.2},
+    )
+
+
+def _fit_with(config: Config, cluster: LocalCluster, h: Any, trainer_client: Any) -> Any:
+    """A run on the cluster with the trainer reached through ``trainer_client`` (a
+    test wraps one of its calls); its records and the data order's."""
+    mapping = remote_workers(h.trainer, h.rollout, h.reward)
+    mapping[Role.ActorRolloutRef] = trainer_client
+    with PPOTrainer(
+        config=config,
+        role_worker_mapping=mapping,
+        scheduler=h.scheduler,
+        fleet_metrics=cluster.fleet_metrics,
+    ) as trainer:
+        return trainer.fit(), loader_order(trainer, STEPS)
+
+
 def test_a_push_just_after_the_scheduler_restarted_waits_for_the_replicas(
     tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -110,15 +134,10 @@ def test_a_push_just_after_the_scheduler_restarted_waits_for_the_replicas(
     them, gives them the weights when they are back, and the run goes on."""
     from rlfleet.trainer.client import RemoteTrainerClient
 
-    config = _config(
-        tiny_model_dir,
-        tmp_path,
-        rollout={"replicas": 2, "replica_wait_s": 120},
-        trainer={"total_training_steps": STEPS},
-        services={"max_restarts": 2, "restart_backoff_s": 0.2},
-    )
-    # Heartbeats every 3 s: the restarted registry stays empty long enough for the push.
-    with LocalCluster(config, tmp_path / "run", heartbeat_interval_s=3.0, grace_s=10) as cluster:
+    config = _two_replicas(tiny_model_dir, tmp_path)
+    # Heartbeats every 10 s: the restarted registry (its restart takes a few seconds)
+    # stays without the replicas long enough for the push.
+    with LocalCluster(config, tmp_path / "run", heartbeat_interval_s=10.0, grace_s=10) as cluster:
         h = cluster.start(timeout_s=180)
         trainer_client = RemoteTrainerClient(h.trainer)
         real_push = trainer_client.push_weights
@@ -144,16 +163,7 @@ def test_a_push_just_after_the_scheduler_restarted_waits_for_the_replicas(
             return real_push(*args, **kwargs)
 
         trainer_client.push_weights = push_after_a_scheduler_restart  # type: ignore[method-assign]
-        mapping = remote_workers(h.trainer, h.rollout, h.reward)
-        mapping[Role.ActorRolloutRef] = trainer_client
-        with PPOTrainer(
-            config=config,
-            role_worker_mapping=mapping,
-            scheduler=h.scheduler,
-            fleet_metrics=cluster.fleet_metrics,
-        ) as trainer:
-            records = trainer.fit()
-            expected = loader_order(trainer, STEPS)
+        records, expected = _fit_with(config, cluster, h, trainer_client)
         trainer_client.close()
     assert [r.step for r in records] == list(range(1, STEPS + 1))
     assert [r.indices for r in records] == expected
@@ -172,13 +182,7 @@ def test_a_replica_frozen_before_a_push_fails_it_alone_and_fast(
     is dropped, and the run goes on with the other one (and takes it back, thawed)."""
     from rlfleet.trainer.client import RemoteTrainerClient
 
-    config = _config(
-        tiny_model_dir,
-        tmp_path,
-        rollout={"replicas": 2, "replica_wait_s": 120},
-        trainer={"total_training_steps": STEPS},
-        services={"max_restarts": 2, "restart_backoff_s": 0.2},
-    )
+    config = _two_replicas(tiny_model_dir, tmp_path)
     with LocalCluster(config, tmp_path / "run", heartbeat_interval_s=0.5, grace_s=10) as cluster:
         h = cluster.start(timeout_s=180)
         trainer_client = RemoteTrainerClient(h.trainer)
@@ -193,17 +197,8 @@ def test_a_replica_frozen_before_a_push_fails_it_alone_and_fast(
             return result
 
         trainer_client.train_step = train_then_freeze  # type: ignore[method-assign]
-        mapping = remote_workers(h.trainer, h.rollout, h.reward)
-        mapping[Role.ActorRolloutRef] = trainer_client
         try:
-            with PPOTrainer(
-                config=config,
-                role_worker_mapping=mapping,
-                scheduler=h.scheduler,
-                fleet_metrics=cluster.fleet_metrics,
-            ) as trainer:
-                records = trainer.fit()
-                expected = loader_order(trainer, STEPS)
+            records, expected = _fit_with(config, cluster, h, trainer_client)
         finally:
             for pid in frozen:
                 os.kill(pid, signal.SIGCONT)
