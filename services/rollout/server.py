@@ -530,6 +530,11 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def limits_from_arguments(args: argparse.Namespace) -> GenerateLimits:
+    """The per-request limits of resolved arguments (:func:`resolve_arguments`)."""
+    return GenerateLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
+
+
 def _check_device(device: str) -> None:
     """``cpu``, ``cuda`` or ``cuda:N``, one this machine has (before the model loads)."""
     kind, _, index = device.partition(":")
@@ -589,13 +594,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.torch_threads)
     try:  # checked before the model loads
-        limits = GenerateLimits(
-            max_n=args.max_n,
-            max_prompts=args.max_prompts,
-            max_samples=args.max_samples,
-            max_new_tokens=args.max_new_tokens,
-            max_request_tokens=args.max_request_tokens,
-        )
+        limits = limits_from_arguments(args)
         if args.max_version_step < 0:
             raise ValueError(f"--max-version-step must be >= 0, got {args.max_version_step}")
         if args.max_num_batched_tokens < 0:

@@ -201,7 +201,11 @@ def test_a_replica_started_with_the_run_config_takes_the_runs_requests(tmp_path:
     the checks accepted is not refused by its own replicas. A flag given wins."""
     pytest.importorskip("grpc")
     from rlfleet.common.config import load_config
-    from rlfleet.rollout.server import add_serve_arguments, resolve_arguments
+    from rlfleet.rollout.server import (
+        add_serve_arguments,
+        limits_from_arguments,
+        resolve_arguments,
+    )
 
     config = tmp_path / "run.yaml"
     config.write_text(
@@ -212,14 +216,7 @@ def test_a_replica_started_with_the_run_config_takes_the_runs_requests(tmp_path:
     )
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    args = resolve_arguments(parser.parse_args(["--config", str(config)]))
-    limits = GenerateLimits(
-        max_n=args.max_n,
-        max_prompts=args.max_prompts,
-        max_samples=args.max_samples,
-        max_new_tokens=args.max_new_tokens,
-        max_request_tokens=args.max_request_tokens,
-    )
+    limits = limits_from_arguments(resolve_arguments(parser.parse_args(["--config", str(config)])))
     assert limits == GenerateLimits().covering(load_config(str(config)))
     assert (limits.max_n, limits.max_prompts, limits.max_samples) == (70, 8192, 1024 * 65)
     assert limits.max_new_tokens == 40000
