@@ -1151,12 +1151,12 @@ class PPOTrainer:
         self.history = [h for h in self.history if h.step <= self.global_steps]
         tracking.rewind(self.global_steps)  # the redone steps are recorded once
         seconds = time.perf_counter() - t0
+        redone = failed_at - 1 - self.global_steps  # steps trained and lost with the trainer
         self._recovery_metrics = {
             "fault/trainer_recoveries": float(self.recoveries),
             "fault/trainer_recovery_s": seconds,
-            "fault/redone_steps": float(max(0, failed_at - 1 - self.global_steps)),
+            "fault/redone_steps": float(max(0, redone)),
         }
-        redone = failed_at - 1 - self.global_steps  # fault/redone_steps: trained ones lost
         again = (
             f"steps {self.global_steps + 1}..{failed_at - 1} are redone, then step {failed_at}"
             if redone > 0
