@@ -156,6 +156,9 @@ SERVED: tuple[str, ...] = ("shm", "tcp", "grpc")
 MAX_OPEN_TRANSFERS = 4
 #: Bucketed updates staged at once (a newer one drops the one touched longest ago).
 MAX_STAGED_UPDATES = 2
+#: ``UpdateWeights`` streams received at once at most (each buffers up to a model's
+#: bytes before it is checked); one trainer pushing keeps one open.
+MAX_OPEN_STREAMS = 2
 
 
 class WeightReceiver:
@@ -173,6 +176,7 @@ class WeightReceiver:
         self._engine = engine
         self.max_version_step = max_version_step
         self._lock = threading.Lock()
+        self._streams = threading.BoundedSemaphore(MAX_OPEN_STREAMS)
         self.updates = 0
         self.last: UpdateResult | None = None
 
@@ -216,8 +220,21 @@ class WeightReceiver:
         :mod:`rlfleet.weightsync.wire`): every bucket is staged and verified, and
         only the union of all of them, checked against the model, is swapped in."""
         start = time.perf_counter()
-        receiver = WeightStreamReceiver(on_version=self.check_version, max_bytes=self._max_bytes())
-        version, tensors = receiver.receive(stream)
+        if not self._streams.acquire(blocking=False):
+            raise ResourceExhausted(
+                f"{MAX_OPEN_STREAMS} weight streams are being received here, the most a "
+                "replica takes at once: retry when one has ended",
+                field="UpdateWeights",
+                value=MAX_OPEN_STREAMS,
+                code="TOO_MANY_TRANSFERS",
+            )
+        try:
+            receiver = WeightStreamReceiver(
+                on_version=self.check_version, max_bytes=self._max_bytes()
+            )
+            version, tensors = receiver.receive(stream)
+        finally:
+            self._streams.release()
         return self.apply(tensors, version, start=start, transport="grpc")
 
     def apply(

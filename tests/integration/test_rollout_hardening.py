@@ -364,6 +364,43 @@ def _update_error(address: str, chunks: list[rollout_pb2.WeightChunk]) -> grpc.R
     return e.value
 
 
+def test_weight_streams_at_once_are_bounded(served) -> None:
+    """Each ``UpdateWeights`` stream buffers up to a model's bytes before it is checked,
+    and each held a handler thread, with no limit (32 streams: 32 models). Past
+    MAX_OPEN_STREAMS a stream is refused with RESOURCE_EXHAUSTED before it is read;
+    once the held ones end, a real push applies."""
+    from rlfleet.weightsync.receiver import MAX_OPEN_STREAMS
+
+    _, address, engine = served
+    w = _perturbed(engine.inner, 15)
+    chunks = [rollout_pb2.WeightChunk(version=1, chunk=c) for c in iter_chunks(w)]
+    release = threading.Event()
+
+    def stalled() -> Iterator[rollout_pb2.WeightChunk]:
+        yield chunks[0]
+        release.wait(60)  # then the stream ends short: refused
+
+    channel, stub = _stub(address)
+    held = [stub.UpdateWeights.future(stalled(), timeout=90) for _ in range(MAX_OPEN_STREAMS)]
+    deadline = time.monotonic() + 30
+    while True:  # until the held streams are inside the receiver
+        try:
+            stub.UpdateWeights(iter(chunks[:1]), timeout=30)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                assert to_rlfleet_error(e).code == "TOO_MANY_TRANSFERS"
+                break
+        assert time.monotonic() < deadline, "a stream past the limit was read"
+        time.sleep(0.1)
+    assert stub.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=5).weight_version == 0
+    release.set()
+    for f in held:
+        with pytest.raises(grpc.RpcError):
+            f.result(timeout=60)
+    assert send_update(address, w, 1, transports=("grpc",)).version == 1
+    channel.close()
+
+
 def test_chunk_stream_after_the_last_chunk_or_with_a_tensor_twice(served) -> None:
     core, address, engine = served
     before = _greedy(address)
