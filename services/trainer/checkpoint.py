@@ -351,7 +351,7 @@ def save(
         _fsync_file(latest_tmp)
         latest_tmp.replace(root / LATEST_FILE)
         _fsync_file(root)
-    _keep_last(root, _keep(core))
+    _keep_last(root, _keep(core), step)
     nbytes = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
     seconds = time.perf_counter() - start
     logger.info("checkpoint %s: %d bytes in %.2fs", final, nbytes, seconds)
@@ -456,10 +456,14 @@ def steps(root: Path) -> list[int]:
     return sorted(out)
 
 
-def _keep_last(root: Path, keep: int | None) -> None:
+def _keep_last(root: Path, keep: int | None, saved: int) -> None:
+    """Keep ``saved`` (the step just saved, which ``latest`` names) and the ``keep - 1``
+    highest other steps. A save below steps already there (a run resumed from an older
+    checkpoint) drops the lowest others, never the checkpoint it just wrote."""
     if keep is None:
         return
-    for step in steps(root)[:-keep]:
+    others = [s for s in steps(root) if s != saved]
+    for step in others[: len(others) - (keep - 1)]:
         shutil.rmtree(root / f"{_PREFIX}{step}", ignore_errors=True)
 
 

@@ -97,6 +97,23 @@ def test_keep_last_k_and_hf_export(tiny_model_dir: Path, tmp_path: Path) -> None
     assert (folder / "huggingface" / "tokenizer.json").is_file()
 
 
+def test_a_save_below_the_kept_steps_keeps_what_it_wrote(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A run resumed from an older checkpoint saves a step below those kept: it was
+    pruned as soon as written (the save returned a folder that no longer existed,
+    ``latest`` named it); now the lowest of the others goes instead."""
+    core = TrainerCore(_config(tiny_model_dir, tmp_path / "run"))  # keeps 2
+    for step in (5, 6):
+        checkpoint.save(core, step=step)
+    folder, nbytes, _ = checkpoint.save(core, step=3)
+    root = tmp_path / "run" / "checkpoints"
+    assert folder.is_dir() and nbytes > 0
+    assert checkpoint.steps(root) == [3, 6]
+    assert checkpoint.find_latest(root) == folder
+    assert checkpoint.load(TrainerCore(_config(tiny_model_dir, tmp_path / "run")))[1] == 3
+
+
 def test_load_without_checkpoint_is_not_found(tiny_model_dir: Path, tmp_path: Path) -> None:
     core = TrainerCore(
         make_config(str(tiny_model_dir), trainer={"default_local_dir": str(tmp_path)})
