@@ -397,6 +397,8 @@ class BulkReceiver:
         self._host = host
         self._timeout_s = timeout_s
         self._host_id = host_identity()
+        if self._host_id:  # what replicas killed with their resource tracker left
+            shm_transport.remove_orphans()
         self._lock = threading.Lock()
         self._transfers: dict[str, _Transfer] = {}
         self._updates: dict[str, _Update] = {}

@@ -15,8 +15,14 @@ offers again without shared memory).
 
 **Segment layout.** The replica owns a POSIX segment named in the plan's
 ``endpoint``: a header of :data:`HEADER` bytes (the count of bytes written so far,
-a little-endian uint64, then the nonce), then the tensor bytes packed in offer
-order. The sender maps ``/dev/shm/<name>`` and copies block by block, publishing
+a little-endian uint64, then the nonce; at byte 64 the owner: its pid, its start
+time and its pid namespace), then the tensor bytes packed in offer order.
+
+**Orphans.** Python's resource tracker unlinks a segment whose owner died, unless it
+died too: a service's process group SIGKILLed (a stop past its grace period, a
+restart's leftovers killed) left every segment in ``/dev/shm`` until the next boot, a
+model's bytes of memory each. A replica's bulk plane removes them when it starts
+(:func:`remove_orphans`): segments of this user and pid namespace whose owner is gone. The sender maps ``/dev/shm/<name>`` and copies block by block, publishing
 the count after each block; the replica's verifier thread checksums and scans
 behind that count (:class:`rlfleet.weightsync.checksum.StreamVerifier`).
 """
@@ -24,8 +30,10 @@ behind that count (:class:`rlfleet.weightsync.checksum.StreamVerifier`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
+import re
 import socket
 import stat
 import struct
@@ -48,9 +56,12 @@ __all__ = [
     "destroy_segment",
     "host_identity",
     "prepare_segment",
+    "remove_orphans",
     "segment_count",
     "send_shm",
 ]
+
+logger = logging.getLogger(__name__)
 
 HEADER = 4096  # bytes before the tensor bytes in a segment (page-aligned data)
 _NONCE_AT = 8  # the nonce follows the count in the header
@@ -58,6 +69,10 @@ _NONCE_AT = 8  # the nonce follows the count in the header
 # the block is still in this core's cache for its checksum.
 _SHM_BLOCK = 1 << 20
 _SHM_DIR = "/dev/shm"
+_OWNER_AT = 64  # the owner record: magic, pid, start time, pid namespace
+_OWNER_MAGIC = b"rlfleet-owner-v1"
+_OWNER = struct.Struct("<16sQQQ")
+_SEGMENT_NAME = re.compile(r"rlfleet_[0-9a-f]{16}")
 
 
 class ShmUnavailable(OSError):
@@ -250,10 +265,73 @@ def _copy(
 
 
 def create_segment(nbytes: int) -> shared_memory.SharedMemory:
-    """A fresh segment of ``nbytes`` (header included)."""
-    return shared_memory.SharedMemory(
+    """A fresh segment of ``nbytes`` (header included), its owner recorded."""
+    shm = shared_memory.SharedMemory(
         name=f"rlfleet_{uuid.uuid4().hex[:16]}", create=True, size=nbytes
     )
+    assert shm.buf is not None
+    pid = os.getpid()
+    _OWNER.pack_into(shm.buf, _OWNER_AT, _OWNER_MAGIC, pid, _start_time(pid), _pid_namespace())
+    return shm
+
+
+def _start_time(pid: int) -> int:
+    """The process's start time in clock ticks since boot; 0 when it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return 0
+    return int(text[text.rindex(b")") + 2 :].split()[19])
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def remove_orphans() -> list[str]:
+    """Unlink the segments of ``/dev/shm`` this module created in a process that is gone
+    (same user, same pid namespace, that pid no longer the process that recorded it);
+    returns their names. Segments of live owners, of other users or namespaces, and
+    anything without an owner record are left alone."""
+    try:
+        names = [n for n in os.listdir(_SHM_DIR) if _SEGMENT_NAME.fullmatch(n)]
+    except OSError:
+        return []
+    namespace, uid, removed = _pid_namespace(), os.geteuid(), []
+    for name in names:
+        path = os.path.join(_SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            record = os.pread(fd, _OWNER.size, _OWNER_AT)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or len(record) < _OWNER.size:
+            continue
+        magic, pid, started, owner_namespace = _OWNER.unpack(record)
+        if magic != _OWNER_MAGIC or owner_namespace != namespace or namespace == 0:
+            continue
+        if pid and _start_time(pid) == started:
+            continue  # its owner lives
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            removed.append(name)
+    if removed:
+        logger.warning(
+            "removed %d shared-memory segments left by dead replicas: %s",
+            len(removed),
+            ", ".join(removed),
+        )
+    return removed
 
 
 def prepare_segment(shm: shared_memory.SharedMemory, nonce: str) -> None:
