@@ -464,6 +464,14 @@ class RayCluster:
         self.events: collections.Counter[str] = collections.Counter()
         self.given_up: set[str] = set()
         self._scale_generation = 0
+        # Rollout replicas out of ``_services`` for a moment, still the fleet's: those
+        # between a restart's stop and start, and lost ones whose replacement is placed.
+        self._restarting: set[str] = set()
+        self._replacing = 0
+        # Replicas started in place of given-up ones (at most services.max_restarts),
+        # and when a failed start of them may be tried again.
+        self._replacements = 0
+        self._scale_retry_at = 0.0
         self._next_rollout = config.rollout_replicas()
         self.gpus = GpuPlan(config)
 
@@ -1039,6 +1047,8 @@ class RayCluster:
         self._deregister(svc.address)
         with contextlib.suppress(Exception):
             ray.kill(svc.actor)
+        with self._lock:
+            self._replacing += 1
         # In a thread: placing and starting it may take long (a bundle waiting for a
         # node), and the supervisor must go on restarting and scaling meanwhile.
         threading.Thread(
@@ -1058,6 +1068,13 @@ class RayCluster:
         room (the most room first) other than the one the replica was lost on, else
         in its own bundle (Ray moves that one to a live node when one has room); tried
         again while the node it lands on turns out dead."""
+        try:
+            self._place_replacement(ray, svc)
+        finally:
+            with self._lock:
+                self._replacing -= 1
+
+    def _place_replacement(self, ray: Any, svc: _Service) -> None:
         assert svc.pool is not None
         lost_node = svc.info.get("node_id")
         for attempt in range(1, self.REPLACE_TRIES + 1):
@@ -1204,6 +1221,8 @@ class RayCluster:
                 code,
                 done,
             )
+            if svc.kind == "rollout":
+                self._retire(ray, svc)
             return
         backoff = self.config.services.restart_backoff_s * 2.0**done
         logger.warning(
@@ -1236,6 +1255,28 @@ class RayCluster:
             for member in group:
                 if member in self._services:
                     self._services.remove(member)
+            if svc.kind == "rollout":
+                self._restarting.add(svc.name)
+        try:
+            self._start_again(ray, svc, group)
+        finally:
+            with self._lock:
+                self._restarting.discard(svc.name)
+
+    def _retire(self, ray: Any, svc: _Service) -> None:
+        """A given-up replica leaves the fleet: out of the registry (not listed dead for
+        good) and its actor ended (its bundle's room free again); a desired count set
+        at the scheduler brings a new replica in its place (:meth:`_follow_scale`)."""
+        with self._lock:
+            if svc in self._services:
+                self._services.remove(svc)
+        self._deregister(svc.address)
+        with contextlib.suppress(Exception):
+            ray.kill(svc.actor)
+
+    def _start_again(self, ray: Any, svc: _Service, group: list[_Service]) -> None:
+        """The second half of :meth:`_restart`: ``group`` (out of the fleet) started
+        again in its actors, on its ports."""
         if len(group) > 1:
             # A fresh rendezvous port: the old one may linger in TIME_WAIT.
             port = ray.get(group[0].actor.free_port.remote(), timeout=20)
@@ -1324,13 +1365,29 @@ class RayCluster:
         except RlfleetError as e:  # no traceback per round: the scheduler may be back
             logger.warning("desired scale unknown: scheduler %s: %s", self.scheduler_address, e)
             return
-        if not desired or generation == self._scale_generation:
+        if not desired:
             return
+        if generation == self._scale_generation:
+            # The count is the one followed; a replica given up since then (or whose
+            # restart or replacement failed) leaves the fleet short of it: one in its
+            # place, at most services.max_restarts times.
+            with self._lock:
+                owned = len(self.rollout_replicas()) + len(self._restarting) + self._replacing
+            if owned >= desired or time.monotonic() < self._scale_retry_at:
+                return
+            if self._replacements >= self.config.services.max_restarts:
+                return
+            self._replacements += desired - owned
+            logger.warning("rollout replicas given up: %d of the desired %d run; starting "
+                           "replacements", owned, desired)  # fmt: skip
         self._scale_generation = generation  # asked once: a refusal is not retried
         try:
             self.scale_rollout(desired)
         except ServiceStartError as e:
             logger.error("scaling rollout to %d refused: %s", desired, e)
+            # Not every round: after the restart backoff's longest wait.
+            wait = self.config.services.restart_backoff_s * 2.0**self.config.services.max_restarts
+            self._scale_retry_at = time.monotonic() + max(5.0, wait)
 
     def scale_rollout(self, replicas: int) -> None:
         """Add or remove rollout replicas (actors in the rollout pool's bundles, the one

@@ -420,6 +420,55 @@ def test_a_replicas_node_removed_mid_run_is_replaced_and_no_sample_is_lost(
 
 
 @pytest.mark.slow
+def test_a_given_up_replica_actor_is_retired_and_replaced_to_the_desired_count(
+    ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A desired count is set at the scheduler and a replica dies past
+    services.max_restarts: the launcher gave up on it but kept it (its actor holding
+    its bundle's room, listed as running, in the registry until listed dead); now its
+    actor ends, it leaves the registry, and a new replica actor takes its place."""
+    from rlfleet.launch.ray_cluster import RayCluster
+    from rlfleet.scheduler.client import RemoteSchedulerClient
+
+    data = tmp_path / "data"
+    preprocess("arithmetic", None, data, n=32, n_test=4, digits=1, ops="+-", seed=0)
+    raw = _raw(tiny_model_dir, data, tmp_path / "run")
+    raw["resource_pools"] = {"train_pool": [1], "rollout_pool": [1]}
+    raw["services"] = {"max_restarts": 1, "restart_backoff_s": 0.2}
+    config = config_from_dict(raw)
+    with RayCluster(config, tmp_path / "run", heartbeat_interval_s=0.5) as cluster:
+        cluster.supervise_interval_s = 0.3
+        handle = cluster.start(timeout_s=300)
+        first_address = handle.rollout[0]
+        with RemoteSchedulerClient(handle.scheduler or "") as client:
+            client.set_scale("rollout", 1)
+            _wait("the count followed", lambda: cluster._scale_generation == 1)
+            first = cluster.pids["rollout-0"]
+            os.kill(first, signal.SIGKILL)
+            _wait(
+                "rollout-0 restarted",
+                lambda: (
+                    cluster.restarts.get("rollout-0") == 1
+                    and cluster.pids.get("rollout-0") not in (None, first)
+                ),
+            )
+            os.kill(cluster.pids["rollout-0"], signal.SIGKILL)  # past max_restarts
+
+            def replaced() -> bool:
+                listed = client.list_services("rollout")
+                alive = client.list_services("rollout", alive_only=True)
+                return [e.spec.service_id for e in listed] == ["rollout-1"] and len(alive) == 1
+
+            _wait("the given-up replica replaced", replaced, 180)
+            alive = client.list_services("rollout", alive_only=True)
+        assert "rollout-0" in cluster.given_up
+        assert cluster.rollout_replicas() == ["rollout-1"]
+        assert alive[0].spec.address != first_address
+        named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+        assert "rlfleet/rollout-0" not in named and "rlfleet/rollout-1" in named
+
+
+@pytest.mark.slow
 def test_a_frozen_trainer_is_killed_through_its_actor_and_restarted(
     ray_nodes: Cluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
