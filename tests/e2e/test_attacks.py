@@ -432,3 +432,55 @@ def test_a_fake_replica_learns_no_token_beyond_the_rollout_service(
         )
     after = sched.ListServices(scheduler_pb2.ListServicesRequest(), timeout=10).services
     assert replica.info.service_id in [e.info.service_id for e in after]
+
+
+@pytest.mark.parametrize(
+    ("service", "unary", "stream"),
+    [
+        ("trainer", "GetStatus", "TrainStep"),
+        ("rollout", "GetStatus", "UpdateWeights"),
+        ("scheduler", "ListServices", None),
+        ("reward", "Score", "ScoreStream"),
+    ],
+)
+def test_malformed_protobuf_is_invalid_argument_on_every_service(
+    cluster: tuple[ClusterHandle, dict[str, str]],
+    service: str,
+    unary: str,
+    stream: str | None,
+) -> None:
+    """Bytes that do not parse as the method's request, with a token that may call it:
+    INVALID_ARGUMENT naming ``request`` (not INTERNAL), on every service of the cluster."""
+    from rlfleet.common.rpc import error_info
+
+    h, tokens = cluster
+    address = {
+        "trainer": h.trainer,
+        "rollout": h.rollout[0],
+        "scheduler": h.scheduler or "",
+        "reward": h.reward or "",
+    }[service]
+    token = tokens["trainer" if (service, stream) == ("rollout", "UpdateWeights") else "driver"]
+    channel = _channel(address, token)
+    prefix = f"/rlfleet.v1.{service.capitalize()}Service/"
+
+    def refused(call: Any) -> None:
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        details = error_info(info.value)
+        assert details is not None and details.field == "request", details
+
+    raw = channel.unary_unary(prefix + unary, request_serializer=None, response_deserializer=None)
+    for garbage in (b"\xff\xff\xff\xff", b"\x0a\x05ab", bytes(range(256))):
+        refused(lambda garbage=garbage: raw(garbage, timeout=10))
+    if stream is not None:
+        kind = channel.stream_unary if stream in ("TrainStep", "UpdateWeights") else None
+        call = (kind or channel.stream_stream)(
+            prefix + stream, request_serializer=None, response_deserializer=None
+        )
+        if kind is None:
+            refused(lambda: list(call(iter([b"\xff\xff\xff"]), timeout=10)))
+        else:
+            refused(lambda: call(iter([b"\xff\xff\xff"]), timeout=10))
+    channel.close()
