@@ -345,9 +345,12 @@ def test_rlfleet_train_with_mtls_and_auth(
 ) -> None:
     """`rlfleet train`'s path with security.tls on (mTLS) besides the default auth:
     every service serves TLS and requires client certificates, the driver trains
-    through them; plaintext and certificate-less clients are refused. Weights go
+    through them; plaintext and certificate-less clients are refused, and so is an
+    HTTPS client with a certificate but no token on /sd and /metrics. Weights go
     over the bulk plane's TCP transport, which is TLS too."""
+    import dataclasses
     import shutil
+    import urllib.error
     import urllib.request
 
     from rlfleet.common.http import http_get
@@ -396,6 +399,14 @@ def test_rlfleet_train_with_mtls_and_auth(
         for channel in (plain, no_cert, mine):
             channel.close()
         seen["sd"] = json.loads(http_get(serving["metrics_address"], "/sd"))
+        # HTTPS with this process's client certificate but no token: refused.
+        no_token = dataclasses.replace(security, credentials=None, insecure=True)
+        for path in ("/sd", "/metrics"):
+            try:
+                http_get(serving["metrics_address"], path, security=no_token)
+                seen[f"no_token{path}"] = 200
+            except urllib.error.HTTPError as e:
+                seen[f"no_token{path}"] = e.code
         try:
             urllib.request.urlopen(f"http://{serving['metrics_address']}/sd", timeout=3)
             seen["http"] = "answered"
@@ -408,3 +419,4 @@ def test_rlfleet_train_with_mtls_and_auth(
     assert seen["mine"] is True and seen["plain"] is False and seen["no_cert"] is False
     assert {g["labels"]["role"] for g in seen["sd"]} >= {"rollout"}  # type: ignore[union-attr]
     assert seen["http"] != "answered"
+    assert seen["no_token/sd"] == seen["no_token/metrics"] == 401
