@@ -28,6 +28,12 @@ A target given up before its final bucket (its bucket failed, or the push itself
 stops: an error gathering a bucket, KeyboardInterrupt) is sent
 ``AbortWeightTransfer``, best effort, so that it frees the staged buckets at once.
 A failing replica is reported in its :class:`ReplicaResult` and the others go on.
+A replica that freezes mid-push (SIGSTOP, a stuck device) fails no call: it stops
+reading. Every :data:`PROBE_EVERY_S` the replicas still moving the push are probed
+(``GetStatus`` within :data:`PROBE_TIMEOUT_S`, a second try after a missed deadline,
+on a connection of their own); one that does not answer is given up (its calls
+cancelled, its thread no longer waited for), so the others' buckets do not wait for
+it until the push's deadline.
 
 Memory: buckets are gathered (from FSDP shards) and encoded one at a time; the
 next bucket is gathered only after every replica took the chunks of this one
@@ -51,7 +57,8 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +100,10 @@ _QUEUE_CHUNKS = 4
 _UPDATE_WEIGHTS = "/rlfleet.v1.RolloutService/UpdateWeights"
 # An abort is one small RPC, sent while giving up: it must not hold the caller long.
 _ABORT_TIMEOUT_S = 10.0
+#: How often a push probes the replicas still moving it, and each probe's deadline
+#: (module docstring); a push that ends sooner sends no probe.
+PROBE_EVERY_S = 2.0
+PROBE_TIMEOUT_S = 1.0
 
 
 def make_offer(
@@ -452,11 +463,31 @@ class _Sender:
         self.result.transport = "grpc"
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=_QUEUE_CHUNKS)
         self._timeout_s = timeout_s
-        self._token = token
         self._start = time.perf_counter()
+        self._lock = threading.Lock()
+        self.abandoned = False
+        self.channel = create_channel(self.result.address, auth_token=token)
         self.thread = threading.Thread(
             target=self._run, name=f"push-{result.replica_id}", daemon=True
         )
+
+    @property
+    def address(self) -> str:
+        return self.result.address
+
+    def moving(self) -> bool:
+        return self.thread.is_alive() and not self.abandoned
+
+    def abandon(self, why: str) -> None:
+        """Give this replica up (it stopped answering): its call is cancelled, so its
+        thread ends and :meth:`put` stops blocking on it."""
+        with self._lock:
+            if self.abandoned or self.result.ok:
+                return
+            self.abandoned = True
+            self.result.error = f"Unresponsive: {why}"
+        _log_abandon(self.result, why)
+        self.channel.close()
 
     def _requests(self) -> Iterator[rollout_pb2.WeightChunk]:
         while True:
@@ -466,18 +497,20 @@ class _Sender:
             yield item
 
     def _run(self) -> None:
-        channel = create_channel(self.result.address, auth_token=self._token)
+        error = ""
         try:
-            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+            stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
             stub.UpdateWeights(self._requests(), timeout=self._timeout_s)
-            self.result.ok = True
         except grpc.RpcError as e:
             err = to_rlfleet_error(e)
-            self.result.error = f"{type(err).__name__}: {err}"
+            error = f"{type(err).__name__}: {err}"
         except Exception as e:  # reported per replica; the push to the others goes on
-            self.result.error = f"{type(e).__name__}: {e}"
+            error = f"{type(e).__name__}: {e}"
         finally:
-            channel.close()
+            with self._lock:
+                if not self.abandoned:  # (given up: its error says why)
+                    self.result.ok, self.result.error = not error, error
+            self.channel.close()
             self.result.seconds = time.perf_counter() - self._start
 
     def put(self, item: Any) -> bool:
@@ -609,12 +642,17 @@ def _push_stream(
     for s in senders:
         s.thread.start()
     try:
-        for index, (bucket, final) in enumerate(buckets):
-            tensors = dict(bucket)
-            del bucket
-            _count(summary, tensors, index, on_bucket)
-            _feed(senders, _bucket_chunks(tensors, version, index, final, summary.tensors))
-            del tensors
+        with _Liveness(lambda: senders, auth_token):
+            for index, (bucket, final) in enumerate(buckets):
+                tensors = dict(bucket)
+                del bucket
+                _count(summary, tensors, index, on_bucket)
+                _feed(senders, _bucket_chunks(tensors, version, index, final, summary.tensors))
+                del tensors
+            for s in senders:
+                s.put(_Sender._END)
+            for s in senders:  # (watched meanwhile: a replica that froze is given up)
+                s.thread.join()
     finally:
         for s in senders:
             s.put(_Sender._END)
@@ -688,23 +726,63 @@ class _BulkTarget:
         self.update = BulkUpdate(stub, version, transports, timeout_s=timeout_s, host=host)
         self.stream: _Sender | None = None
         self.failed = False
+        self.abandoned = False
+        self._lock = threading.Lock()
+        self._crcs: SourceCrcs | None = None  # the bucket moving now's
+
+    @property
+    def address(self) -> str:
+        return self.result.address
+
+    def moving(self) -> bool:
+        return self.stream is None and not self.failed and not self.result.ok
+
+    def abandon(self, why: str) -> None:
+        """Give this replica up (it stopped answering mid-bucket): its calls are
+        cancelled, the bucket's checksums no longer wait for it, and the push stops
+        waiting for its thread (one blocked writing to it ends at the push's deadline)."""
+        with self._lock:
+            if not self.moving():
+                return
+            self.failed = self.abandoned = True
+            self.result.error = f"Unresponsive (bucket {self.update.buckets}): {why}"
+            crcs = self._crcs
+        _log_abandon(self.result, why)
+        if crcs is not None:  # had this transfer claimed them, the others would wait
+            crcs.abandon()
+        self.channel.close()
 
     def send(self, tensors: dict[str, Any], final: bool, crcs: SourceCrcs | None) -> bool:
         """Move and commit one bucket; False when this replica is to get the gRPC
         stream (bucket 0 only; nothing was sent). A failure is recorded, not raised."""
+        self._crcs = crcs
         try:
             if self.update.send(tensors, final=final, crcs=crcs) is None:
                 return False
-            if final:
-                self.result.ok, self.result.transport = True, self.update.transport
+            with self._lock:
+                if final and not self.abandoned:
+                    self.result.ok, self.result.transport = True, self.update.transport
         except Exception as e:  # reported per replica; the push to the others goes on
-            self.failed = True
-            where = f"bucket {self.update.buckets}"
-            self.result.error = f"{type(e).__name__} ({where}): {e}"
+            with self._lock:
+                if not self.abandoned:  # (given up: its error says why)
+                    self.failed = True
+                    where = f"bucket {self.update.buckets}"
+                    self.result.error = f"{type(e).__name__} ({where}): {e}"
         finally:
+            self._crcs = None
             self.result.note = self.update.note
             self.result.seconds = time.perf_counter() - self._start
         return True
+
+    def settled(self, future: Future[bool]) -> bool:
+        """``future``'s result (this target's :meth:`send`), or True as soon as this
+        target is given up (its thread, maybe blocked writing to it, is not waited for)."""
+        while True:
+            try:
+                return future.result(timeout=0.1)
+            except FutureTimeout:
+                if self.abandoned:
+                    return True
 
     def fall_back(self) -> _Sender:
         logger.info(
@@ -721,8 +799,9 @@ class _BulkTarget:
 
     def finish(self) -> ReplicaResult:
         """End this target's part; a bucketed update left unfinished (the push
-        stopped before its final bucket) is aborted on the replica."""
-        if self.update.pending:
+        stopped before its final bucket) is aborted on the replica (not on one given
+        up: it would not answer; its transfer time-out frees what it staged)."""
+        if self.update.pending and not self.abandoned:
             self.update.abort("the pusher stopped before the final bucket")
             if not self.result.error:
                 self.result.error = f"push stopped after {self.update.buckets} buckets"
@@ -752,8 +831,10 @@ def _push_bulk(
     replicas = [
         _BulkTarget(rid, addr, version, transports, timeout_s, auth_token) for rid, addr in targets
     ]
+    pool = ThreadPoolExecutor(max_workers=max(1, len(replicas)))
+    watched = _Liveness(lambda: [r.stream or r for r in replicas], auth_token)
     try:
-        with ThreadPoolExecutor(max_workers=max(1, len(replicas))) as pool:
+        with watched:
             for index, (bucket, final) in enumerate(buckets):
                 tensors = dict(bucket)
                 del bucket
@@ -768,7 +849,7 @@ def _push_bulk(
                             streams,
                             _bucket_chunks(tensors, version, index, final, summary.tensors),
                         )
-                    refused = [r for r, f in moving if not f.result()]
+                    refused = [r for r, f in moving if not r.settled(f)]
                 finally:
                     if crcs is not None:
                         crcs.close()
@@ -778,9 +859,86 @@ def _push_bulk(
                         _bucket_chunks(tensors, version, index, final, summary.tensors),
                     )
                 del tensors, moving
+            for r in replicas:  # (watched meanwhile: a stream that froze is given up)
+                if r.stream is not None:
+                    r.stream.put(_Sender._END)
+                    r.stream.thread.join()
     finally:
         summary.results = [r.finish() for r in replicas]
+        # A given-up replica's thread may still be blocked writing to it (until the
+        # push's deadline): not waited for.
+        pool.shutdown(wait=not any(r.abandoned for r in replicas))
     return summary
+
+
+def _log_abandon(result: ReplicaResult, why: str) -> None:
+    logger.warning(
+        "weight push -> %s (%s): given up mid-push: %s", result.replica_id, result.address, why
+    )
+
+
+class _Liveness:
+    """While a push runs (``with``), probe every :data:`PROBE_EVERY_S` the targets
+    still moving it (``GetStatus`` within :data:`PROBE_TIMEOUT_S`, a second try
+    after a missed deadline, all at once, each on a connection of its own) and
+    abandon those that do not answer. A replica that answers anything is alive."""
+
+    def __init__(
+        self,
+        targets: Callable[[], Sequence[Any]],
+        token: str | None,
+        every_s: float | None = None,
+    ) -> None:
+        self._targets = targets
+        self._token = token
+        self._every_s = PROBE_EVERY_S if every_s is None else every_s
+        self._stop = threading.Event()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._thread = threading.Thread(target=self._run, name="rlfleet-push-probe", daemon=True)
+
+    def __enter__(self) -> _Liveness:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        for channel in self._channels.values():
+            channel.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            moving = [t for t in self._targets() if t.moving()]
+            if not moving:
+                continue
+            with ThreadPoolExecutor(len(moving)) as ex:
+                answers = list(ex.map(self._probe, moving))
+            for target, why in zip(moving, answers, strict=True):
+                if why is not None and not self._stop.is_set():
+                    target.abandon(why)
+
+    def _probe(self, target: Any) -> str | None:
+        channel = self._channels.get(target.address)
+        if channel is None:
+            channel = create_channel(
+                target.address, auth_token=self._token, retry_unavailable=False
+            )
+            self._channels[target.address] = channel
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        for attempt in range(2):  # a busy host may answer late once; a frozen one never does
+            try:
+                stub.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=PROBE_TIMEOUT_S)
+                return None
+            except grpc.RpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    if attempt:
+                        return f"it did not answer two liveness probes of {PROBE_TIMEOUT_S:g}s"
+                    continue
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    return f"it did not answer a liveness probe ({e.details()})"
+                return None  # it answered (an error is an answer)
+        return None
 
 
 def _feed(senders: Sequence[_Sender], chunks: Iterable[rollout_pb2.WeightChunk]) -> None:
