@@ -134,7 +134,7 @@ def test_each_bad_input_is_one_line_naming_its_key(
     else:
         path = _config(tmp_path, tiny_model_dir, data, **extra)
     err = _errors(capsys, ["train", "--config", str(path)])
-    assert any(line.startswith(f"rlfleet train: {key}") for line in err), err
+    assert len(err) == 1 and err[0].startswith(f"rlfleet train: {key}"), err
     assert not (tmp_path / "run" / "logs").exists()  # nothing started
 
 
