@@ -4,7 +4,7 @@
     .venv/bin/python bench/faults.py [--rounds 2]
 
 Real processes on loopback with auth on (the tiny model, CPU): a scheduler, two
-rollout replicas, and a health-only stand-in for the reward and trainer services
+rollout replicas, the reward service, and a health-only stand-in for the trainer
 (not involved in these faults). Per round it measures, in seconds:
 
 * ``replica_killed_to_serving``: SIGKILL a replica -> the launcher has restarted it on
@@ -16,7 +16,12 @@ rollout replicas, and a health-only stand-in for the reward and trainer services
 * ``replica_resumed_registry_alive``: SIGCONT -> listed alive again (it is adopted back
   with the current weights at the next step);
 * ``scale_up_to_serving``: the desired count raised by one -> the new replica is
-  registered and alive.
+  registered and alive;
+* ``reward_killed_to_serving``: SIGKILL the reward service -> restarted on its
+  address and answering health checks;
+* ``reward_frozen_call_failed``: a ``Score`` call to a reward service stopped with
+  SIGSTOP -> the client's liveness probe fails the call (its health checks every
+  ``connect_timeout_s``, 5 s by default).
 
 The trainer's death inside a training run is measured by
 ``tests/e2e/test_trainer_recovery.py`` (its ``fault/trainer_recovery_s`` metric).
@@ -117,6 +122,34 @@ def _round(
     _until("scaled down", lambda: len(alive()) == before)
 
 
+def _reward_round(
+    cluster: Any, address: str, healthy: Callable[[str], bool], note: Callable[[str, float], None]
+) -> None:
+    from rlfleet.common.errors import RlfleetError
+    from rlfleet.reward.client import RemoteRewardClient
+
+    pid = cluster.pids["reward"]
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    _until("reward restarted", lambda: cluster.pids.get("reward", pid) != pid and healthy(address))
+    note("reward_killed_to_serving", time.monotonic() - t0)
+
+    pid = cluster.pids["reward"]
+    sample = {"data_source": "openai/gsm8k", "response": "#### 4", "ground_truth": "4"}
+    with RemoteRewardClient(address) as client:
+        assert client.score([sample])[0].score == 1.0  # connected and answering
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            client.score([sample], timeout_s=120.0)
+            raise AssertionError("a frozen reward service answered")
+        except RlfleetError:
+            note("reward_frozen_call_failed", time.monotonic() - t0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    _until("reward answers again", lambda: healthy(address))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -145,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
                 "resource_pools": {"train_pool": [1], "rollout_pool": [1]},
                 "services": {
                     "trainer": stand_in.address,
-                    "reward": stand_in.address,
                     "max_restarts": 2 * args.rounds + 2,
                     "restart_backoff_s": 0.2,
                 },
@@ -170,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                 _until("both replicas registered", lambda: alive() == set(h.rollout))
                 for _ in range(args.rounds):
                     _round(cluster, h.rollout[1], sched, alive, healthy, note)
+                    assert h.reward is not None
+                    _reward_round(cluster, h.reward, healthy, note)
                 sched.close()
         finally:
             stand_in.stop(0)
