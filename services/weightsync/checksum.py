@@ -112,6 +112,7 @@ class SourceCrcs:
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._stop = False
+        self._closed = False
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -141,7 +142,7 @@ class SourceCrcs:
 
     def _start(self) -> None:
         with self._lock:
-            if self._state != "idle":
+            if self._state != "idle" or self._closed:
                 return
             self._state = "thread"
             self._thread = threading.Thread(target=self._run, name="rlfleet-send-crc", daemon=True)
@@ -176,9 +177,12 @@ class SourceCrcs:
         return list(self._values)
 
     def close(self) -> None:
-        """Stop (the bucket was given up) and drop the references to its bytes."""
+        """Stop (the bucket was given up) and drop the references to its bytes. A
+        later :meth:`abandon` (a replica given up from another thread) starts nothing."""
         self._stop = True
-        thread = self._thread
+        with self._lock:  # a thread assigned is a thread started (see _start)
+            thread = self._thread
+            self._closed = True
         if thread is not None:
             thread.join()
         self.arrays = []

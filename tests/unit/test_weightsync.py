@@ -215,6 +215,29 @@ def test_source_crcs_are_computed_once_by_the_first_claimant() -> None:
     failed.close()
 
 
+def test_source_crcs_abandoned_by_another_thread_while_closing() -> None:
+    """A push gives up a frozen replica from its probing thread (``abandon``) while its
+    own thread closes the bucket's checksums: the close joined a thread assigned but
+    not yet started ("cannot join thread before it is started", found by `make fuzz`);
+    an abandon after the close starts nothing."""
+    import threading
+
+    tensors = {"t": torch.ones(4096)}
+    specs = make_offer(tensors, 1).tensors
+    for _ in range(300):
+        crcs = checksum.SourceCrcs.of(tensors, specs)
+        assert crcs.claim()
+        other = threading.Thread(target=crcs.abandon)
+        other.start()
+        crcs.close()
+        other.join()
+    crcs = checksum.SourceCrcs.of(tensors, specs)
+    crcs.claim()
+    crcs.close()
+    crcs.abandon()
+    assert crcs._thread is None
+
+
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
 def test_the_sender_keeps_a_segments_mapping_until_the_segment_goes() -> None:
     """The sender maps a segment once and reuses the mapping while the replica reuses
