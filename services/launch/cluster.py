@@ -812,19 +812,16 @@ class LocalCluster:
                 owned = sum(
                     1 for p in self._procs if p.kind == "rollout" and p.name not in self.given_up
                 ) + sum(1 for n in self._restarting if n.startswith("rollout-"))
-            if owned >= desired or time.monotonic() < self._scale_retry_at:
+            more = replacements_due(
+                owned, desired, self._replacements, self.config, self._scale_retry_at
+            )
+            if not more:
                 return
-            if self._replacements >= self.config.services.max_restarts:
-                return
-            self._replacements += desired - owned
-            logger.warning("rollout replicas given up: %d of the desired %d run; starting "
-                           "replacements", owned, desired)  # fmt: skip
+            self._replacements += more
         try:
             self.scale_rollout(desired)
         except ServiceStartError:
-            # Not every 0.5 s: after the restart backoff's longest wait.
-            wait = self.config.services.restart_backoff_s * 2.0**self.config.services.max_restarts
-            self._scale_retry_at = time.monotonic() + max(5.0, wait)
+            self._scale_retry_at = scale_retry_at(self.config)  # not every 0.5 s
             self._scale_generation = generation
             raise
         self._scale_generation = generation
@@ -1235,6 +1232,29 @@ def _group_alive(pgid: int) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     return True
+
+
+def replacements_due(
+    owned: int, desired: int, started: int, config: Config, retry_at: float
+) -> int:
+    """How many rollout replicas a launcher starts now in place of given-up ones to
+    keep the desired count: the shortfall, unless a failed start's wait (``retry_at``,
+    ``time.monotonic()``) still runs or ``services.max_restarts`` replacements were
+    ``started`` already (then 0)."""
+    if owned >= desired or time.monotonic() < retry_at:
+        return 0
+    if started >= config.services.max_restarts:
+        return 0
+    logger.warning("rollout replicas given up: %d of the desired %d run; starting "
+                   "replacements", owned, desired)  # fmt: skip
+    return desired - owned
+
+
+def scale_retry_at(config: Config) -> float:
+    """When a scale-up whose start failed is tried again: after the restart backoff's
+    longest wait (at least 5 s)."""
+    wait = config.services.restart_backoff_s * 2.0**config.services.max_restarts
+    return time.monotonic() + max(5.0, wait)
 
 
 def kill_leftovers(pid: int, name: str) -> bool:

@@ -76,9 +76,11 @@ from rlfleet.launch.cluster import (
     kill_leftovers,
     log_tail,
     needs_tools_service,
+    replacements_due,
     replica_number,
     reward_argv,
     rollout_argv,
+    scale_retry_at,
     scheduler_argv,
     tools_argv,
     trainer_argv,
@@ -1373,21 +1375,18 @@ class RayCluster:
             # place, at most services.max_restarts times.
             with self._lock:
                 owned = len(self.rollout_replicas()) + len(self._restarting) + self._replacing
-            if owned >= desired or time.monotonic() < self._scale_retry_at:
+            more = replacements_due(
+                owned, desired, self._replacements, self.config, self._scale_retry_at
+            )
+            if not more:
                 return
-            if self._replacements >= self.config.services.max_restarts:
-                return
-            self._replacements += desired - owned
-            logger.warning("rollout replicas given up: %d of the desired %d run; starting "
-                           "replacements", owned, desired)  # fmt: skip
+            self._replacements += more
         self._scale_generation = generation  # asked once: a refusal is not retried
         try:
             self.scale_rollout(desired)
         except ServiceStartError as e:
             logger.error("scaling rollout to %d refused: %s", desired, e)
-            # Not every round: after the restart backoff's longest wait.
-            wait = self.config.services.restart_backoff_s * 2.0**self.config.services.max_restarts
-            self._scale_retry_at = time.monotonic() + max(5.0, wait)
+            self._scale_retry_at = scale_retry_at(self.config)  # not every round
 
     def scale_rollout(self, replicas: int) -> None:
         """Add or remove rollout replicas (actors in the rollout pool's bundles, the one
