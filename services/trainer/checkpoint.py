@@ -463,7 +463,7 @@ def _keep_last(root: Path, keep: int | None, saved: int) -> None:
     if keep is None:
         return
     others = [s for s in steps(root) if s != saved]
-    for step in others[: len(others) - (keep - 1)]:
+    for step in others[: max(0, len(others) - (keep - 1))]:
         shutil.rmtree(root / f"{_PREFIX}{step}", ignore_errors=True)
 
 

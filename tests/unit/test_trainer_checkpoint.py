@@ -114,6 +114,15 @@ def test_a_save_below_the_kept_steps_keeps_what_it_wrote(
     assert checkpoint.load(TrainerCore(_config(tiny_model_dir, tmp_path / "run")))[1] == 3
 
 
+def test_fewer_checkpoints_than_kept_are_all_kept(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = _config(tiny_model_dir, tmp_path / "run")
+    cfg.trainer.max_actor_ckpt_to_keep = 4
+    core = TrainerCore(cfg)
+    for step in (1, 2, 3):
+        checkpoint.save(core, step=step)
+        assert checkpoint.steps(tmp_path / "run" / "checkpoints") == list(range(1, step + 1))
+
+
 def test_load_without_checkpoint_is_not_found(tiny_model_dir: Path, tmp_path: Path) -> None:
     core = TrainerCore(
         make_config(str(tiny_model_dir), trainer={"default_local_dir": str(tmp_path)})
