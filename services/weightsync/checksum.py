@@ -113,6 +113,7 @@ class SourceCrcs:
         self._done = threading.Event()
         self._stop = False
         self._closed = False
+        self._claimant = 0  # the claiming thread's ident
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -125,7 +126,17 @@ class SourceCrcs:
             if self._state != "idle":
                 return False
             self._state = "claimed"
+            self._claimant = threading.get_ident()
             return True
+
+    def release(self, claimant: int) -> None:
+        """:meth:`abandon` on behalf of the thread ``claimant`` (its transfer was given
+        up from another thread), if that thread holds the claim; else nothing."""
+        with self._lock:
+            if self._state != "claimed" or self._claimant != claimant:
+                return
+            self._state = "idle"
+        self._start()
 
     def publish(self, values: Sequence[int]) -> None:
         with self._lock:

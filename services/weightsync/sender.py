@@ -77,7 +77,7 @@ from rlfleet.v1 import rollout_pb2, rollout_pb2_grpc
 from rlfleet.weightsync import wire
 from rlfleet.weightsync.checksum import SourceCrcs
 from rlfleet.weightsync.shm import ShmUnavailable, host_identity, send_shm
-from rlfleet.weightsync.tcp import TcpUnreachable, send_tcp
+from rlfleet.weightsync.tcp import TcpUnreachable, TransferWatch, send_tcp
 from rlfleet.weightsync.wire import AUTO, BULK, AbortResult, TransferOffer, UpdateResult
 
 __all__ = [
@@ -195,6 +195,7 @@ class BulkUpdate:
         self.transport = ""  # of the last bucket
         self.note = ""  # why this replica did not get the first transport offered
         self.done = False  # the final bucket committed (or the update was aborted)
+        self.watch = TransferWatch()  # bytes moved; cut() ends a TCP send at once
 
     @property
     def pending(self) -> bool:
@@ -307,9 +308,12 @@ class BulkUpdate:
                         crcs=crcs,
                         tls=tls[0] if tls is not None else None,
                         server_name=tls[1] if tls is not None else None,
+                        watch=self.watch,
                     )
                 else:
-                    sums = send_shm(plan, named_tensors, offer.tensors, crcs=crcs)
+                    sums = send_shm(
+                        plan, named_tensors, offer.tensors, crcs=crcs, moved=self.watch.moved
+                    )
             except (ShmUnavailable, TcpUnreachable) as e:
                 if self.buckets:
                     raise
@@ -466,6 +470,7 @@ class _Sender:
         self._start = time.perf_counter()
         self._lock = threading.Lock()
         self.abandoned = False
+        self.taken = 0  # messages the call took from the queue
         self.channel = create_channel(self.result.address, auth_token=token)
         self.thread = threading.Thread(
             target=self._run, name=f"push-{result.replica_id}", daemon=True
@@ -478,14 +483,19 @@ class _Sender:
     def moving(self) -> bool:
         return self.thread.is_alive() and not self.abandoned
 
-    def abandon(self, why: str) -> None:
-        """Give this replica up (it stopped answering): its call is cancelled, so its
-        thread ends and :meth:`put` stops blocking on it."""
+    def progress(self) -> Any:
+        return self.taken
+
+    def abandon(self, why: str, seen: Any = None) -> None:
+        """Give this replica up (it stopped answering and took nothing since its
+        progress was ``seen``): its call is cancelled, so its thread ends and
+        :meth:`put` stops blocking on it."""
         with self._lock:
-            if self.abandoned or self.result.ok:
+            if not self.moving() or self.result.ok or (seen is not None and self.taken != seen):
                 return
             self.abandoned = True
             self.result.error = f"Unresponsive: {why}"
+            self.result.seconds = time.perf_counter() - self._start
         _log_abandon(self.result, why)
         self.channel.close()
 
@@ -494,6 +504,7 @@ class _Sender:
             item = self.queue.get()
             if item is self._END:
                 return
+            self.taken += 1
             yield item
 
     def _run(self) -> None:
@@ -508,10 +519,17 @@ class _Sender:
             error = f"{type(e).__name__}: {e}"
         finally:
             with self._lock:
-                if not self.abandoned:  # (given up: its error says why)
+                if not self.abandoned:  # (given up: its error and seconds say why)
                     self.result.ok, self.result.error = not error, error
+                    self.result.seconds = time.perf_counter() - self._start
             self.channel.close()
-            self.result.seconds = time.perf_counter() - self._start
+            # gRPC's thread that reads _requests() may still wait on the queue (a call
+            # that failed or was cancelled): an END ends it.
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self.queue.get_nowait()
+            with contextlib.suppress(queue.Full):
+                self.queue.put_nowait(self._END)
 
     def put(self, item: Any) -> bool:
         """Queue ``item``; False once the call has ended (failed), so nobody blocks on it."""
@@ -641,23 +659,16 @@ def _push_stream(
     senders = [_Sender(ReplicaResult(rid, addr), timeout_s, auth_token) for rid, addr in targets]
     for s in senders:
         s.thread.start()
-    try:
-        with _Liveness(lambda: senders, auth_token):
+    with _Liveness(lambda: senders, auth_token):
+        try:
             for index, (bucket, final) in enumerate(buckets):
                 tensors = dict(bucket)
                 del bucket
                 _count(summary, tensors, index, on_bucket)
                 _feed(senders, _bucket_chunks(tensors, version, index, final, summary.tensors))
                 del tensors
-            for s in senders:
-                s.put(_Sender._END)
-            for s in senders:  # (watched meanwhile: a replica that froze is given up)
-                s.thread.join()
-    finally:
-        for s in senders:
-            s.put(_Sender._END)
-        for s in senders:
-            s.thread.join()
+        finally:  # (watched meanwhile: a replica that froze is given up)
+            _end_streams(senders)
     summary.results = [s.result for s in senders]
     return summary
 
@@ -729,6 +740,7 @@ class _BulkTarget:
         self.abandoned = False
         self._lock = threading.Lock()
         self._crcs: SourceCrcs | None = None  # the bucket moving now's
+        self._sending = 0  # the ident of the thread moving it
 
     @property
     def address(self) -> str:
@@ -737,25 +749,34 @@ class _BulkTarget:
     def moving(self) -> bool:
         return self.stream is None and not self.failed and not self.result.ok
 
-    def abandon(self, why: str) -> None:
-        """Give this replica up (it stopped answering mid-bucket): its calls are
-        cancelled, the bucket's checksums no longer wait for it, and the push stops
-        waiting for its thread (one blocked writing to it ends at the push's deadline)."""
+    def progress(self) -> Any:
+        return self.update.buckets, self.update.watch.bytes
+
+    def abandon(self, why: str, seen: Any = None) -> None:
+        """Give this replica up (it stopped answering, and moved nothing since its
+        progress was ``seen``): its calls are cancelled and its TCP socket cut, the
+        bucket's checksums no longer wait for it if it computes them, and the push
+        stops waiting for its thread."""
         with self._lock:
-            if not self.moving():
+            if not self.moving() or (seen is not None and self.progress() != seen):
                 return
             self.failed = self.abandoned = True
             self.result.error = f"Unresponsive (bucket {self.update.buckets}): {why}"
-            crcs = self._crcs
+            self.result.transport = self.update.transport or self.result.transport
+            self.result.note = self.update.note
+            self.result.seconds = time.perf_counter() - self._start
+            crcs, sending = self._crcs, self._sending
         _log_abandon(self.result, why)
         if crcs is not None:  # had this transfer claimed them, the others would wait
-            crcs.abandon()
+            crcs.release(sending)
+        self.update.watch.cut()
         self.channel.close()
 
     def send(self, tensors: dict[str, Any], final: bool, crcs: SourceCrcs | None) -> bool:
         """Move and commit one bucket; False when this replica is to get the gRPC
         stream (bucket 0 only; nothing was sent). A failure is recorded, not raised."""
-        self._crcs = crcs
+        with self._lock:
+            self._crcs, self._sending = crcs, threading.get_ident()
         try:
             if self.update.send(tensors, final=final, crcs=crcs) is None:
                 return False
@@ -769,9 +790,11 @@ class _BulkTarget:
                     where = f"bucket {self.update.buckets}"
                     self.result.error = f"{type(e).__name__} ({where}): {e}"
         finally:
-            self._crcs = None
-            self.result.note = self.update.note
-            self.result.seconds = time.perf_counter() - self._start
+            with self._lock:
+                self._crcs = None
+                if not self.abandoned:  # (given up: its fields were set then)
+                    self.result.note = self.update.note
+                    self.result.seconds = time.perf_counter() - self._start
         return True
 
     def settled(self, future: Future[bool]) -> bool:
@@ -835,40 +858,57 @@ def _push_bulk(
     watched = _Liveness(lambda: [r.stream or r for r in replicas], auth_token)
     try:
         with watched:
-            for index, (bucket, final) in enumerate(buckets):
-                tensors = dict(bucket)
-                del bucket
-                _count(summary, tensors, index, on_bucket)
-                live = [r for r in replicas if r.stream is None and not r.failed]
-                crcs = SourceCrcs.of(tensors, tensor_specs(tensors, align=1)) if live else None
-                try:
-                    moving = [(r, pool.submit(r.send, tensors, final, crcs)) for r in live]
-                    streams = [r.stream for r in replicas if r.stream is not None]
-                    if streams:
-                        _feed(
-                            streams,
-                            _bucket_chunks(tensors, version, index, final, summary.tensors),
-                        )
-                    refused = [r for r, f in moving if not r.settled(f)]
-                finally:
-                    if crcs is not None:
-                        crcs.close()
-                if refused:  # bucket 0: these replicas take the gRPC stream
-                    _feed(
-                        [r.fall_back() for r in refused],
-                        _bucket_chunks(tensors, version, index, final, summary.tensors),
-                    )
-                del tensors, moving
-            for r in replicas:  # (watched meanwhile: a stream that froze is given up)
-                if r.stream is not None:
-                    r.stream.put(_Sender._END)
-                    r.stream.thread.join()
+            try:
+                _move_buckets(buckets, replicas, summary, pool, version, on_bucket)
+            finally:  # (watched meanwhile: a stream that froze is given up)
+                _end_streams([r.stream for r in replicas if r.stream is not None])
     finally:
         summary.results = [r.finish() for r in replicas]
-        # A given-up replica's thread may still be blocked writing to it (until the
-        # push's deadline): not waited for.
+        # A given-up replica's thread (its socket cut, its calls cancelled) ends soon:
+        # not waited for.
         pool.shutdown(wait=not any(r.abandoned for r in replicas))
     return summary
+
+
+def _end_streams(streams: Sequence[_Sender]) -> None:
+    """End every stream's call: the end of the update to all, then wait for each."""
+    for s in streams:
+        s.put(_Sender._END)
+    for s in streams:
+        s.thread.join()
+
+
+def _move_buckets(
+    buckets: Iterator[tuple[list[tuple[str, Any]], bool]],
+    replicas: Sequence[_BulkTarget],
+    summary: PushSummary,
+    pool: ThreadPoolExecutor,
+    version: int,
+    on_bucket: Callable[[int], None] | None,
+) -> None:
+    """Each bucket to every replica: the bulk ones' transfers in parallel on ``pool``,
+    the streams fed meanwhile; bucket 0's refusals move to the stream."""
+    for index, (bucket, final) in enumerate(buckets):
+        tensors = dict(bucket)
+        del bucket
+        _count(summary, tensors, index, on_bucket)
+        live = [r for r in replicas if r.stream is None and not r.failed]
+        crcs = SourceCrcs.of(tensors, tensor_specs(tensors, align=1)) if live else None
+        try:
+            moving = [(r, pool.submit(r.send, tensors, final, crcs)) for r in live]
+            streams = [r.stream for r in replicas if r.stream is not None]
+            if streams:
+                _feed(streams, _bucket_chunks(tensors, version, index, final, summary.tensors))
+            refused = [r for r, f in moving if not r.settled(f)]
+        finally:
+            if crcs is not None:
+                crcs.close()
+        if refused:  # bucket 0: these replicas take the gRPC stream
+            _feed(
+                [r.fall_back() for r in refused],
+                _bucket_chunks(tensors, version, index, final, summary.tensors),
+            )
+        del tensors, moving
 
 
 def _log_abandon(result: ReplicaResult, why: str) -> None:
@@ -878,10 +918,14 @@ def _log_abandon(result: ReplicaResult, why: str) -> None:
 
 
 class _Liveness:
-    """While a push runs (``with``), probe every :data:`PROBE_EVERY_S` the targets
-    still moving it (``GetStatus`` within :data:`PROBE_TIMEOUT_S`, a second try
-    after a missed deadline, all at once, each on a connection of its own) and
-    abandon those that do not answer. A replica that answers anything is alive."""
+    """While a push runs (``with``), every :data:`PROBE_EVERY_S` probe the targets
+    still moving it that moved nothing since the last round (``GetStatus`` within
+    :data:`PROBE_TIMEOUT_S`, a second try after a missed deadline, all at once, each
+    on a connection of its own, opened when the push starts) and abandon those that
+    answer neither and still moved nothing. A replica that answers anything is alive.
+
+    Targets have ``address``, ``moving()``, ``progress()`` (a value that changes as
+    the push moves bytes to it) and ``abandon(why, seen)``."""
 
     def __init__(
         self,
@@ -894,50 +938,64 @@ class _Liveness:
         self._every_s = PROBE_EVERY_S if every_s is None else every_s
         self._stop = threading.Event()
         self._channels: dict[str, grpc.Channel] = {}
+        self._connecting: list[Any] = []
         self._thread = threading.Thread(target=self._run, name="rlfleet-push-probe", daemon=True)
 
     def __enter__(self) -> _Liveness:
+        for target in self._targets():  # connected before the push saturates the link
+            self._connecting.append(grpc.channel_ready_future(self._channel(target.address)))
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        for future in self._connecting:
+            future.cancel()
         for channel in self._channels.values():
             channel.close()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._every_s):
-            moving = [t for t in self._targets() if t.moving()]
-            if not moving:
-                continue
-            with ThreadPoolExecutor(len(moving)) as ex:
-                answers = list(ex.map(self._probe, moving))
-            for target, why in zip(moving, answers, strict=True):
-                if why is not None and not self._stop.is_set():
-                    target.abandon(why)
-
-    def _probe(self, target: Any) -> str | None:
-        channel = self._channels.get(target.address)
+    def _channel(self, address: str) -> grpc.Channel:
+        channel = self._channels.get(address)
         if channel is None:
-            channel = create_channel(
-                target.address, auth_token=self._token, retry_unavailable=False
-            )
-            self._channels[target.address] = channel
-        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+            channel = create_channel(address, auth_token=self._token, retry_unavailable=False)
+            self._channels[address] = channel
+        return channel
+
+    def _run(self) -> None:
+        last: dict[int, Any] = {id(t): t.progress() for t in self._targets()}
+        while not self._stop.wait(self._every_s):
+            stalled = []
+            for t in self._targets():
+                now = t.progress()
+                if t.moving() and id(t) in last and last[id(t)] == now:
+                    stalled.append((t, now))
+                last[id(t)] = now
+            if not stalled:
+                continue
+            with ThreadPoolExecutor(len(stalled)) as ex:
+                answers = list(ex.map(lambda ts: self._probe(ts[0].address), stalled))
+            for (target, seen), why in zip(stalled, answers, strict=True):
+                if why is not None and not self._stop.is_set():
+                    target.abandon(why, seen)
+
+    def _probe(self, address: str) -> str | None:
+        stub = rollout_pb2_grpc.RolloutServiceStub(self._channel(address))
         for attempt in range(2):  # a busy host may answer late once; a frozen one never does
             try:
-                stub.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=PROBE_TIMEOUT_S)
+                stub.GetStatus(
+                    rollout_pb2.GetRolloutStatusRequest(),
+                    timeout=PROBE_TIMEOUT_S,
+                    wait_for_ready=True,
+                )
                 return None
             except grpc.RpcError as e:
-                code = e.code()
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    if attempt:
-                        return f"it did not answer two liveness probes of {PROBE_TIMEOUT_S:g}s"
-                    continue
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    return f"it did not answer a liveness probe ({e.details()})"
-                return None  # it answered (an error is an answer)
+                # No answer in time, or no connection (a process gone, a host away):
+                # one more try, then it is given up.
+                if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                    return None  # it answered (an error is an answer)
+                if attempt:
+                    return f"it did not answer two liveness probes of {PROBE_TIMEOUT_S:g}s"
         return None
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "MAX_PENDING_CONNECTIONS",
     "TOKEN_TIMEOUT_S",
     "TcpUnreachable",
+    "TransferWatch",
     "accept_sender",
     "endpoint_of",
     "open_listener",
@@ -98,6 +99,7 @@ def send_tcp(
     crcs: SourceCrcs | None = None,
     tls: ssl.SSLContext | None = None,
     server_name: str | None = None,
+    watch: TransferWatch | None = None,
 ) -> list[int]:
     """Connect to the plan's endpoint, present the token, stream the bytes in order.
 
@@ -107,6 +109,8 @@ def send_tcp(
             checksums each block right after it is sent.
         tls: a client context: the connection is TLS, the replica's certificate
             verified against ``server_name`` (None: the endpoint's host).
+        watch: told the bytes sent as they go, and holds the socket while the
+            transfer runs, so that another thread can cut it (a replica given up).
 
     Raises:
         TcpUnreachable: nothing listens at the endpoint (nothing was sent).
@@ -133,8 +137,12 @@ def send_tcp(
             if tls is not None:  # the plain socket is detached into the TLS one
                 sock = tls.wrap_socket(sock, server_hostname=server_name or host.strip("[]"))
             send = _send_all if tls is None else _send_each
+            if watch is not None:
+                watch.hold(sock)
             for batch in _batches(arrays, plan.token.encode()):
                 send(sock, [b for _, b in batch])
+                if watch is not None:
+                    watch.moved(sum(memoryview(b).nbytes for _, b in batch))
                 if follower is not None:
                     follower.put([(i, b) for i, b in batch if i >= 0])
             # Over TLS this drops the TLS layer (no close_notify: the receiver counts
@@ -146,6 +154,8 @@ def send_tcp(
             while drained <= _DRAIN_BYTES and (part := sock.recv(1 << 16)):
                 drained += len(part)
         finally:
+            if watch is not None:
+                watch.hold(None)
             sock.close()
         if follower is not None:
             checksums.publish(follower.result())
@@ -157,6 +167,41 @@ def send_tcp(
             checksums.abandon()
         if crcs is None:
             checksums.close()
+
+
+class TransferWatch:
+    """A sender's view of its transfers in progress, for another thread: the bytes
+    moved so far (:attr:`bytes`, as progress) and a way to :meth:`cut` the socket of
+    the one running, which unblocks a send to a peer that stopped reading."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._cut = False
+        self.bytes = 0
+
+    def moved(self, nbytes: int) -> None:
+        self.bytes += nbytes
+
+    def hold(self, sock: socket.socket | None) -> None:
+        with self._lock:
+            self._sock = sock
+            cut = self._cut and sock is not None
+        if cut:  # cut before this socket existed
+            self._shutdown(sock)
+
+    def cut(self) -> None:
+        with self._lock:
+            self._cut = True
+            sock = self._sock
+        if sock is not None:
+            self._shutdown(sock)
+
+    @staticmethod
+    def _shutdown(sock: socket.socket | None) -> None:
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                sock.shutdown(socket.SHUT_RDWR)
 
 
 def _batches(arrays: Sequence[np.ndarray], head: bytes) -> Iterator[list[tuple[int, Any]]]:
