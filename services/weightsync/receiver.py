@@ -228,14 +228,14 @@ class WeightReceiver:
                 value=MAX_OPEN_STREAMS,
                 code="TOO_MANY_TRANSFERS",
             )
-        try:
+        try:  # held until applied: a received model waiting for the lock counts too
             receiver = WeightStreamReceiver(
                 on_version=self.check_version, max_bytes=self._max_bytes()
             )
             version, tensors = receiver.receive(stream)
+            return self.apply(tensors, version, start=start, transport="grpc")
         finally:
             self._streams.release()
-        return self.apply(tensors, version, start=start, transport="grpc")
 
     def apply(
         self,
