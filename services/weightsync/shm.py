@@ -39,7 +39,7 @@ import stat
 import struct
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -107,9 +107,10 @@ def send_shm(
     specs: Sequence[TensorSpec],
     *,
     crcs: SourceCrcs | None = None,
+    moved: Callable[[int], None] | None = None,
 ) -> list[int]:
     """Copy the bytes into the replica's segment, block by block, publishing the
-    count of bytes written after each block.
+    count of bytes written after each block (and telling ``moved`` each tensor's).
 
     Args:
         crcs: the bucket's checksums, shared by every replica it goes to; None: this
@@ -129,7 +130,7 @@ def send_shm(
     checksums = SourceCrcs(arrays) if crcs is None else crcs
     values: list[int] | None = [0] * len(specs) if checksums.claim() else None
     try:
-        _write_segment(plan, arrays, specs, values)
+        _write_segment(plan, arrays, specs, values, moved)
         if values is not None:
             checksums.publish(values)
             values = None
@@ -219,6 +220,7 @@ def _write_segment(
     arrays: Sequence[np.ndarray],
     specs: Sequence[TensorSpec],
     crcs: list[int] | None,
+    moved: Callable[[int], None] | None = None,
 ) -> None:
     name = plan.endpoint.lstrip("/")
     if not name or "/" in name or name in (".", ".."):  # a segment's name, not a path
@@ -238,6 +240,8 @@ def _write_segment(
             crc = _copy(s, src, dst, written, crcs is not None)
             if crcs is not None:
                 crcs[index] = crc
+            if moved is not None:
+                moved(s.nbytes)
     finally:
         del written, dst  # the map cannot close while numpy views it
 
@@ -271,8 +275,18 @@ def create_segment(nbytes: int) -> shared_memory.SharedMemory:
     )
     assert shm.buf is not None
     pid = os.getpid()
-    _OWNER.pack_into(shm.buf, _OWNER_AT, _OWNER_MAGIC, pid, _start_time(pid), _pid_namespace())
+    if _own_proc():  # else no record: never removed as an orphan
+        _OWNER.pack_into(shm.buf, _OWNER_AT, _OWNER_MAGIC, pid, _start_time(pid), _pid_namespace())
     return shm
+
+
+def _own_proc() -> bool:
+    """Whether ``/proc`` shows this process's pid namespace (not, say, the host's
+    ``/proc`` mounted into a container), so that pids read there are its own."""
+    try:
+        return int(os.readlink("/proc/self")) == os.getpid()
+    except (OSError, ValueError):
+        return False
 
 
 def _start_time(pid: int) -> int:
@@ -300,6 +314,8 @@ def remove_orphans() -> list[str]:
     try:
         names = [n for n in os.listdir(_SHM_DIR) if _SEGMENT_NAME.fullmatch(n)]
     except OSError:
+        return []
+    if not _own_proc():
         return []
     namespace, uid, removed = _pid_namespace(), os.geteuid(), []
     for name in names:
