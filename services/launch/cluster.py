@@ -809,17 +809,23 @@ class LocalCluster:
             # The count is the one followed; a replica given up since then leaves the
             # fleet short of it: one in its place (at most services.max_restarts times).
             with self._lock:  # a replica between its restart's two steps is still ours
-                owned = sum(
+                running = sum(
                     1 for p in self._procs if p.kind == "rollout" and p.name not in self.given_up
-                ) + sum(1 for n in self._restarting if n.startswith("rollout-"))
+                )
+                owned = running + sum(1 for n in self._restarting if n.startswith("rollout-"))
+                lost = sum(1 for n in self.given_up if n.startswith("rollout-"))
             more = replacements_due(
-                owned, desired, self._replacements, self.config, self._scale_retry_at
-            )
+                owned, desired, lost=lost, started=self._replacements, config=self.config,
+                retry_at=self._scale_retry_at,
+            )  # fmt: skip
             if not more:
                 return
             self._replacements += more
+            target = running + more  # exactly those: restarting ones come back by themselves
+        else:
+            target = desired
         try:
-            self.scale_rollout(desired)
+            self.scale_rollout(target)
         except ServiceStartError:
             self._scale_retry_at = scale_retry_at(self.config)  # not every 0.5 s
             self._scale_generation = generation
@@ -1235,19 +1241,20 @@ def _group_alive(pgid: int) -> bool:
 
 
 def replacements_due(
-    owned: int, desired: int, started: int, config: Config, retry_at: float
+    owned: int, desired: int, *, lost: int, started: int, config: Config, retry_at: float
 ) -> int:
-    """How many rollout replicas a launcher starts now in place of given-up ones to
-    keep the desired count: the shortfall, unless a failed start's wait (``retry_at``,
-    ``time.monotonic()``) still runs or ``services.max_restarts`` replacements were
-    ``started`` already (then 0)."""
-    if owned >= desired or time.monotonic() < retry_at:
+    """How many rollout replicas a launcher starts now in place of ``lost`` ones (given
+    up, or whose replacement failed) to keep the desired count: the shortfall, at most
+    the lost ones not yet replaced and ``services.max_restarts`` replacements in all
+    (``started`` so far); 0 while a failed start's wait (``retry_at``,
+    ``time.monotonic()``) runs. A shortfall with nothing lost (a scale-up refused) is
+    not retried here."""
+    more = min(desired - owned, lost - started, config.services.max_restarts - started)
+    if more <= 0 or time.monotonic() < retry_at:
         return 0
-    if started >= config.services.max_restarts:
-        return 0
-    logger.warning("rollout replicas given up: %d of the desired %d run; starting "
-                   "replacements", owned, desired)  # fmt: skip
-    return desired - owned
+    logger.warning("rollout replicas given up: %d of the desired %d run; starting %d "
+                   "in their place", owned, desired, more)  # fmt: skip
+    return more
 
 
 def scale_retry_at(config: Config) -> float:

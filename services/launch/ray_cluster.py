@@ -1307,6 +1307,9 @@ class RayCluster:
                     self._lost(ray, svc, e)
                 return
             logger.error("restarting %s failed: %s", svc.name, e)
+            if svc.kind == "rollout":  # given up: its actor ended, a replacement may come
+                self.given_up.add(svc.name)
+                self._retire(ray, svc)
             return
         logger.warning("%s restarted at %s", svc.name, fresh[0].address)
         if svc.kind in ("trainer", "reward"):
@@ -1374,16 +1377,23 @@ class RayCluster:
             # restart or replacement failed) leaves the fleet short of it: one in its
             # place, at most services.max_restarts times.
             with self._lock:
-                owned = len(self.rollout_replicas()) + len(self._restarting) + self._replacing
+                running = len(self.rollout_replicas())
+                owned = running + len(self._restarting) + self._replacing
+                lost = sum(1 for n in self.given_up if n.startswith("rollout-"))
             more = replacements_due(
-                owned, desired, self._replacements, self.config, self._scale_retry_at
-            )
+                owned, desired, started=self._replacements, config=self.config,
+                retry_at=self._scale_retry_at,
+                lost=lost + self.events["replacement_failed"],
+            )  # fmt: skip
             if not more:
                 return
             self._replacements += more
+            target = running + more  # exactly those: restarting ones come back by themselves
+        else:
+            target = desired
         self._scale_generation = generation  # asked once: a refusal is not retried
         try:
-            self.scale_rollout(desired)
+            self.scale_rollout(target)
         except ServiceStartError as e:
             logger.error("scaling rollout to %d refused: %s", desired, e)
             self._scale_retry_at = scale_retry_at(self.config)  # not every round

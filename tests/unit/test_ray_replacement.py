@@ -20,6 +20,7 @@ def _cluster(fails: int) -> tuple[RayCluster, list[Any]]:
     cluster._services = []
     cluster._stopped = False
     cluster.events = Counter()
+    cluster._replacing = 1  # counted by _lost before the replacement's thread starts
     cluster.config = SimpleNamespace(ray=SimpleNamespace(start_timeout_s=1.0))
     calls: list[Any] = []
 
@@ -48,6 +49,7 @@ def test_the_lost_node_is_avoided_and_a_failed_start_tried_again() -> None:
     cluster._replace_rollout(None, _lost())
     assert calls.count(("avoid", "dead")) == 3 and calls.count(("start", 1)) == 3
     assert cluster.events["replaced"] == 1 and cluster.events["replacement_failed"] == 0
+    assert cluster._replacing == 0  # no longer counted as the fleet's
 
 
 def test_after_its_tries_the_replacement_is_given_up_once() -> None:
@@ -55,3 +57,28 @@ def test_after_its_tries_the_replacement_is_given_up_once() -> None:
     cluster._replace_rollout(None, _lost())
     assert calls.count(("start", 1)) == RayCluster.REPLACE_TRIES
     assert cluster.events["replacement_failed"] == 1 and cluster.events["replaced"] == 0
+    assert cluster._replacing == 0
+
+
+def test_replacements_are_due_only_for_lost_replicas_within_the_budget() -> None:
+    """The launchers' rule for a desired count left short (local and Ray alike): a
+    scale-up that was refused (nothing lost) is not retried as a replacement, which
+    spent the restart budget before; lost replicas are replaced at most
+    services.max_restarts times in all, and not while a failed start's wait runs."""
+    import time
+
+    from rlfleet.launch.cluster import replacements_due
+
+    config = SimpleNamespace(services=SimpleNamespace(max_restarts=3))
+
+    def due(owned: int, desired: int, lost: int, started: int, retry_at: float = 0.0) -> int:
+        return replacements_due(
+            owned, desired, lost=lost, started=started, config=config, retry_at=retry_at
+        )  # type: ignore[arg-type]
+
+    assert due(1, 4, lost=0, started=0) == 0  # short by a refusal: nothing lost
+    assert due(2, 3, lost=1, started=0) == 1
+    assert due(1, 3, lost=2, started=1) == 1  # one of the two replaced already
+    assert due(0, 8, lost=8, started=1) == 2  # the budget: 3 in all
+    assert due(3, 3, lost=2, started=0) == 0  # not short
+    assert due(2, 3, lost=1, started=0, retry_at=time.monotonic() + 60) == 0
