@@ -1274,9 +1274,68 @@ def kill_leftovers(pid: int, name: str) -> bool:
     if not _group_alive(pid):
         return False
     logger.warning("%s (pid %d) died and left processes in its group: killing them", name, pid)
+    members = _group_members(pid)
+    segments = _shm_mapped_by(members)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+    if segments:
+        _remove_orphaned_segments(segments, members)
     return True
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _shm_mapped_by(pids: Sequence[int]) -> set[str]:
+    """The ``/dev/shm`` files the processes ``pids`` map (their ``/proc/<pid>/maps``)."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            _, sep, path = line.partition(" /dev/shm/")
+            if sep and "/" not in path and not path.endswith(" (deleted)"):
+                found.add(path)
+    return found
+
+
+def _remove_orphaned_segments(names: set[str], killed: Sequence[int]) -> None:
+    """Unlink the shared-memory files that only the SIGKILLed processes ``killed`` used
+    (vLLM's message queues, each hundreds of MB: the resource tracker that would have
+    unlinked them died in the same group, so they stayed until the next boot). Files
+    another live process maps, or of another user, stay."""
+    deadline = time.monotonic() + 5.0
+    while any(Path(f"/proc/{p}").exists() and not _zombie(p) for p in killed):
+        if time.monotonic() > deadline:
+            return  # not all gone yet: leave the files rather than guess
+        time.sleep(0.02)
+    still = _shm_mapped_by([int(p.name) for p in Path("/proc").glob("[0-9]*")])
+    removed = []
+    for name in sorted(names - still):
+        path = Path("/dev/shm") / name
+        try:
+            ours = not path.is_symlink() and path.is_file() and path.stat().st_uid == os.geteuid()
+        except OSError:
+            continue
+        if ours:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(name)
+    if removed:
+        logger.warning("removed %d shared-memory files the killed processes left: %s",
+                       len(removed), ", ".join(removed))  # fmt: skip
 
 
 def _signal(info: ProcessInfo, sig: signal.Signals, *, group: bool) -> None:
