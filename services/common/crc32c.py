@@ -8,11 +8,11 @@ Two implementations, the first that loads is used (:data:`IMPLEMENTATION`):
 
 * ``"awscrt"`` -- the AWS Common Runtime's ``checksums.crc32c``: carry-less
   multiplication folding (AVX-512 ``vpclmulqdq`` where the CPU has it, else SSE4.2
-  and ``pclmulqdq``), about 80 GB/s a core on bytes in cache on the development VM,
+  and ``pclmulqdq``), about 84 GB/s a core on bytes in cache on the development VM,
   and it releases the GIL for all but small buffers;
 * ``"google-crc32c"`` -- google-crc32c's C ``crc32c_extend`` called through
   ``ctypes``, which releases the GIL (the extension's own ``extend`` keeps it for
-  anything but ``bytes``); one stream, about 5.8 GB/s on the same core. Its pure
+  anything but ``bytes``); about 29 GB/s on the same bytes. Its pure
   Python fallback keeps the GIL (:data:`CRC_RELEASES_GIL` is then False).
 
 Both give the same values (checked at import against a known one); which one runs
