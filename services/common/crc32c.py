@@ -44,7 +44,7 @@ def _load_awscrt() -> Callable[[memoryview, int], int] | None:
     fn: Callable[[memoryview, int], int] = checksums.crc32c
     if (
         fn(memoryview(_PROBE), 0) != _CHECK
-        or fn(memoryview(_PROBE[4:]), fn(_PROBE[:4], 0)) != _CHECK
+        or fn(memoryview(_PROBE[4:]), fn(memoryview(_PROBE[:4]), 0)) != _CHECK
     ):
         return None
     return fn
