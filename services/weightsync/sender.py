@@ -952,8 +952,15 @@ class _Liveness:
         self._thread.join()
         for future in self._connecting:
             future.cancel()
-        for channel in self._channels.values():
-            channel.close()
+        channels, self._channels = list(self._channels.values()), {}
+        if channels:
+            # gRPC takes up to 0.2 s to close a channel whose connectivity it watched
+            # (it polls the state at that interval), which every push paid at its end
+            # (0.2 s of a 1.9 s PPO step); the channels close off the push's path.
+            threading.Thread(
+                target=_close_channels, args=(channels,), name="rlfleet-push-probe-close",
+                daemon=True,
+            ).start()  # fmt: skip
 
     def _channel(self, address: str) -> grpc.Channel:
         channel = self._channels.get(address)
@@ -997,6 +1004,11 @@ class _Liveness:
                 if attempt:
                     return f"it did not answer two liveness probes of {PROBE_TIMEOUT_S:g}s"
         return None
+
+
+def _close_channels(channels: Sequence[grpc.Channel]) -> None:
+    for channel in channels:
+        channel.close()
 
 
 def _feed(senders: Sequence[_Sender], chunks: Iterable[rollout_pb2.WeightChunk]) -> None:
