@@ -1008,7 +1008,8 @@ class _Liveness:
 
 def _close_channels(channels: Sequence[grpc.Channel]) -> None:
     for channel in channels:
-        channel.close()
+        with contextlib.suppress(Exception):  # one that fails leaves the others to close
+            channel.close()
 
 
 def _feed(senders: Sequence[_Sender], chunks: Iterable[rollout_pb2.WeightChunk]) -> None:
