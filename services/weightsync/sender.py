@@ -101,9 +101,13 @@ _UPDATE_WEIGHTS = "/rlfleet.v1.RolloutService/UpdateWeights"
 # An abort is one small RPC, sent while giving up: it must not hold the caller long.
 _ABORT_TIMEOUT_S = 10.0
 #: How often a push probes the replicas still moving it, and each probe's deadline
-#: (module docstring); a push that ends sooner sends no probe.
+#: (module docstring); a push that ends sooner sends no probe (only the GetStatus
+#: that opens each probe's connection as it starts).
 PROBE_EVERY_S = 2.0
 PROBE_TIMEOUT_S = 1.0
+#: The deadline of the call that opens a probe's connection as the push starts
+#: (cancelled when the push ends, if it is still waiting).
+_PROBE_CONNECT_S = 60.0
 
 
 def make_offer(
@@ -921,8 +925,9 @@ class _Liveness:
     """While a push runs (``with``), every :data:`PROBE_EVERY_S` probe the targets
     still moving it that moved nothing since the last round (``GetStatus`` within
     :data:`PROBE_TIMEOUT_S`, a second try after a missed deadline, all at once, each
-    on a connection of its own, opened when the push starts) and abandon those that
-    answer neither and still moved nothing. A replica that answers anything is alive.
+    on a connection of its own, opened by a first ``GetStatus`` when the push starts)
+    and abandon those that answer neither and still moved nothing. A replica that
+    answers anything is alive.
 
     Targets have ``address``, ``moving()``, ``progress()`` (a value that changes as
     the push moves bytes to it) and ``abandon(why, seen)``."""
@@ -942,8 +947,19 @@ class _Liveness:
         self._thread = threading.Thread(target=self._run, name="rlfleet-push-probe", daemon=True)
 
     def __enter__(self) -> _Liveness:
-        for target in self._targets():  # connected before the push saturates the link
-            self._connecting.append(grpc.channel_ready_future(self._channel(target.address)))
+        # Connected before the push saturates the link, by a first GetStatus: not by
+        # grpc.channel_ready_future, since gRPC watches such a channel's state from a
+        # thread that polls every 0.2 s, and closing the channel waited for that
+        # thread (0.2 s at the end of every push, 10% of a PPO step on a tiny model).
+        for target in self._targets():
+            stub = rollout_pb2_grpc.RolloutServiceStub(self._channel(target.address))
+            self._connecting.append(
+                stub.GetStatus.future(
+                    rollout_pb2.GetRolloutStatusRequest(),
+                    timeout=_PROBE_CONNECT_S,
+                    wait_for_ready=True,
+                )
+            )
         self._thread.start()
         return self
 
@@ -952,15 +968,8 @@ class _Liveness:
         self._thread.join()
         for future in self._connecting:
             future.cancel()
-        channels, self._channels = list(self._channels.values()), {}
-        if channels:
-            # gRPC takes up to 0.2 s to close a channel whose connectivity it watched
-            # (it polls the state at that interval), which every push paid at its end
-            # (0.2 s of a 1.9 s PPO step); the channels close off the push's path.
-            threading.Thread(
-                target=_close_channels, args=(channels,), name="rlfleet-push-probe-close",
-                daemon=True,
-            ).start()  # fmt: skip
+        for channel in self._channels.values():
+            channel.close()
 
     def _channel(self, address: str) -> grpc.Channel:
         channel = self._channels.get(address)
@@ -1004,12 +1013,6 @@ class _Liveness:
                 if attempt:
                     return f"it did not answer two liveness probes of {PROBE_TIMEOUT_S:g}s"
         return None
-
-
-def _close_channels(channels: Sequence[grpc.Channel]) -> None:
-    for channel in channels:
-        with contextlib.suppress(Exception):  # one that fails leaves the others to close
-            channel.close()
 
 
 def _feed(senders: Sequence[_Sender], chunks: Iterable[rollout_pb2.WeightChunk]) -> None:
