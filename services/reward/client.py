@@ -176,13 +176,25 @@ DEFAULT_CONNECT_TIMEOUT_S = 5.0
 
 
 class _Connection:
-    """A channel, its stub, and whether gRPC reports it connected (READY) now."""
+    """A channel, its stub, and whether gRPC reports it connected (READY) now, watched
+    from its first use (:meth:`watch`) on.
+
+    Not from the start: gRPC watches a channel from a thread of its own, and one that
+    has not yet begun to watch when the channel closes (a client closed before any
+    call) dies of "Cannot monitor channel state: Channel closed!"."""
 
     def __init__(self, channel: grpc.Channel) -> None:
         self.channel = channel
         self.stub = reward_pb2_grpc.RewardServiceStub(channel)
         self.ready = threading.Event()
-        channel.subscribe(self._on_state, try_to_connect=False)
+        self._watched = False
+        self._lock = threading.Lock()
+
+    def watch(self) -> None:
+        with self._lock:
+            if not self._watched:
+                self._watched = True
+                self.channel.subscribe(self._on_state, try_to_connect=False)
 
     def _on_state(self, state: grpc.ChannelConnectivity) -> None:
         if state is grpc.ChannelConnectivity.READY:
@@ -191,8 +203,11 @@ class _Connection:
             self.ready.clear()
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.channel.unsubscribe(self._on_state)
+        with self._lock:
+            watched, self._watched = self._watched, True  # none from now on
+        if watched:
+            with contextlib.suppress(Exception):
+                self.channel.unsubscribe(self._on_state)
         self.channel.close()
 
 
@@ -269,6 +284,7 @@ class RemoteRewardClient:
 
     def _connected(self, connection: _Connection) -> reward_pb2_grpc.RewardServiceStub:
         """The connection's stub once it is connected; ``Unavailable`` when it cannot be."""
+        connection.watch()
         if not connection.ready.is_set():
             future = grpc.channel_ready_future(connection.channel)
             try:
