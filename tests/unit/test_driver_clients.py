@@ -97,3 +97,30 @@ def test_remote_specs_build_lazy_channels() -> None:
         assert isinstance(w.rollouts[0], RolloutReplica)
     finally:
         w.close()
+
+
+def test_a_reward_client_starts_no_watcher_thread_before_its_first_call() -> None:
+    """gRPC watches a channel's state from a thread of its own; one that had not begun
+    to watch when the channel closed died of "Cannot monitor channel state: Channel
+    closed!" (seen in CI after a client built and closed unused), and closing a watched
+    channel waits for the watcher's next poll (up to 0.2 s). A connection's state is
+    watched from its first use, so a client not yet used starts no thread."""
+    import threading
+
+    from rlfleet.reward.client import RemoteRewardClient
+
+    died: list[BaseException | None] = []
+    before = threading.excepthook
+    threading.excepthook = lambda args: died.append(args.exc_value)
+    try:
+        for _ in range(5):  # nothing listens on port 4; nothing is contacted
+            threads = set(threading.enumerate())
+            client = RemoteRewardClient("127.0.0.1:4", connections=2)
+            try:
+                started = [t.name for t in threading.enumerate() if t not in threads]
+            finally:
+                client.close()
+            assert started == []
+    finally:
+        threading.excepthook = before
+    assert died == []
