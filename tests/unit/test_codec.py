@@ -474,6 +474,36 @@ def test_assembler_decodes_into_given_buffers() -> None:
         assert info.value.field == "w"
 
 
+def test_an_unusable_destination_fails_only_for_a_tensor_the_stream_sends() -> None:
+    """Destinations are looked at once, up front; one the stream never fills may be
+    anything, one it fills must be usable (the error names it)."""
+    wires = list(wire.iter_chunk_bytes({"w": torch.randn(10)}))
+    bad = torch.zeros(10, requires_grad=True)
+    out = {"w": torch.empty(10), "unused": bad}
+    asm = wire.ChunkAssembler(out=out)
+    assert [asm.add(w) for w in wires][-1] is True
+    assert asm.result()[0]["w"] is out["w"]
+    asm = wire.ChunkAssembler(out={"w": bad})
+    with pytest.raises(CodecError, match="'w' must be a contiguous CPU tensor") as info:
+        asm.add(wires[0])
+    assert info.value.field == "w"
+
+
+def test_wire_bytes_equal_the_messages_when_a_chunk_checksums_no_bytes() -> None:
+    """Chunks of empty tensors only have a crc32c of 0, which protobuf leaves out of
+    the wire: the hand-built tail must leave it out too."""
+    batch = {f"empty.tensor.with.a.long.name.{i}": torch.empty(0) for i in range(40)}
+    batch["w"] = torch.randn(300)
+    msgs = list(wire.iter_chunks(batch, stream_id="s", max_chunk_bytes=512))
+    wires = list(wire.iter_chunk_bytes(batch, stream_id="s", max_chunk_bytes=512))
+    assert any(m.crc32c == 0 and not m.last for m in msgs)  # the case under test
+    assert [w == m.SerializeToString(deterministic=True) for m, w in zip(msgs, wires)] == [
+        True
+    ] * len(msgs)
+    values, _ = wire.assemble_chunks(wires)
+    assert_same(values, batch)
+
+
 def test_corrupt_piece_is_refused_when_decoding_into_a_buffer() -> None:
     msgs = list(wire.iter_chunks({"w": torch.ones(1000)}, max_chunk_bytes=1024))
     msgs[1].pieces[0].data = b"\x01" + msgs[1].pieces[0].data[1:]

@@ -448,12 +448,26 @@ class _StreamDigest:
         self._plan = plan
         self._meta = meta
         self._scheme = scheme
+        self._crcs: list[int] = []
 
     def add(self, seq: int, crc: int, views: Sequence[memoryview]) -> str:
         """Feed chunk ``seq``; returns the digest field: ``"<scheme>:<hex>"`` on the
-        last chunk, else ``""``."""
+        last chunk, else ``""``. The ``chunks`` scheme covers a few numbers per chunk:
+        they are kept and hashed at the last chunk, in one go; ``data`` hashes each
+        chunk's bytes as it comes, while they are in cache."""
+        last = seq == len(self._plan) - 1
+        if self._scheme == "data":
+            _digest(self._h, self._record(seq, crc), views)
+        else:
+            self._crcs.append(crc)
+            if last:
+                for i, c in enumerate(self._crcs):
+                    _digest(self._h, self._record(i, c), None)
+        return f"{self._scheme}:{self._h.hexdigest()}" if last else ""
+
+    def _record(self, seq: int, crc: int) -> _Record:
         pc = self._plan[seq]
-        rec = _Record(
+        return _Record(
             seq,
             crc,
             self._meta if seq == 0 else {},
@@ -463,8 +477,6 @@ class _StreamDigest:
                 for p in pc.pieces
             ],
         )
-        _digest(self._h, rec, views if self._scheme == "data" else None)
-        return f"{self._scheme}:{self._h.hexdigest()}" if seq == len(self._plan) - 1 else ""
 
 
 def _new_bytes(size: int) -> bytes:
@@ -647,16 +659,30 @@ def _chunk_bytes(
     envelope: Envelope | None,
 ) -> Iterator[bytes]:
     stream_digest = _StreamDigest(plan, meta_d, digest)
+    # Field 1 (stream_id) is the same in every chunk.
+    sid_field = common_pb2.TensorBatchChunk(stream_id=sid).SerializeToString()
     for seq, pc in enumerate(plan):
         last = seq == len(plan) - 1
-        # Field order on the wire: 1-3 (head), 4 (pieces, by hand), 5-10 (tail).
-        head = common_pb2.TensorBatchChunk(stream_id=sid, seq=seq, last=last).SerializeToString()
+        # Field order on the wire: 1-3 (head), 4 (pieces), 5-10 (tail), written by hand
+        # as protobuf would (proto3: zero and false fields left out).
+        head = sid_field
+        if seq:
+            head += b"\x10" + encode_varint(seq)
+        if last:
+            head += b"\x18\x01"
         prefixes = []
         for p in pc.pieces:
             prefix = b"\x22" + encode_varint(_piece_len(len(p.header), p.length)) + p.header
             prefixes.append(prefix + (b"\x32" + encode_varint(p.length) if p.length else b""))
+        # Most chunks end with their crc32c alone (field 7); the first (meta), those
+        # with columns and the last (totals, digest) go through protobuf.
+        plain = not (pc.columns or last or (seq == 0 and meta_d))
 
-        def tail(crc: int, sha: str, seq: int = seq, pc: _PlannedChunk = pc) -> bytes:
+        def tail(
+            crc: int, sha: str, seq: int = seq, pc: _PlannedChunk = pc, plain: bool = plain
+        ) -> bytes:
+            if plain:
+                return b"\x38" + encode_varint(crc) if crc else b""
             msg = common_pb2.TensorBatchChunk(columns=pc.columns, crc32c=crc)
             if seq == 0:
                 msg.meta.update(meta_d)
@@ -928,6 +954,16 @@ class ChunkAssembler:
             raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
         self.max_bytes = max_bytes
         self._out = dict(out or {})
+        # Each destination's bytes, found once, before any chunk: a burst of small
+        # torch calls here costs a fraction of the same calls made between the copies
+        # of large chunks, which leave the caches cold. A destination that is
+        # unusable fails only if the stream sends its tensor.
+        self._dst: dict[str, TensorBytes | CodecError] = {}
+        for name, value in self._out.items():
+            try:
+                self._dst[name] = destination_bytes(name, value)
+            except CodecError as exc:
+                self._dst[name] = exc
         self._held = 0  # bytes charged against max_bytes so far
         self._next_seq = 0
         self._error: CodecError | None = None
@@ -937,8 +973,7 @@ class ChunkAssembler:
         self._columns: dict[str, tuple[str, list[str]]] = {}
         self._meta: dict[str, str] = {}
         self._bytes = 0
-        self._chunks_digest = hashlib.sha256()  # the "chunks:" scheme, as chunks arrive
-        # For the "data:" digest, checked at the end: per chunk, columns and pieces.
+        # For the stream digest, checked at the end: per chunk, what it covers.
         self._records: list[_Record] = []
 
     @property
@@ -962,82 +997,96 @@ class ChunkAssembler:
             self._error = exc  # buffers may hold unverified bytes: refuse to go on
             raise
 
+    def _where(self, view: ChunkView) -> str:
+        return f"stream {self._stream_id or view.stream_id!r} chunk seq {view.seq}"
+
     def _add(self, view: ChunkView) -> bool:
-        where = f"stream {self._stream_id or view.stream_id!r} chunk seq {view.seq}"
+        # The common chunk (pieces only, nothing wrong) costs a few attribute reads
+        # and comparisons here: error texts are built only on the way out, and the
+        # stream digest is fed at the end (_finish) from the records kept anyway.
         if self._done:
             raise CodecError(
-                f"{where} arrived after the last chunk (seq {self._next_seq - 1})",
+                f"{self._where(view)} arrived after the last chunk (seq {self._next_seq - 1})",
                 field="seq",
                 value=view.seq,
             )
         if view.seq != self._next_seq:
             raise CodecError(
-                f"{where} arrived, expected seq {self._next_seq}", field="seq", value=view.seq
+                f"{self._where(view)} arrived, expected seq {self._next_seq}",
+                field="seq",
+                value=view.seq,
             )
         if self._stream_id is None:
             self._stream_id = view.stream_id
         elif view.stream_id != self._stream_id:
             raise CodecError(
-                f"{where} has stream_id {view.stream_id!r}, expected {self._stream_id!r}"
+                f"{self._where(view)} has stream_id {view.stream_id!r}, expected "
+                f"{self._stream_id!r}"
             )
         if self.max_bytes is not None and view.total_bytes > self.max_bytes:
             raise StreamTooLarge(
-                f"{where} declares total_bytes={view.total_bytes}, over the limit of "
-                f"{self.max_bytes} bytes",
+                f"{self._where(view)} declares total_bytes={view.total_bytes}, over the limit "
+                f"of {self.max_bytes} bytes",
                 field="total_bytes",
                 value=view.total_bytes,
             )
-        col_bytes = [c.SerializeToString() for c in view.columns]
-        meta_bytes = sum(len(k) + len(v) for k, v in view.meta.items())
-        self._charge(
-            _CHUNK_CHARGE + _PIECE_CHARGE * len(view.pieces) + meta_bytes,
-            "chunks",
-            f"{where} ({len(view.pieces)} pieces, {meta_bytes} bytes of meta)",
-        )
-        for col, data in zip(view.columns, col_bytes, strict=True):
-            self._charge(len(data), col.name, f"{where}: column {col.name!r} ({len(data)} bytes)")
+        col_bytes = [c.SerializeToString() for c in view.columns] if view.columns else []
+        if self.max_bytes is not None:
+            meta_bytes = sum(len(k) + len(v) for k, v in view.meta.items())
+            where = self._where(view)
+            self._charge(
+                _CHUNK_CHARGE + _PIECE_CHARGE * len(view.pieces) + meta_bytes,
+                "chunks",
+                f"{where} ({len(view.pieces)} pieces, {meta_bytes} bytes of meta)",
+            )
+            for col, data in zip(view.columns, col_bytes, strict=True):
+                self._charge(
+                    len(data), col.name, f"{where}: column {col.name!r} ({len(data)} bytes)"
+                )
         for col in view.columns:
-            self._add_column(col, where)
+            self._add_column(col, view)
         # Check every piece and find its place first, then copy and checksum in one
         # pass; bytes that fail the crc32c are never handed out (the error sticks).
-        places = [self._place(p, where) for p in view.pieces]
+        places = [self._place(p, view) for p in view.pieces]
         crc = 0
         for p, dst in zip(view.pieces, places, strict=True):
             crc = copy_crc(np.frombuffer(p.data, dtype=np.uint8), dst, crc)
         if crc != view.crc32c:
             raise ChecksumMismatch(
-                f"{where}: crc32c of piece data is {crc:#010x}, the chunk says {view.crc32c:#010x}"
+                f"{self._where(view)}: crc32c of piece data is {crc:#010x}, the chunk says "
+                f"{view.crc32c:#010x}"
             )
-        self._meta.update(view.meta)
-        rec = _Record(
-            view.seq,
-            crc,
-            view.meta,
-            col_bytes,
-            [(p.name, p.dtype, p.shape, p.nbytes, p.offset, len(p.data)) for p in view.pieces],
+        if view.meta:
+            self._meta.update(view.meta)
+        self._records.append(
+            _Record(
+                view.seq,
+                crc,
+                view.meta,
+                col_bytes,
+                [(p.name, p.dtype, p.shape, p.nbytes, p.offset, len(p.data)) for p in view.pieces],
+            )
         )
-        _digest(self._chunks_digest, rec, None)
-        self._records.append(rec)
         self._next_seq += 1
         if view.last:
-            self._finish(view, where)
+            self._finish(view, self._where(view))
         return self._done
 
-    def _add_column(self, col: common_pb2.Column, where: str) -> None:
+    def _add_column(self, col: common_pb2.Column, view: ChunkView) -> None:
         kind, rows = _column_rows(col)
         if col.name in self._slots:
-            raise CodecError(f"{where}: column {col.name!r} has the name of a tensor")
+            raise CodecError(f"{self._where(view)}: column {col.name!r} has the name of a tensor")
         have = self._columns.get(col.name)
         if have is None:
             self._columns[col.name] = (kind, rows)
         elif have[0] != kind:
             raise CodecError(
-                f"{where}: column {col.name!r} continues as {kind}, began as {have[0]}"
+                f"{self._where(view)}: column {col.name!r} continues as {kind}, began as {have[0]}"
             )
         else:
             have[1].extend(rows)
 
-    def _place(self, p: PieceView, where: str) -> U8Array:
+    def _place(self, p: PieceView, view: ChunkView) -> U8Array:
         """Check a piece against its tensor (allocating the tensor's buffer at its
         first piece) and return the bytes it fills."""
         name = p.name
@@ -1047,29 +1096,32 @@ class ChunkAssembler:
             expected = expected_nbytes(name, p.dtype, p.shape)
             if p.nbytes != expected:
                 raise CodecError(
-                    f"{where}: tensor {name!r} says nbytes={p.nbytes}, but "
+                    f"{self._where(view)}: tensor {name!r} says nbytes={p.nbytes}, but "
                     f"{dtype_name(p.dtype)} {list(p.shape)} needs {expected}",
                     field=name,
                     value=p.nbytes,
                 )
             if name in self._columns:
-                raise CodecError(f"{where}: tensor {name!r} has the name of a column", field=name)
+                raise CodecError(
+                    f"{self._where(view)}: tensor {name!r} has the name of a column", field=name
+                )
             if name in self._out:
-                slot = self._destination(p, where)
+                slot = self._destination(p, view)
             else:
                 # Its name and bookkeeping too: many empty tensors with long names are
                 # memory as well (a zero-byte tensor cost nothing before).
-                self._charge(
-                    p.nbytes + len(name) + SLOT_OVERHEAD_BYTES,
-                    name,
-                    f"{where}: tensor {name!r} {dtype_name(p.dtype)} {list(p.shape)} "
-                    f"({p.nbytes} bytes)",
-                )
+                if self.max_bytes is not None:
+                    self._charge(
+                        p.nbytes + len(name) + SLOT_OVERHEAD_BYTES,
+                        name,
+                        f"{self._where(view)}: tensor {name!r} {dtype_name(p.dtype)} "
+                        f"{list(p.shape)} ({p.nbytes} bytes)",
+                    )
                 try:
                     buffer = np.empty(p.nbytes, dtype=np.uint8)
                 except MemoryError as e:
                     raise StreamTooLarge(
-                        f"{where}: tensor {name!r} declares {p.nbytes} bytes, more than this "
+                        f"{self._where(view)}: tensor {name!r} declares {p.nbytes} bytes, more than this "
                         "process can hold",
                         field=name,
                         value=p.nbytes,
@@ -1079,7 +1131,7 @@ class ChunkAssembler:
         else:
             if (p.dtype, p.shape, p.nbytes) != (slot.dtype, slot.shape, slot.nbytes):
                 raise CodecError(
-                    f"{where}: tensor {name!r} piece says {dtype_name(p.dtype)} "
+                    f"{self._where(view)}: tensor {name!r} piece says {dtype_name(p.dtype)} "
                     f"{list(p.shape)} nbytes={p.nbytes}, earlier pieces said "
                     f"{dtype_name(slot.dtype)} {list(slot.shape)} nbytes={slot.nbytes}",
                     field=name,
@@ -1087,21 +1139,21 @@ class ChunkAssembler:
                 )
             if slot.filled == slot.nbytes:
                 raise CodecError(
-                    f"{where}: tensor {name!r} got a piece at offset {p.offset} after it was "
+                    f"{self._where(view)}: tensor {name!r} got a piece at offset {p.offset} after it was "
                     "complete",
                     field=name,
                     value=p.offset,
                 )
         if p.offset != slot.filled:
             raise CodecError(
-                f"{where}: tensor {name!r} piece starts at offset {p.offset}, expected "
+                f"{self._where(view)}: tensor {name!r} piece starts at offset {p.offset}, expected "
                 f"{slot.filled} (pieces must arrive in order, without gaps or overlaps)",
                 field=name,
                 value=p.offset,
             )
         if p.offset + n > slot.nbytes:
             raise CodecError(
-                f"{where}: tensor {name!r} piece [{p.offset}, {p.offset + n}) overflows its "
+                f"{self._where(view)}: tensor {name!r} piece [{p.offset}, {p.offset + n}) overflows its "
                 f"{slot.nbytes} bytes",
                 field=name,
                 value=p.offset + n,
@@ -1110,13 +1162,15 @@ class ChunkAssembler:
         self._bytes += n
         return slot.buf[p.offset : p.offset + n]
 
-    def _destination(self, p: PieceView, where: str) -> _Slot:
+    def _destination(self, p: PieceView, view: ChunkView) -> _Slot:
         """The slot of a tensor the caller gave a destination for: its dtype and shape
         must be the ones the stream declares."""
-        dst = destination_bytes(p.name, self._out[p.name])
+        dst = self._dst[p.name]
+        if isinstance(dst, CodecError):
+            raise dst
         if (dst.dtype, dst.shape) != (p.dtype, p.shape):
             raise CodecError(
-                f"{where}: tensor {p.name!r} is {dtype_name(p.dtype)} {list(p.shape)}, its "
+                f"{self._where(view)}: tensor {p.name!r} is {dtype_name(p.dtype)} {list(p.shape)}, its "
                 f"destination {dtype_name(dst.dtype)} {list(dst.shape)}",
                 field=p.name,
                 value=list(p.shape),
@@ -1157,7 +1211,10 @@ class ChunkAssembler:
             raise CodecError(f"{where}: stream ended with incomplete tensors: {', '.join(short)}")
         scheme, _, want = view.digest.rpartition(":")
         if scheme == "chunks":
-            got = self._chunks_digest.hexdigest()
+            h = hashlib.sha256()
+            for rec in self._records:
+                _digest(h, rec, None)
+            got = h.hexdigest()
         elif scheme == "data":
             h = hashlib.sha256()
             for rec in self._records:
