@@ -14,10 +14,11 @@ bytes received, which its verifier thread follows
 once, each given ``token_timeout_s`` (:data:`TOKEN_TIMEOUT_S`) to send the token as
 its first bytes: a wrong token, a close or silence drops that connection alone,
 and the first with the right token is the data connection (the listener and every
-other connection close then). One more connection drops the oldest waiting one, so
-strangers that connect and stall, however many, cannot hold the real sender up (it
-sends its token as soon as it connects); one that connects after the sender is
-refused.
+other connection close then). One more connection drops the oldest waiting one of
+the address that holds the most places, so strangers that connect and stall,
+however many, cannot hold the real sender up (it sends its token as soon as it
+connects), and a flood from other addresses cannot push it out while it is still
+in its TLS handshake; one that connects after the sender is refused.
 
 **TLS.** Where the cluster runs with TLS, so does this transport: the listener
 wraps each connection in the replica's server context (client certificates
@@ -39,6 +40,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -269,6 +271,7 @@ class _Waiting:
     """A connection that has not presented the token yet."""
 
     due: float  # ``time.monotonic()`` by which it must have
+    peer: str  # the address it came from
     got: bytearray = dataclasses.field(default_factory=bytearray)  # the token so far
     handshaking: bool = False  # TLS: the handshake is not done yet
 
@@ -345,19 +348,19 @@ def _accept_one(
     tls: ssl.SSLContext | None,
 ) -> None:
     try:
-        conn, _ = listener.accept()
+        conn, address = listener.accept()
     except (BlockingIOError, InterruptedError):
         return
+    peer = str(address[0])
     if len(waiting) >= MAX_PENDING_CONNECTIONS:
-        # The oldest waiting one goes, not the newcomer: strangers that connect early
-        # and stall cannot keep the real sender (who sends its token at once) out.
-        oldest = min(waiting, key=lambda c: waiting[c].due)
+        victim = _victim(waiting, peer)
         logger.warning(
-            "transfer %s: %d connections wait to present the token: the oldest dropped",
+            "transfer %s: %d connections wait to present the token: the oldest from %s dropped",
             label,
             len(waiting),
+            waiting[victim].peer,
         )
-        _drop_conn(sel, waiting, oldest)
+        _drop_conn(sel, waiting, victim)
     conn.setblocking(False)
     if tls is not None:
         try:
@@ -366,8 +369,23 @@ def _accept_one(
             logger.warning("transfer %s: connection dropped before TLS: %s", label, e)
             conn.close()
             return
-    waiting[conn] = _Waiting(due=time.monotonic() + token_timeout_s, handshaking=tls is not None)
+    waiting[conn] = _Waiting(
+        due=time.monotonic() + token_timeout_s, peer=peer, handshaking=tls is not None
+    )
     sel.register(conn, selectors.EVENT_READ)
+
+
+def _victim(waiting: dict[socket.socket, _Waiting], newcomer: str) -> socket.socket:
+    """The waiting connection to drop for a newcomer from ``newcomer`` when every place
+    is taken: the oldest of the address with the most places (the newcomer counted).
+    Not the newcomer: strangers that connect early and stall would keep the real
+    sender out. Not the oldest of all: a flood from elsewhere would push out a sender
+    that is still in its TLS handshake (a round trip at least)."""
+    counts = Counter(w.peer for w in waiting.values())
+    counts[newcomer] += 1
+    most = max(counts.values())
+    crowded = [c for c, w in waiting.items() if counts[w.peer] == most]
+    return min(crowded or waiting, key=lambda c: waiting[c].due)
 
 
 def _handshake(conn: socket.socket, label: str) -> Literal["done", "wait", "drop"]:
