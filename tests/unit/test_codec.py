@@ -497,9 +497,9 @@ def test_wire_bytes_equal_the_messages_when_a_chunk_checksums_no_bytes() -> None
     msgs = list(wire.iter_chunks(batch, stream_id="s", max_chunk_bytes=512))
     wires = list(wire.iter_chunk_bytes(batch, stream_id="s", max_chunk_bytes=512))
     assert any(m.crc32c == 0 and not m.last for m in msgs)  # the case under test
-    assert [w == m.SerializeToString(deterministic=True) for m, w in zip(msgs, wires)] == [
-        True
-    ] * len(msgs)
+    assert len(wires) == len(msgs)
+    for m, w in zip(msgs, wires, strict=True):
+        assert w == m.SerializeToString(deterministic=True)
     values, _ = wire.assemble_chunks(wires)
     assert_same(values, batch)
 
