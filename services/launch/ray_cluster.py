@@ -470,6 +470,10 @@ class RayCluster:
         # between a restart's stop and start, and lost ones whose replacement is placed.
         self._restarting: set[str] = set()
         self._replacing = 0
+        # The (bundle, slot) of rollout replicas out of ``_services`` for a moment, so
+        # that no other replica is placed on them: a restart's own place, and places
+        # chosen for a scale-up or a replacement until their replicas are started.
+        self._held: dict[object, list[tuple[int, int]]] = {}
         # Replicas started in place of given-up ones (at most services.max_restarts),
         # and when a failed start of them may be tried again.
         self._replacements = 0
@@ -740,15 +744,35 @@ class RayCluster:
             return [Device("cuda", int(g), "cuda") for g in self._devices(svc) if g.isdigit()]
         return [Device("cpu", int(c), "cpu") for c in svc.info.get("cores", [])][:MAX_DEVICES]
 
-    def _rollout_places(self, pool: str, count: int) -> list[tuple[int, int]]:
-        """``(bundle, slot)`` for ``count`` more replicas (ServiceStartError: no room)."""
+    def _taken_places(self) -> list[tuple[int, int]]:
+        """``(bundle, slot)`` of every rollout replica the fleet has: running, restarting,
+        or placed and starting (call with the lock held)."""
+        taken = [(s.bundle or 0, s.slot) for s in self._services if s.kind == "rollout"]
+        return taken + [place for held in self._held.values() for place in held]
+
+    def _rollout_places(
+        self,
+        pool: str,
+        count: int,
+        key: object | None = None,
+        allowed: Collection[int] | None = None,
+    ) -> list[tuple[int, int]]:
+        """``(bundle, slot)`` for ``count`` more replicas (ServiceStartError: no room),
+        held under ``key`` (when given) until :meth:`_unhold`: when they run, or failed
+        to start."""
         with self._lock:
-            taken = [(s.bundle or 0, s.slot) for s in self._services if s.kind == "rollout"]
-        places = []
-        for _ in range(count):
-            places.append(self.gpus.place_rollout(pool, taken))
-            taken.append(places[-1])
+            taken = self._taken_places()
+            places = []
+            for _ in range(count):
+                places.append(self.gpus.place_rollout(pool, taken, allowed))
+                taken.append(places[-1])
+            if key is not None:
+                self._held[key] = places
         return places
+
+    def _unhold(self, key: object) -> None:
+        with self._lock:
+            self._held.pop(key, None)
 
     def _sharing(self, pool: str) -> int:
         """Services that share each bundle of ``pool`` (colocated roles)."""
@@ -793,24 +817,28 @@ class RayCluster:
         if not cfg.services.rollout:
             pool = _pool(cfg, "rollout")
             assert pool is not None
-            places = self._rollout_places(pool, cfg.rollout_replicas())
-            for i, (bundle, slot) in enumerate(places):
-                argv = self._rollout_argv(config_path, f"rollout-{i}")
-                started.append(
-                    self._launch(
-                        ray,
-                        f"rollout-{i}",
-                        "rollout",
-                        pool,
-                        bundle,
-                        argv,
-                        {},
-                        config_path,
-                        config_text,
-                        deadline,
-                        slot=slot,
+            key = object()  # the places, held until their replicas are in the fleet
+            try:
+                places = self._rollout_places(pool, cfg.rollout_replicas(), key)
+                for i, (bundle, slot) in enumerate(places):
+                    argv = self._rollout_argv(config_path, f"rollout-{i}")
+                    started.append(
+                        self._launch(
+                            ray,
+                            f"rollout-{i}",
+                            "rollout",
+                            pool,
+                            bundle,
+                            argv,
+                            {},
+                            config_path,
+                            config_text,
+                            deadline,
+                            slot=slot,
+                        )
                     )
-                )
+            finally:
+                self._unhold(key)
         for svc in started:
             self._finish(ray, svc, deadline)
 
@@ -1081,18 +1109,20 @@ class RayCluster:
         lost_node = svc.info.get("node_id")
         for attempt in range(1, self.REPLACE_TRIES + 1):
             live = self._live_bundles(ray, svc.pool, avoid=lost_node)
-            with self._lock:
-                taken = [(s.bundle or 0, s.slot) for s in self._services if s.kind == "rollout"]
+            key = object()  # the place chosen, held while the replacement starts
             bundle: int | None
             try:
-                bundle, slot = self.gpus.place_rollout(svc.pool, taken, allowed=live)
+                [(bundle, slot)] = self._rollout_places(svc.pool, 1, key, allowed=live)
             except ServiceStartError:
                 bundle, slot = svc.bundle, svc.slot
+                with self._lock:
+                    self._held[key] = [(bundle or 0, slot)]
             moved = dataclasses.replace(svc, bundle=bundle, slot=slot)
             try:
                 new = self._relaunch(ray, moved, timeout_s=self.config.ray.start_timeout_s)
                 break
             except Exception as e:
+                self._unhold(key)
                 if self._stopped or attempt == self.REPLACE_TRIES:
                     self.events["replacement_failed"] += 1
                     logger.error("no replacement for %s: %s", svc.name, e)
@@ -1100,6 +1130,7 @@ class RayCluster:
                 logger.warning("replacement %d of %s failed (%s): trying again in %gs",
                                attempt, svc.name, e, self.REPLACE_PAUSE_S)  # fmt: skip
                 time.sleep(self.REPLACE_PAUSE_S)
+        self._unhold(key)  # the replacement is in the fleet: its own entry holds the place
         self.events["replaced"] += 1
         logger.warning(
             "%s replaced at %s on node %s (bundle %s of %s)",
@@ -1259,11 +1290,13 @@ class RayCluster:
                     self._services.remove(member)
             if svc.kind == "rollout":
                 self._restarting.add(svc.name)
+                self._held[svc.name] = [(svc.bundle or 0, svc.slot)]  # its place stays its
         try:
             self._start_again(ray, svc, group)
         finally:
             with self._lock:
                 self._restarting.discard(svc.name)
+                self._held.pop(svc.name, None)
 
     def _retire(self, ray: Any, svc: _Service) -> None:
         """A given-up replica leaves the fleet: out of the registry (not listed dead for
@@ -1422,25 +1455,13 @@ class RayCluster:
             config_text = template.launch["config_text"] if template else config_path.read_text()
             deadline = time.monotonic() + cfg.ray.start_timeout_s
             added = []
-            for bundle, slot in self._rollout_places(pool, replicas - len(current)):
-                k = self._next_rollout
-                self._next_rollout += 1
-                argv = self._rollout_argv(config_path, f"rollout-{k}")
-                added.append(
-                    self._launch(
-                        ray,
-                        f"rollout-{k}",
-                        "rollout",
-                        pool,
-                        bundle,
-                        argv,
-                        {},
-                        config_path,
-                        config_text,
-                        deadline,
-                        slot=slot,
-                    )
-                )
+            key = object()  # its places, held until their replicas are in the fleet
+            try:
+                places = self._rollout_places(pool, replicas - len(current), key)
+                added = [self._launch_rollout(ray, pool, p, config_path, config_text, deadline)
+                         for p in places]  # fmt: skip
+            finally:
+                self._unhold(key)
             for svc in added:
                 self._finish(ray, svc, deadline)
                 self.events["scaled_up"] += 1
@@ -1457,6 +1478,25 @@ class RayCluster:
             with contextlib.suppress(Exception):
                 ray.kill(svc.actor)
             self.events["scaled_down"] += 1
+
+    def _launch_rollout(
+        self,
+        ray: Any,
+        pool: str,
+        place: tuple[int, int],
+        config_path: Path,
+        config_text: str,
+        deadline: float,
+    ) -> _Service:
+        """One more rollout replica, numbered next, at ``place`` (bundle, slot)."""
+        k = self._next_rollout
+        self._next_rollout += 1
+        argv = self._rollout_argv(config_path, f"rollout-{k}")
+        bundle, slot = place
+        return self._launch(
+            ray, f"rollout-{k}", "rollout", pool, bundle, argv, {}, config_path, config_text,
+            deadline, slot=slot,
+        )  # fmt: skip
 
     def kill_trainer(self) -> None:
         """End every trainer rank's process (SIGKILL): the driver's last resort for a

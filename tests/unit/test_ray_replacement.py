@@ -21,6 +21,7 @@ def _cluster(fails: int) -> tuple[RayCluster, list[Any]]:
     cluster._stopped = False
     cluster.events = Counter()
     cluster._replacing = 1  # counted by _lost before the replacement's thread starts
+    cluster._held = {}
     cluster.config = SimpleNamespace(ray=SimpleNamespace(start_timeout_s=1.0))
     calls: list[Any] = []
 
@@ -82,3 +83,65 @@ def test_replacements_are_due_only_for_lost_replicas_within_the_budget() -> None
     assert due(0, 8, lost=8, started=1) == 2  # the budget: 3 in all
     assert due(3, 3, lost=2, started=0) == 0  # not short
     assert due(2, 3, lost=1, started=0, retry_at=time.monotonic() + 60) == 0
+
+
+def _gpu_cluster() -> tuple[RayCluster, list[Any]]:
+    """Two nodes of 2 GPUs for rollout, one GPU a replica: four places in all, with the
+    real placement (GpuPlan); starting is a stand-in that records where it starts."""
+    from rlfleet.common.config import config_from_dict
+    from rlfleet.launch.ray_cluster import GpuPlan
+
+    cfg = config_from_dict(
+        {
+            "actor": {"model_path": "m", "ppo_mini_batch_size": 16},
+            "trainer": {"device": "cuda"},
+            "algorithm": {"adv_estimator": "grpo"},
+            "rollout": {"n": 4},
+            "data": {"train_batch_size": 64},
+            "resource_pools": {"train_pool": [2], "rollout_pool": [2, 2]},
+            "mapping": {"actor": "train_pool", "rollout": "rollout_pool"},
+        }
+    )
+    cluster, _ = _cluster(fails=0)
+    cluster.gpus = GpuPlan(cfg)
+    cluster._live_bundles = lambda ray, pool, avoid=None: {0, 1}  # type: ignore[method-assign]
+    started: list[Any] = []
+
+    def relaunch(ray: Any, svc: _Service, *, timeout_s: float) -> _Service:
+        started.append((svc.bundle, svc.slot))
+        with cluster._lock:
+            cluster._services.append(svc)  # in the fleet, as _launch does
+        return svc
+
+    cluster._relaunch = relaunch  # type: ignore[method-assign]
+    return cluster, started
+
+
+def _replica(name: str, bundle: int, slot: int) -> _Service:
+    return _Service(name, "rollout", None, "rollout_pool", bundle, slot=slot, info={})
+
+
+def test_a_replacement_is_not_placed_on_a_restarting_replicas_gpu() -> None:
+    """rollout-1 is between its restart's stop and start (out of the running list, its
+    place held); rollout-0 and rollout-2 run; rollout-3 was lost. Its replacement must
+    take the one free place, not rollout-1's. (Before: the restarting one's GPU was
+    given away, and two replicas came up on one GPU.)"""
+    cluster, started = _gpu_cluster()
+    cluster._services = [_replica("rollout-0", 0, 0), _replica("rollout-2", 1, 0)]
+    cluster._held = {"rollout-1": [(0, 1)]}  # what a restart holds while it runs
+    cluster._replace_rollout(None, _replica("rollout-3", 1, 1))
+    assert started == [(1, 1)]
+    assert cluster._held == {"rollout-1": [(0, 1)]}  # the replacement's own place let go
+
+
+def test_places_chosen_for_starting_replicas_are_held_until_they_run() -> None:
+    """Two placements at once (a scale-up and a replacement): the second does not get
+    the place the first chose but has not started in yet."""
+    cluster, _ = _gpu_cluster()
+    cluster._services = [_replica("rollout-0", 0, 0)]
+    first = cluster._rollout_places("rollout_pool", 2, "scale-up")
+    second = cluster._rollout_places("rollout_pool", 1, "replacement")
+    assert len(set(first + second)) == 3 and (0, 0) not in first + second
+    cluster._unhold("scale-up")
+    cluster._unhold("replacement")
+    assert cluster._held == {}
