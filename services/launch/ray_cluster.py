@@ -1120,9 +1120,7 @@ class RayCluster:
             moved = dataclasses.replace(svc, bundle=bundle, slot=slot)
             try:
                 new = self._relaunch(ray, moved, timeout_s=self.config.ray.start_timeout_s)
-                break
             except Exception as e:
-                self._unhold(key)
                 if self._stopped or attempt == self.REPLACE_TRIES:
                     self.events["replacement_failed"] += 1
                     logger.error("no replacement for %s: %s", svc.name, e)
@@ -1130,7 +1128,11 @@ class RayCluster:
                 logger.warning("replacement %d of %s failed (%s): trying again in %gs",
                                attempt, svc.name, e, self.REPLACE_PAUSE_S)  # fmt: skip
                 time.sleep(self.REPLACE_PAUSE_S)
-        self._unhold(key)  # the replacement is in the fleet: its own entry holds the place
+                continue
+            finally:
+                # Started (its own entry holds the place now) or failed: let it go.
+                self._unhold(key)
+            break
         self.events["replaced"] += 1
         logger.warning(
             "%s replaced at %s on node %s (bundle %s of %s)",
@@ -1421,7 +1423,7 @@ class RayCluster:
             if not more:
                 return
             self._replacements += more
-            target = running + more  # exactly those: restarting ones come back by themselves
+            target = owned + more  # exactly those: restarting ones come back by themselves
         else:
             target = desired
         self._scale_generation = generation  # asked once: a refusal is not retried
@@ -1433,7 +1435,8 @@ class RayCluster:
 
     def scale_rollout(self, replicas: int) -> None:
         """Add or remove rollout replicas (actors in the rollout pool's bundles, the one
-        with the most room first: :class:`GpuPlan`) until ``replicas`` run; on cuda,
+        with the most room first: :class:`GpuPlan`) until ``replicas`` run (those
+        restarting or being replaced count: they come back by themselves); on cuda,
         more than the pool's GPUs hold is refused (ServiceStartError) before any starts. A new one registers with the scheduler and gets
         the current weights from the driver before it takes work; one removed is
         deregistered first, then stopped (SIGTERM: it finishes what it has in flight
@@ -1448,8 +1451,15 @@ class RayCluster:
         current = self.rollout_replicas()
         if len(current) == replicas:
             return
-        logger.warning("scaling rollout replicas %d -> %d", len(current), replicas)
+        with self._lock:  # out of the running list for a moment, still the fleet's
+            coming = len(self._restarting) + self._replacing
+        logger.warning(
+            "scaling rollout replicas %d -> %d (%d restarting or being replaced)",
+            len(current), replicas, coming,
+        )  # fmt: skip
         if len(current) < replicas:
+            if len(current) + coming >= replicas:
+                return  # those coming back make up the count
             template = next((s for s in self._services if s.kind == "rollout"), None)
             config_path = self.run_dir / "config.yaml"
             config_text = template.launch["config_text"] if template else config_path.read_text()
@@ -1457,7 +1467,7 @@ class RayCluster:
             added = []
             key = object()  # its places, held until their replicas are in the fleet
             try:
-                places = self._rollout_places(pool, replicas - len(current), key)
+                places = self._rollout_places(pool, replicas - len(current) - coming, key)
                 added = [self._launch_rollout(ray, pool, p, config_path, config_text, deadline)
                          for p in places]  # fmt: skip
             finally:

@@ -103,6 +103,7 @@ def _gpu_cluster() -> tuple[RayCluster, list[Any]]:
         }
     )
     cluster, _ = _cluster(fails=0)
+    cluster.config = cfg
     cluster.gpus = GpuPlan(cfg)
     cluster._live_bundles = lambda ray, pool, avoid=None: {0, 1}  # type: ignore[method-assign]
     started: list[Any] = []
@@ -118,7 +119,16 @@ def _gpu_cluster() -> tuple[RayCluster, list[Any]]:
 
 
 def _replica(name: str, bundle: int, slot: int) -> _Service:
-    return _Service(name, "rollout", None, "rollout_pool", bundle, slot=slot, info={})
+    return _Service(
+        name,
+        "rollout",
+        None,
+        "rollout_pool",
+        bundle,
+        slot=slot,
+        info={},
+        launch={"config_text": ""},
+    )
 
 
 def test_a_replacement_is_not_placed_on_a_restarting_replicas_gpu() -> None:
@@ -145,3 +155,30 @@ def test_places_chosen_for_starting_replicas_are_held_until_they_run() -> None:
     cluster._unhold("scale-up")
     cluster._unhold("replacement")
     assert cluster._held == {}
+
+
+def test_a_scale_up_counts_the_replicas_that_are_restarting(tmp_path: Any) -> None:
+    """Scaling to the pool's four places while one replica restarts starts one new
+    replica, on the one free place: the restarting one comes back by itself. (Before
+    holding places: two, one on the restarting one's GPU; holding them without
+    counting: none, refused for want of room.)"""
+    cluster, _ = _gpu_cluster()
+    cluster.run_dir = tmp_path
+    cluster._services = [_replica("rollout-0", 0, 0), _replica("rollout-2", 1, 0)]
+    cluster._restarting = {"rollout-1"}
+    cluster._replacing = 0
+    cluster._held = {"rollout-1": [(0, 1)]}
+    cluster._next_rollout = 3
+    started: list[tuple[int, int]] = []
+
+    def launch(ray: Any, pool: str, place: tuple[int, int], *rest: Any) -> _Service:
+        started.append(place)
+        return _replica(f"rollout-{len(started) + 2}", *place)
+
+    cluster._launch_rollout = launch  # type: ignore[method-assign]
+    cluster._finish = lambda ray, svc, deadline: None  # type: ignore[method-assign]
+    cluster.scale_rollout(4)
+    assert started == [(1, 1)]
+    assert cluster._held == {"rollout-1": [(0, 1)]}  # the scale-up's own hold let go
+    cluster.scale_rollout(3)  # two run, one restarts: nothing to start
+    assert started == [(1, 1)]
