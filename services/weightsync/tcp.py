@@ -17,8 +17,9 @@ and the first with the right token is the data connection (the listener and ever
 other connection close then). One more connection drops the oldest waiting one of
 the address that holds the most places, so strangers that connect and stall,
 however many, cannot hold the real sender up (it sends its token as soon as it
-connects), and a flood from other addresses cannot push it out while it is still
-in its TLS handshake; one that connects after the sender is refused.
+connects), and a flood from fewer other addresses than there are places cannot push
+it out while it is still in its TLS handshake (one from as many addresses, one
+connection each, still can); one that connects after the sender is refused.
 
 **TLS.** Where the cluster runs with TLS, so does this transport: the listener
 wraps each connection in the replica's server context (client certificates
@@ -380,7 +381,9 @@ def _victim(waiting: dict[socket.socket, _Waiting], newcomer: str) -> socket.soc
     is taken: the oldest of the address with the most places (the newcomer counted).
     Not the newcomer: strangers that connect early and stall would keep the real
     sender out. Not the oldest of all: a flood from elsewhere would push out a sender
-    that is still in its TLS handshake (a round trip at least)."""
+    that is still in its TLS handshake (a round trip at least). Where every address
+    holds one place (a flood from as many addresses as there are places), this is
+    the oldest of all again."""
     counts = Counter(w.peer for w in waiting.values())
     counts[newcomer] += 1
     most = max(counts.values())
