@@ -474,19 +474,22 @@ def test_assembler_decodes_into_given_buffers() -> None:
         assert info.value.field == "w"
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_an_unusable_destination_fails_only_for_a_tensor_the_stream_sends() -> None:
     """Destinations are looked at once, up front; one the stream never fills may be
     anything, one it fills must be usable (the error names it)."""
     wires = list(wire.iter_chunk_bytes({"w": torch.randn(10)}))
     bad = torch.zeros(10, requires_grad=True)
-    out = {"w": torch.empty(10), "unused": bad}
+    sparse = torch.eye(3).to_sparse_csr()  # torch itself refuses to say if it is contiguous
+    out = {"w": torch.empty(10), "unused": bad, "unused_sparse": sparse}
     asm = wire.ChunkAssembler(out=out)
     assert [asm.add(w) for w in wires][-1] is True
     assert asm.result()[0]["w"] is out["w"]
-    asm = wire.ChunkAssembler(out={"w": bad})
-    with pytest.raises(CodecError, match="'w' must be a contiguous CPU tensor") as info:
-        asm.add(wires[0])
-    assert info.value.field == "w"
+    for dst, what in [(bad, "contiguous: True"), (sparse, "layout torch.sparse_csr")]:
+        asm = wire.ChunkAssembler(out={"w": dst})
+        with pytest.raises(CodecError, match="'w' must be a contiguous CPU tensor") as info:
+            asm.add(wires[0])
+        assert info.value.field == "w" and what in str(info.value)
 
 
 def test_wire_bytes_equal_the_messages_when_a_chunk_checksums_no_bytes() -> None:

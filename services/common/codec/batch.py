@@ -267,6 +267,15 @@ def _as_tensor(name: str, value: Any) -> TensorBytes | None:
     return TensorBytes(name, code, shape, data)
 
 
+def _torch_layout_note(value: Any) -> str:
+    """``contiguous: True/False``, or the layout where it is not strided (a sparse
+    tensor cannot say whether it is contiguous)."""
+    torch = sys.modules["torch"]
+    if value.layout != torch.strided:
+        return f"layout {value.layout}"
+    return f"contiguous: {value.is_contiguous()}"
+
+
 def destination_bytes(name: str, value: Any) -> TensorBytes:
     """A writable uint8 view of a CPU tensor's or an array's memory, to decode bytes
     into in place (``ChunkAssembler(out=...)``). Raises :class:`CodecError` unless it
@@ -283,7 +292,7 @@ def destination_bytes(name: str, value: Any) -> TensorBytes:
         if code is None or not ok:
             raise CodecError(
                 f"destination {name!r} must be a contiguous CPU tensor without grad, got "
-                f"{value.dtype} on {value.device} (contiguous: {value.is_contiguous()})",
+                f"{value.dtype} on {value.device} ({_torch_layout_note(value)})",
                 field=name,
             )
         shape = tuple(int(d) for d in value.shape)

@@ -929,7 +929,9 @@ class ChunkAssembler:
     ``out`` (name -> a contiguous CPU tensor or array) gives tensors their buffer:
     the stream's bytes land there directly, without an allocation (and without a
     charge against ``max_bytes``); the stream must declare the destination's dtype
-    and shape. If the stream fails (a :class:`CodecError`), a destination may hold
+    and shape. Destinations are taken as they are when the assembler is made (do
+    not resize them while it runs); one that cannot take bytes fails only if the
+    stream sends its tensor. If the stream fails (a :class:`CodecError`), a destination may hold
     partial or unverified bytes.
 
     Checks, each raising :class:`CodecError` naming the chunk / tensor and the
@@ -954,15 +956,16 @@ class ChunkAssembler:
             raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
         self.max_bytes = max_bytes
         self._out = dict(out or {})
-        # Each destination's bytes, found once, before any chunk: a burst of small
-        # torch calls here costs a fraction of the same calls made between the copies
-        # of large chunks, which leave the caches cold. A destination that is
-        # unusable fails only if the stream sends its tensor.
-        self._dst: dict[str, TensorBytes | CodecError] = {}
+        # Each destination's bytes, found once, before any chunk (so a destination is
+        # taken as it is when the assembler is made): a burst of small torch calls
+        # here costs a fraction of the same calls made between the copies of large
+        # chunks, which leave the caches cold. A destination that is unusable fails
+        # only if the stream sends its tensor.
+        self._dst: dict[str, TensorBytes | Exception] = {}
         for name, value in self._out.items():
             try:
                 self._dst[name] = destination_bytes(name, value)
-            except CodecError as exc:
+            except Exception as exc:  # CodecError, or what torch raises for odd layouts
                 self._dst[name] = exc
         self._held = 0  # bytes charged against max_bytes so far
         self._next_seq = 0
@@ -1166,7 +1169,7 @@ class ChunkAssembler:
         """The slot of a tensor the caller gave a destination for: its dtype and shape
         must be the ones the stream declares."""
         dst = self._dst[p.name]
-        if isinstance(dst, CodecError):
+        if isinstance(dst, Exception):
             raise dst
         if (dst.dtype, dst.shape) != (p.dtype, p.shape):
             raise CodecError(
