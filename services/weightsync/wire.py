@@ -227,7 +227,9 @@ class WeightStreamReceiver:
     def _assembler(self, received: int) -> ChunkAssembler:
         if self._max_bytes is None:
             return ChunkAssembler()
-        return ChunkAssembler(max_bytes=max(0, self._max_bytes - received))
+        # At least 1: with the budget spent, any further chunk is over it (each is
+        # charged more than a byte), while an update that ends exactly here passes.
+        return ChunkAssembler(max_bytes=max(1, self._max_bytes - received))
 
     def receive(self, stream: Iterable[tuple[int, ChunkLike]]) -> tuple[int, dict[str, Any]]:
         """Consume ``(version, TensorBatchChunk)`` pairs; return ``(version, tensors)``

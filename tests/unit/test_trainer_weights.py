@@ -177,3 +177,28 @@ def test_json_nested_past_the_stack_is_a_codec_error() -> None:
     with pytest.raises(CodecError, match="column 'uid' row 1: JSON nested too deeply"):
         decode_rows("uid", "json", ["1", "[" * 100_000 + "]" * 100_000])
     assert decode_rows("uid", "json", ["[[1]]"]) == [[[1]]]
+
+
+def test_an_update_that_fills_the_byte_budget_exactly_is_received() -> None:
+    """The budget (``max_bytes``) spent to the byte by the last bucket: the update is
+    received (the assembler made for a next bucket once raised ValueError for a
+    budget of 0); one byte less and it is refused."""
+    a, b = {"a": torch.ones(3)}, {"b": torch.zeros(2, 2)}
+    buckets = [(a, _meta(0)), (b, _meta(1, final=True, tensors=2))]
+    held = _held_by(buckets)
+    assert set(WeightStreamReceiver(max_bytes=held).receive(_stream(buckets))[1]) == {"a", "b"}
+    with pytest.raises(RlfleetError, match="at most"):
+        WeightStreamReceiver(max_bytes=held - 1).receive(_stream(buckets))
+
+
+def _held_by(buckets: list[tuple[dict[str, torch.Tensor], dict[str, str]]]) -> int:
+    """What the buckets' assemblers hold in all: the least budget that takes them."""
+    from rlfleet.common.codec.wire import ChunkAssembler
+
+    total = 0
+    for batch, meta in buckets:
+        asm = ChunkAssembler(max_bytes=10**9)
+        for chunk in iter_chunks(batch, meta):
+            asm.add(chunk)
+        total += asm.held
+    return total
