@@ -470,6 +470,7 @@ class RayCluster:
         # between a restart's stop and start, and lost ones whose replacement is placed.
         self._restarting: set[str] = set()
         self._replacing = 0
+        self._replacing_names: set[str] = set()  # the lost replicas being replaced
         # The (bundle, slot) of rollout replicas out of ``_services`` for a moment, so
         # that no other replica is placed on them: a restart's own place, and places
         # chosen for a scale-up or a replacement until their replicas are started.
@@ -1079,6 +1080,7 @@ class RayCluster:
             ray.kill(svc.actor)
         with self._lock:
             self._replacing += 1
+            self._replacing_names.add(svc.name)
         # In a thread: placing and starting it may take long (a bundle waiting for a
         # node), and the supervisor must go on restarting and scaling meanwhile.
         threading.Thread(
@@ -1103,6 +1105,7 @@ class RayCluster:
         finally:
             with self._lock:
                 self._replacing -= 1
+                self._replacing_names.discard(svc.name)
 
     def _place_replacement(self, ray: Any, svc: _Service) -> None:
         assert svc.pool is not None
@@ -1394,6 +1397,13 @@ class RayCluster:
         with self._lock:
             return [s.name for s in self._services if s.kind == "rollout"]
 
+    def _coming(self, running: Collection[str]) -> int:
+        """Rollout replicas of the fleet out of the running list for a moment: those
+        restarting and the lost ones whose replacement starts (call with the lock held,
+        ``running`` read under it). One already back in the list (a restart or a
+        replacement that is starting, not yet done) is not counted twice."""
+        return len((self._restarting | self._replacing_names) - set(running))
+
     def _follow_scale(self, ray: Any) -> None:
         from rlfleet.scheduler.client import RemoteSchedulerClient
 
@@ -1412,8 +1422,8 @@ class RayCluster:
             # restart or replacement failed) leaves the fleet short of it: one in its
             # place, at most services.max_restarts times.
             with self._lock:
-                running = len(self.rollout_replicas())
-                owned = running + len(self._restarting) + self._replacing
+                names = self.rollout_replicas()
+                owned = len(names) + self._coming(names)
                 lost = sum(1 for n in self.given_up if n.startswith("rollout-"))
             more = replacements_due(
                 owned, desired, started=self._replacements, config=self.config,
@@ -1448,18 +1458,16 @@ class RayCluster:
         cfg = self.config
         pool = _pool(cfg, "rollout")
         assert pool is not None
-        current = self.rollout_replicas()
-        if len(current) == replicas:
+        with self._lock:  # one look at those running and those coming back
+            current = self.rollout_replicas()
+            coming = self._coming(current)
+        if len(current) + coming == replicas:
             return
-        with self._lock:  # out of the running list for a moment, still the fleet's
-            coming = len(self._restarting) + self._replacing
         logger.warning(
-            "scaling rollout replicas %d -> %d (%d restarting or being replaced)",
-            len(current), replicas, coming,
+            "scaling rollout replicas %d -> %d (%d more restarting or being replaced)",
+            len(current) + coming, replicas, coming,
         )  # fmt: skip
-        if len(current) < replicas:
-            if len(current) + coming >= replicas:
-                return  # those coming back make up the count
+        if len(current) + coming < replicas:
             template = next((s for s in self._services if s.kind == "rollout"), None)
             config_path = self.run_dir / "config.yaml"
             config_text = template.launch["config_text"] if template else config_path.read_text()
@@ -1479,7 +1487,7 @@ class RayCluster:
         with self._lock:
             rollouts = [s for s in self._services if s.kind == "rollout"]
         rollouts.sort(key=lambda s: replica_number(s.name))  # the newest leave first
-        for svc in rollouts[replicas:][::-1]:
+        for svc in rollouts[max(0, replicas - coming) :][::-1]:  # those coming back stay
             with self._lock:  # out of the fleet at once; then drained and stopped
                 self._services.remove(svc)
             self._deregister(svc.address)

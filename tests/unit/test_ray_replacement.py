@@ -5,10 +5,13 @@ start that fails (Ray still counted the dead node alive) is tried again."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import Counter
 from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from rlfleet.launch.ray_cluster import RayCluster, _Service
 
@@ -16,11 +19,13 @@ from rlfleet.launch.ray_cluster import RayCluster, _Service
 def _cluster(fails: int) -> tuple[RayCluster, list[Any]]:
     cluster = object.__new__(RayCluster)
     cluster.REPLACE_PAUSE_S = 0.0
-    cluster._lock = threading.Lock()
+    cluster._lock = threading.RLock()  # as RayCluster's
     cluster._services = []
     cluster._stopped = False
     cluster.events = Counter()
     cluster._replacing = 1  # counted by _lost before the replacement's thread starts
+    cluster._replacing_names = {"rollout-0"}
+    cluster._restarting = set()
     cluster._held = {}
     cluster.config = SimpleNamespace(ray=SimpleNamespace(start_timeout_s=1.0))
     calls: list[Any] = []
@@ -182,3 +187,43 @@ def test_a_scale_up_counts_the_replicas_that_are_restarting(tmp_path: Any) -> No
     assert cluster._held == {"rollout-1": [(0, 1)]}  # the scale-up's own hold let go
     cluster.scale_rollout(3)  # two run, one restarts: nothing to start
     assert started == [(1, 1)]
+
+
+def test_a_scale_counts_a_returning_replica_once_and_scales_down_around_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart that is starting is in the running list and still marked restarting:
+    counted once, so scaling to four starts the one missing replica (not none). A
+    scale-down while one restarts stops only as many running ones as the fleet has
+    too many, counting the one coming back. (Ray's calls are stand-ins here: the
+    real scale-down runs in tests/integration/test_ray_cluster.py.)"""
+    cluster, _ = _gpu_cluster()
+    cluster.run_dir = tmp_path
+    cluster._replacing = 0
+    cluster._replacing_names = set()
+    cluster._next_rollout = 4
+    cluster._services = [_replica(f"rollout-{i}", i // 2, i % 2) for i in range(3)]
+    cluster._restarting = {"rollout-1"}  # its new process is in the list, starting
+    started: list[tuple[int, int]] = []
+
+    def launch(ray: Any, pool: str, place: tuple[int, int], *rest: Any) -> _Service:
+        started.append(place)
+        return _replica(f"rollout-{3 + len(started)}", *place)
+
+    cluster._launch_rollout = launch  # type: ignore[method-assign]
+    cluster._finish = lambda ray, svc, deadline: None  # type: ignore[method-assign]
+    cluster.scale_rollout(4)
+    assert started == [(1, 1)]
+
+    cluster._deregister = lambda address: None  # type: ignore[method-assign]
+    cluster.grace_s = 0.0
+    cluster._services = [_replica(f"rollout-{i}", i // 2, i % 2) for i in (0, 2, 3)]
+    cluster._restarting = {"rollout-1"}  # out of the list: between stop and start
+    for svc in cluster._services:
+        svc.actor = SimpleNamespace(stop=SimpleNamespace(remote=lambda grace: None))
+    monkeypatch.setitem(
+        sys.modules, "ray", SimpleNamespace(get=lambda *a, **k: None, kill=lambda actor: None)
+    )
+    cluster.scale_rollout(3)  # 3 running + 1 restarting: one too many
+    assert cluster.rollout_replicas() == ["rollout-0", "rollout-2"]  # the newest left
+    assert cluster.events["scaled_down"] == 1
