@@ -25,7 +25,11 @@ def _connect(port: int, source: str) -> socket.socket:
     except OSError as e:
         s.close()
         pytest.skip(f"cannot use the loopback address {source} on this host: {e}")
-    s.connect(("127.0.0.1", port))
+    try:
+        s.connect(("127.0.0.1", port))
+    except BaseException:
+        s.close()
+        raise
     return s
 
 

@@ -961,12 +961,17 @@ class ChunkAssembler:
         # here costs a fraction of the same calls made between the copies of large
         # chunks, which leave the caches cold. A destination that is unusable fails
         # only if the stream sends its tensor.
-        self._dst: dict[str, TensorBytes | Exception] = {}
+        self._dst: dict[str, TensorBytes | CodecError] = {}
         for name, value in self._out.items():
             try:
                 self._dst[name] = destination_bytes(name, value)
-            except Exception as exc:  # CodecError, or what torch raises for odd layouts
+            except CodecError as exc:
                 self._dst[name] = exc
+            except Exception as exc:  # what torch raises for tensors it cannot describe
+                self._dst[name] = CodecError(
+                    f"destination {name!r} cannot take bytes: {type(exc).__name__}: {exc}",
+                    field=name,
+                )
         self._held = 0  # bytes charged against max_bytes so far
         self._next_seq = 0
         self._error: CodecError | None = None
@@ -1169,7 +1174,7 @@ class ChunkAssembler:
         """The slot of a tensor the caller gave a destination for: its dtype and shape
         must be the ones the stream declares."""
         dst = self._dst[p.name]
-        if isinstance(dst, Exception):
+        if isinstance(dst, CodecError):
             raise dst
         if (dst.dtype, dst.shape) != (p.dtype, p.shape):
             raise CodecError(
