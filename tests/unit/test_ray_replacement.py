@@ -162,6 +162,19 @@ def test_places_chosen_for_starting_replicas_are_held_until_they_run() -> None:
     assert cluster._held == {}
 
 
+def _record_starts(cluster: RayCluster) -> list[tuple[int, int]]:
+    """Starting a new replica only records its place (a stand-in for the actor)."""
+    started: list[tuple[int, int]] = []
+
+    def launch(ray: Any, pool: str, place: tuple[int, int], *rest: Any) -> _Service:
+        started.append(place)
+        return _replica(f"rollout-new-{len(started)}", *place)
+
+    cluster._launch_rollout = launch  # type: ignore[method-assign]
+    cluster._finish = lambda ray, svc, deadline: None  # type: ignore[method-assign]
+    return started
+
+
 def test_a_scale_up_counts_the_replicas_that_are_restarting(tmp_path: Any) -> None:
     """Scaling to the pool's four places while one replica restarts starts one new
     replica, on the one free place: the restarting one comes back by itself. (Before
@@ -174,14 +187,7 @@ def test_a_scale_up_counts_the_replicas_that_are_restarting(tmp_path: Any) -> No
     cluster._replacing = 0
     cluster._held = {"rollout-1": [(0, 1)]}
     cluster._next_rollout = 3
-    started: list[tuple[int, int]] = []
-
-    def launch(ray: Any, pool: str, place: tuple[int, int], *rest: Any) -> _Service:
-        started.append(place)
-        return _replica(f"rollout-{len(started) + 2}", *place)
-
-    cluster._launch_rollout = launch  # type: ignore[method-assign]
-    cluster._finish = lambda ray, svc, deadline: None  # type: ignore[method-assign]
+    started = _record_starts(cluster)
     cluster.scale_rollout(4)
     assert started == [(1, 1)]
     assert cluster._held == {"rollout-1": [(0, 1)]}  # the scale-up's own hold let go
@@ -204,14 +210,7 @@ def test_a_scale_counts_a_returning_replica_once_and_scales_down_around_it(
     cluster._next_rollout = 4
     cluster._services = [_replica(f"rollout-{i}", i // 2, i % 2) for i in range(3)]
     cluster._restarting = {"rollout-1"}  # its new process is in the list, starting
-    started: list[tuple[int, int]] = []
-
-    def launch(ray: Any, pool: str, place: tuple[int, int], *rest: Any) -> _Service:
-        started.append(place)
-        return _replica(f"rollout-{3 + len(started)}", *place)
-
-    cluster._launch_rollout = launch  # type: ignore[method-assign]
-    cluster._finish = lambda ray, svc, deadline: None  # type: ignore[method-assign]
+    started = _record_starts(cluster)
     cluster.scale_rollout(4)
     assert started == [(1, 1)]
 
