@@ -1218,15 +1218,14 @@ class ChunkAssembler:
         if short:
             raise CodecError(f"{where}: stream ended with incomplete tensors: {', '.join(short)}")
         scheme, _, want = view.digest.rpartition(":")
-        if scheme == "chunks":
+        if scheme in ("chunks", "data"):
             h = hashlib.sha256()
             for rec in self._records:
-                _digest(h, rec, None)
-            got = h.hexdigest()
-        elif scheme == "data":
-            h = hashlib.sha256()
-            for rec in self._records:
-                views = [self._slots[n].buf[o : o + ln].data for n, _, _, _, o, ln in rec.pieces]
+                views = (
+                    [self._slots[n].buf[o : o + ln].data for n, _, _, _, o, ln in rec.pieces]
+                    if scheme == "data"
+                    else None
+                )
                 _digest(h, rec, views)
             got = h.hexdigest()
         elif not view.digest:
