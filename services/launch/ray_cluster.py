@@ -469,7 +469,6 @@ class RayCluster:
         # Rollout replicas out of ``_services`` for a moment, still the fleet's: those
         # between a restart's stop and start, and lost ones whose replacement is placed.
         self._restarting: set[str] = set()
-        self._replacing = 0
         self._replacing_names: set[str] = set()  # the lost replicas being replaced
         # The (bundle, slot) of rollout replicas out of ``_services`` for a moment, so
         # that no other replica is placed on them: a restart's own place, and places
@@ -1079,7 +1078,6 @@ class RayCluster:
         with contextlib.suppress(Exception):
             ray.kill(svc.actor)
         with self._lock:
-            self._replacing += 1
             self._replacing_names.add(svc.name)
         # In a thread: placing and starting it may take long (a bundle waiting for a
         # node), and the supervisor must go on restarting and scaling meanwhile.
@@ -1104,7 +1102,6 @@ class RayCluster:
             self._place_replacement(ray, svc)
         finally:
             with self._lock:
-                self._replacing -= 1
                 self._replacing_names.discard(svc.name)
 
     def _place_replacement(self, ray: Any, svc: _Service) -> None:

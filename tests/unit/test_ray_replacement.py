@@ -23,8 +23,7 @@ def _cluster(fails: int) -> tuple[RayCluster, list[Any]]:
     cluster._services = []
     cluster._stopped = False
     cluster.events = Counter()
-    cluster._replacing = 1  # counted by _lost before the replacement's thread starts
-    cluster._replacing_names = {"rollout-0"}
+    cluster._replacing_names = {"rollout-0"}  # counted by _lost before the thread starts
     cluster._restarting = set()
     cluster._held = {}
     cluster.config = SimpleNamespace(ray=SimpleNamespace(start_timeout_s=1.0))
@@ -55,7 +54,7 @@ def test_the_lost_node_is_avoided_and_a_failed_start_tried_again() -> None:
     cluster._replace_rollout(None, _lost())
     assert calls.count(("avoid", "dead")) == 3 and calls.count(("start", 1)) == 3
     assert cluster.events["replaced"] == 1 and cluster.events["replacement_failed"] == 0
-    assert cluster._replacing == 0  # no longer counted as the fleet's
+    assert not cluster._replacing_names  # no longer counted as the fleet's
 
 
 def test_after_its_tries_the_replacement_is_given_up_once() -> None:
@@ -63,7 +62,7 @@ def test_after_its_tries_the_replacement_is_given_up_once() -> None:
     cluster._replace_rollout(None, _lost())
     assert calls.count(("start", 1)) == RayCluster.REPLACE_TRIES
     assert cluster.events["replacement_failed"] == 1 and cluster.events["replaced"] == 0
-    assert cluster._replacing == 0
+    assert not cluster._replacing_names
 
 
 def test_replacements_are_due_only_for_lost_replicas_within_the_budget() -> None:
@@ -184,7 +183,6 @@ def test_a_scale_up_counts_the_replicas_that_are_restarting(tmp_path: Any) -> No
     cluster.run_dir = tmp_path
     cluster._services = [_replica("rollout-0", 0, 0), _replica("rollout-2", 1, 0)]
     cluster._restarting = {"rollout-1"}
-    cluster._replacing = 0
     cluster._held = {"rollout-1": [(0, 1)]}
     cluster._next_rollout = 3
     started = _record_starts(cluster)
@@ -205,7 +203,6 @@ def test_a_scale_counts_a_returning_replica_once_and_scales_down_around_it(
     real scale-down runs in tests/integration/test_ray_cluster.py.)"""
     cluster, _ = _gpu_cluster()
     cluster.run_dir = tmp_path
-    cluster._replacing = 0
     cluster._replacing_names = set()
     cluster._next_rollout = 4
     cluster._services = [_replica(f"rollout-{i}", i // 2, i % 2) for i in range(3)]
