@@ -188,9 +188,12 @@ class Autoscaler:
             if self._target is not None and target != self._target:
                 # Someone else moved the count (`rlfleet scale`): a change like one of
                 # ours, so the next decision waits for a step measured with it.
+                # The step published when it was set, not the one now: this round may
+                # come after a step already measured with the new count.
+                set_at = self.core.scale_set_at_step("rollout")
                 logger.warning(
                     "autoscale: rollout replicas set to %d from outside at step %d; next "
-                    "decision after a step with them", target, sig.step,
+                    "decision after a step with them", target, set_at,
                 )  # fmt: skip
                 lo, hi = self.settings.min_replicas, self.settings.max_replicas
                 if not lo <= target <= hi:
@@ -199,7 +202,7 @@ class Autoscaler:
                         "autoscaler brings the count back within them (turn it off to "
                         "keep it)", target, lo, hi,
                     )  # fmt: skip
-                self._last_change, self._step_at_change = now, sig.step
+                self._last_change, self._step_at_change = now, set_at
             self._target = target
             if sig.replicas != target:
                 return None  # the launcher is still adding or draining replicas

@@ -676,6 +676,7 @@ class SchedulerCore:
         self._placement: Placement | None = None
         self._desired: dict[str, int] = {}
         self._scale_generation = 0
+        self._scale_step: dict[str, int] = {}  # the global step published at each set
 
     # ---- registry
 
@@ -858,6 +859,7 @@ class SchedulerCore:
         with self._lock:
             self._scale_generation += 1
             self._desired[role] = replicas
+            self._scale_step[role] = self._status.global_step
             logger.info("desired %s replicas: %d (request %d)", role, replicas,
                         self._scale_generation)  # fmt: skip
             return replicas, self._scale_generation
@@ -866,3 +868,9 @@ class SchedulerCore:
         """``(desired replicas or 0 when never set, generation)``."""
         with self._lock:
             return self._desired.get(role, 0), self._scale_generation
+
+    def scale_set_at_step(self, role: Service) -> int:
+        """The global step the driver had published when ``role``'s count was last set
+        (-1 if never): a step after it ran with the fleet asked for."""
+        with self._lock:
+            return self._scale_step.get(role, -1)

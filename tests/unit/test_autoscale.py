@@ -173,6 +173,26 @@ def test_a_scale_set_from_outside_is_measured_before_the_next_decision() -> None
     assert event.step == 5
 
 
+def test_a_scale_set_from_outside_counts_from_the_step_published_when_it_was_set() -> None:
+    """The operator's change, noticed by a round that comes only after the next step
+    (measured with the new count) is published: that step counts. Before, the round
+    took the step it saw as the change's, and waited for one more: a run held in that
+    step's callback waiting for replicas never got them."""
+    core = SchedulerCore(Registry(heartbeat_interval_s=1000.0))
+    auto = Autoscaler(core, S.model_copy(update={"cooldown_s": 0}), clock=Clock())
+    ids = [_replica(core, i) for i in range(2)]
+    core.set_scale("rollout", 2)
+    _step(core, 3, gen=0.4)
+    assert auto.check() is None  # neither busy nor idle: stays at 2
+    core.set_scale("rollout", 1)  # the operator, with step 3 published
+    core.deregister(ids[1])
+    _step(core, 4, gen=0.9)  # measured with one replica, before the next round
+    assert core.scale_set_at_step("rollout") == 3
+    event = auto.check()
+    assert event is not None and (event.replicas_from, event.replicas_to) == (1, 2)
+    assert event.step == 4
+
+
 def test_a_step_that_waited_for_a_replica_counts_that_wait_as_generation() -> None:
     """Step time spent waiting for a rollout replica (none left while one restarts,
     or a newcomer brought to the current weights) is the rollout side's."""
