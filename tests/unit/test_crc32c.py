@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rlfleet.common import crc32c as crc32c_module
-from rlfleet.common.crc32c import BLOCK, copy_crc
+from rlfleet.common.crc32c import BLOCK, copy_crc, copy_crc_at
 
 
 def test_copy_crc_copies_checksums_and_refuses_layouts_it_cannot_address() -> None:
@@ -21,6 +21,21 @@ def test_copy_crc_copies_checksums_and_refuses_layouts_it_cannot_address() -> No
         copy_crc(src[:8], np.zeros(2, dtype=np.float32).view(np.uint8).reshape(2, 4), 0)
     with pytest.raises(ValueError, match="src has 8 bytes, dst 7"):
         copy_crc(src[:8], dst[:7], 0)
+    with pytest.raises(ValueError, match="dst is read-only"):  # bytes stay immutable
+        copy_crc(src[:8], np.frombuffer(bytes(8), dtype=np.uint8), 0)
+
+
+def test_copy_crc_at_writes_exactly_the_range_it_is_given() -> None:
+    """The raw-address copy the codec uses: the n bytes at the destination address,
+    nothing before or after, and the same value as copy_crc."""
+    src = np.random.default_rng(2).integers(0, 256, 2 * BLOCK + 5, dtype=np.uint8)
+    dst = np.full(len(src) + 64, 0xAB, dtype=np.uint8)
+    n = len(src) - 3
+    crc = copy_crc_at(src.ctypes.data + 3, dst.ctypes.data + 32, n, 0)
+    assert crc == google_crc32c.value(src[3:].tobytes())
+    assert np.array_equal(dst[32 : 32 + n], src[3:])
+    assert (dst[:32] == 0xAB).all() and (dst[32 + n :] == 0xAB).all()
+    assert copy_crc_at(src.ctypes.data, dst.ctypes.data, 0, 5) == 5
 
 
 @pytest.fixture(params=["awscrt", "google-crc32c", "google-crc32c-python"])
@@ -57,6 +72,9 @@ def test_every_implementation_gives_google_crc32c_values(implementation: str) ->
         data[BLOCK + 1 :], dst[BLOCK + 1 :], google_crc32c.value(data[: BLOCK + 1].tobytes())
     )
     assert resumed == expected
+    dst[:] = 0
+    assert crc32c_module.copy_crc_at(data.ctypes.data, dst.ctypes.data, len(data), 0) == expected
+    assert np.array_equal(dst, data)
 
 
 def test_the_fastest_importable_implementation_is_the_one_in_use() -> None:

@@ -61,7 +61,7 @@ from rlfleet.common.codec.batch import (
     expected_nbytes,
     split_batch,
 )
-from rlfleet.common.crc32c import copy_crc, crc32c_extend
+from rlfleet.common.crc32c import copy_crc_at, crc32c_extend
 from rlfleet.v1 import common_pb2
 
 __all__ = [
@@ -248,7 +248,19 @@ class _PlannedPiece:
     tensor: TensorBytes
     offset: int
     length: int
-    header: bytes
+    # Field 4's tag and length, the piece header, and field 6's tag and length: all
+    # the framing before the data, written when the chunk is built.
+    prefix: bytes
+    src: int  # the address of the piece's first byte (the tensor stays alive with the plan)
+
+
+def _planned_piece(
+    t: TensorBytes, offset: int, length: int, header: bytes, base: int
+) -> _PlannedPiece:
+    prefix = b"\x22" + encode_varint(_piece_len(len(header), length)) + header
+    if length:
+        prefix += b"\x32" + encode_varint(length)
+    return _PlannedPiece(t, offset, length, prefix, base + offset)
 
 
 @dataclass(slots=True)
@@ -259,6 +271,10 @@ class _PlannedChunk:
     def empty(self) -> bool:
         return not self.pieces and not self.columns
 
+
+# The tail of a chunk with nothing but its crc32c: field 7's tag and a varint of up to
+# 5 bytes.
+_PLAIN_TAIL_ROOM = 6
 
 # Fixed per-chunk reserve for the scalar fields: seq (1+5), last (2), crc32c (1+5),
 # total_bytes (1+10), num_chunks (1+5) and digest (2 + "chunks:" + 64 hex).
@@ -344,12 +360,13 @@ def _plan(
 
     for t in tensors:
         off = 0
+        base = t.data.ctypes.data  # found once per tensor, not per piece
         while True:
             header = _piece_header(t, off)
             rem = t.nbytes - off
             need = _framed(_piece_len(len(header), rem))
             if need <= room:
-                cur.pieces.append(_PlannedPiece(t, off, rem, header))
+                cur.pieces.append(_planned_piece(t, off, rem, header, base))
                 room -= need
                 break
             if need <= cap and room < cap:
@@ -364,7 +381,7 @@ def _plan(
                     )
                 next_chunk()
                 continue
-            cur.pieces.append(_PlannedPiece(t, off, n, header))
+            cur.pieces.append(_planned_piece(t, off, n, header, base))
             off += n
             next_chunk()
     if not cur.empty() or not chunks:
@@ -661,6 +678,18 @@ def _chunk_bytes(
     stream_digest = _StreamDigest(plan, meta_d, digest)
     # Field 1 (stream_id) is the same in every chunk.
     sid_field = common_pb2.TensorBatchChunk(stream_id=sid).SerializeToString()
+
+    def full_tail(crc: int, sha: str, seq: int, pc: _PlannedChunk) -> bytes:
+        """Fields 5-10 of a chunk that has more than its crc32c to say."""
+        msg = common_pb2.TensorBatchChunk(columns=pc.columns, crc32c=crc)
+        if seq == 0:
+            msg.meta.update(meta_d)
+        if sha:
+            msg.total_bytes = total
+            msg.num_chunks = len(plan)
+            msg.digest = sha
+        return msg.SerializeToString(deterministic=True)
+
     for seq, pc in enumerate(plan):
         last = seq == len(plan) - 1
         # Field order on the wire: 1-3 (head), 4 (pieces), 5-10 (tail), written by hand
@@ -670,60 +699,50 @@ def _chunk_bytes(
             head += b"\x10" + encode_varint(seq)
         if last:
             head += b"\x18\x01"
-        prefixes = []
-        for p in pc.pieces:
-            prefix = b"\x22" + encode_varint(_piece_len(len(p.header), p.length)) + p.header
-            prefixes.append(prefix + (b"\x32" + encode_varint(p.length) if p.length else b""))
-        # Most chunks end with their crc32c alone (field 7); the first (meta), those
-        # with columns and the last (totals, digest) go through protobuf.
+        # Most chunks end with their crc32c alone (field 7, written here); the first
+        # (meta), those with columns and the last (totals, digest) go through protobuf.
         plain = not (pc.columns or last or (seq == 0 and meta_d))
-
-        def tail(
-            crc: int, sha: str, seq: int = seq, pc: _PlannedChunk = pc, plain: bool = plain
-        ) -> bytes:
-            if plain:
-                return b"\x38" + encode_varint(crc) if crc else b""
-            msg = common_pb2.TensorBatchChunk(columns=pc.columns, crc32c=crc)
-            if seq == 0:
-                msg.meta.update(meta_d)
-            if sha:
-                msg.total_bytes = total
-                msg.num_chunks = len(plan)
-                msg.digest = sha
-            return msg.SerializeToString(deterministic=True)
-
-        # The largest tail: a 5-byte crc32c varint and a digest of the final length.
-        room = tail(0xFFFFFFFF, f"{digest}:{'0' * 64}" if last else "")
-        size = len(head) + sum(len(x) for x in prefixes) + sum(p.length for p in pc.pieces)
+        # Room for the largest tail: a 5-byte crc32c varint and a digest of the final length.
+        if plain:
+            room = _PLAIN_TAIL_ROOM
+        else:
+            room = len(full_tail(0xFFFFFFFF, f"{digest}:{'0' * 64}" if last else "", seq, pc))
+        size = len(head) + sum(len(p.prefix) + p.length for p in pc.pieces)
         # A BytesIO over a bytes object it alone holds writes in place and hands that
         # object back from getvalue(): the chunk is built where gRPC will read it,
         # with no join copy (CPython; elsewhere getvalue() copies, still correct).
         # The framing goes first, leaving a hole for each piece's data; then the data
-        # is copied into the holes through one writable view (``copy_crc``, which lets
+        # is copied into the holes at their addresses (``copy_crc_at``, which lets
         # other threads run) and checksummed block by block while in cache.
-        width = _varint_len(size + len(room))
+        width = _varint_len(size + room)
         outer = b""
         if envelope is not None:
             outer = envelope.prefix + encode_varint(envelope.field << 3 | 2) + b"\0" * width
         suffix = envelope.suffix if envelope is not None else b""
-        out = io.BytesIO(_new_bytes(len(outer) + size + len(room) + len(suffix)))
+        out = io.BytesIO(_new_bytes(len(outer) + size + room + len(suffix)))
         out.write(outer)
         out.write(head)
         holes = []
-        for p, prefix in zip(pc.pieces, prefixes, strict=True):
-            out.write(prefix)
+        for p in pc.pieces:
+            out.write(p.prefix)
             holes.append(out.tell())
             out.seek(p.length, io.SEEK_CUR)
         data_end = out.tell()
         crc = 0
         with out.getbuffer() as buf:
-            dst = np.frombuffer(buf, dtype=np.uint8)
+            if len(buf) < data_end:  # the raw copies below write up to data_end
+                raise AssertionError(f"chunk buffer of {len(buf)} bytes, holes up to {data_end}")
+            # The ctypes object goes at once: the buffer is released when the block ends.
+            at0 = ctypes.addressof(ctypes.c_char.from_buffer(buf))
             for p, at in zip(pc.pieces, holes, strict=True):
-                crc = copy_crc(_piece_data(p), dst[at : at + p.length], crc)
-            del dst  # the view must go before the buffer is released
+                crc = copy_crc_at(p.src, at0 + at, p.length, crc)
         views = [_piece_data(p).data for p in pc.pieces] if digest == "data" else []
         out.seek(data_end)
-        out.write(tail(crc, stream_digest.add(seq, crc, views)))
+        sha = stream_digest.add(seq, crc, views)
+        if plain:
+            out.write(b"\x38" + encode_varint(crc) if crc else b"")
+        else:
+            out.write(full_tail(crc, sha, seq, pc))
         if envelope is not None:
             chunk_len = out.tell() - len(outer)
             out.write(suffix)
@@ -829,29 +848,39 @@ def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
             raise CodecError("varint longer than 10 bytes in chunk")
 
 
-def proto_fields(buf: memoryview, pos: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
+def proto_fields(buf: memoryview, pos: int, end: int) -> list[tuple[int, int, int, int, int]]:
     """The fields of the protobuf message in ``buf[pos:end]``, as (field number, wire
     type, field start, value start, value end), for parsers that keep bytes fields as
     views (raises ``CodecError`` on malformed bytes)."""
+    fields = []
     while pos < end:
         start = pos
-        key, pos = _read_varint(buf, pos, end)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
+        key = buf[pos]
+        if key < 0x80:  # one-byte keys and lengths, the common case, read inline
+            pos += 1
+        else:
+            key, pos = _read_varint(buf, pos, end)
+        wire = key & 7
+        if wire == 2:
+            if pos < end and buf[pos] < 0x80:
+                stop = pos + 1 + buf[pos]
+                pos += 1
+            else:
+                length, pos = _read_varint(buf, pos, end)
+                stop = pos + length
+        elif wire == 0:
             _, stop = _read_varint(buf, pos, end)
         elif wire == 1:
             stop = pos + 8
-        elif wire == 2:
-            length, pos = _read_varint(buf, pos, end)
-            stop = pos + length
         elif wire == 5:
             stop = pos + 4
         else:
-            raise CodecError(f"unsupported wire type {wire} for field {number} in chunk")
+            raise CodecError(f"unsupported wire type {wire} for field {key >> 3} in chunk")
         if stop > end:
-            raise CodecError(f"field {number} runs past the end of the chunk ({stop} > {end})")
-        yield number, wire, start, pos, stop
+            raise CodecError(f"field {key >> 3} runs past the end of the chunk ({stop} > {end})")
+        fields.append((key >> 3, wire, start, pos, stop))
         pos = stop
+    return fields
 
 
 def parse_chunk(data: bytes | bytearray | memoryview) -> ChunkView:
@@ -911,6 +940,7 @@ class _Slot:
     shape: tuple[int, ...]
     nbytes: int
     buf: U8Array
+    addr: int  # buf's first byte, found once
     filled: int = 0
     value: Any = None  # the caller's destination (``out``), returned as it is
 
@@ -1058,7 +1088,9 @@ class ChunkAssembler:
         places = [self._place(p, view) for p in view.pieces]
         crc = 0
         for p, dst in zip(view.pieces, places, strict=True):
-            crc = copy_crc(np.frombuffer(p.data, dtype=np.uint8), dst, crc)
+            # _place checked that the piece fits in its tensor's bytes from ``dst`` on.
+            src = np.frombuffer(p.data, dtype=np.uint8)
+            crc = copy_crc_at(src.ctypes.data, dst, src.nbytes, crc)
         if crc != view.crc32c:
             raise ChecksumMismatch(
                 f"{self._where(view)}: crc32c of piece data is {crc:#010x}, the chunk says "
@@ -1094,12 +1126,12 @@ class ChunkAssembler:
         else:
             have[1].extend(rows)
 
-    def _place(self, p: PieceView, view: ChunkView) -> U8Array:
+    def _place(self, p: PieceView, view: ChunkView) -> int:
         """Check a piece against its tensor (allocating the tensor's buffer at its
-        first piece) and return the bytes it fills."""
+        first piece) and return the address of the bytes it fills."""
         name = p.name
         slot = self._slots.get(name)
-        n = len(p.data)
+        n = p.data.nbytes if isinstance(p.data, memoryview) else len(p.data)
         if slot is None:
             expected = expected_nbytes(name, p.dtype, p.shape)
             if p.nbytes != expected:
@@ -1134,7 +1166,7 @@ class ChunkAssembler:
                         field=name,
                         value=p.nbytes,
                     ) from e
-                slot = _Slot(p.dtype, p.shape, p.nbytes, buffer)
+                slot = _Slot(p.dtype, p.shape, p.nbytes, buffer, buffer.ctypes.data)
             self._slots[name] = slot
         else:
             if (p.dtype, p.shape, p.nbytes) != (slot.dtype, slot.shape, slot.nbytes):
@@ -1168,7 +1200,7 @@ class ChunkAssembler:
             )
         slot.filled += n
         self._bytes += n
-        return slot.buf[p.offset : p.offset + n]
+        return slot.addr + p.offset
 
     def _destination(self, p: PieceView, view: ChunkView) -> _Slot:
         """The slot of a tensor the caller gave a destination for: its dtype and shape
@@ -1183,7 +1215,8 @@ class ChunkAssembler:
                 field=p.name,
                 value=list(p.shape),
             )
-        return _Slot(p.dtype, p.shape, p.nbytes, dst.data, value=self._out[p.name])
+        data = dst.data
+        return _Slot(p.dtype, p.shape, p.nbytes, data, data.ctypes.data, value=self._out[p.name])
 
     @property
     def held(self) -> int:
