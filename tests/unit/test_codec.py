@@ -545,6 +545,23 @@ def test_parse_chunk_accepts_other_field_orders() -> None:
     assert torch.equal(values["x"], torch.arange(4)) and meta == {"m": "1"}
 
 
+def test_parse_chunk_refuses_what_protobuf_refuses_and_reads_long_varints() -> None:
+    """The field scanner's varint skipping: a 10-byte varint (the longest) is read as
+    protobuf reads it; a truncated one, an 11-byte one and a length past the end
+    are refused as protobuf refuses them."""
+    ten = b"\x10" + b"\xff" * 9 + b"\x01"  # seq = 2**64 - 1, kept as uint32 by protobuf
+    assert wire.parse_chunk(ten).seq == common_pb2.TensorBatchChunk.FromString(ten).seq
+    for bad, why in [
+        (b"\x10\x80", "truncated varint"),
+        (b"\x10" + b"\xff" * 10 + b"\x01", "longer than 10 bytes"),
+        (b"\x0a\x05abc", "runs past the end"),
+    ]:
+        with pytest.raises(Exception):  # noqa: B017 - protobuf's own error type varies
+            common_pb2.TensorBatchChunk.FromString(bad)
+        with pytest.raises(CodecError, match=why):
+            wire.parse_chunk(bad)
+
+
 # --------------------------------------------------------------------------- corruption
 
 

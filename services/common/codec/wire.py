@@ -868,8 +868,13 @@ def proto_fields(buf: memoryview, pos: int, end: int) -> list[tuple[int, int, in
             else:
                 length, pos = _read_varint(buf, pos, end)
                 stop = pos + length
-        elif wire == 0:
-            _, stop = _read_varint(buf, pos, end)
+        elif wire == 0:  # skipped, not decoded: its end is the first byte below 0x80
+            stop = pos
+            while stop < end and buf[stop] >= 0x80:
+                stop += 1
+            if stop >= end or stop - pos >= 10:
+                _read_varint(buf, pos, end)  # raises: truncated, or longer than 10 bytes
+            stop += 1
         elif wire == 1:
             stop = pos + 8
         elif wire == 5:
