@@ -138,10 +138,12 @@ def copy_crc_at(src: int, dst: int, n: int, crc: int) -> int:
     finding two addresses per call (a microsecond each through numpy), which adds up
     over the few hundred pieces of a large weight stream."""
     if _crc_fast is not None:
+        if n <= 0:
+            return crc
+        out = memoryview((ctypes.c_char * n).from_address(dst))  # sliced per block
         for start in range(0, n, BLOCK):
-            size = min(BLOCK, n - start)
-            ctypes.memmove(dst + start, src + start, size)
-            crc = _crc_fast(memoryview((ctypes.c_char * size).from_address(dst + start)), crc)
+            ctypes.memmove(dst + start, src + start, min(BLOCK, n - start))
+            crc = _crc_fast(out[start : start + BLOCK], crc)
         return int(crc)
     if _crc_raw is None:
         for start in range(0, n, BLOCK):
