@@ -543,6 +543,15 @@ def test_parse_chunk_accepts_other_field_orders() -> None:
     assert view.to_proto() == msg
     values, meta = wire.assemble_chunks([view])
     assert torch.equal(values["x"], torch.arange(4)) and meta == {"m": "1"}
+    # As bytes, the assembler copies from the addresses the parser found: the data
+    # first, or given twice (protobuf keeps the last), lands where it should.
+    values, _ = wire.assemble_chunks([encoded])
+    assert torch.equal(values["x"], torch.arange(4))
+    twice = common_pb2.TensorPiece(data=bytes(len(piece.data))).SerializeToString() + data_first
+    encoded = rest.SerializeToString() + b"\x22" + wire.encode_varint(len(twice)) + twice
+    assert common_pb2.TensorBatchChunk.FromString(encoded) == msg
+    values, _ = wire.assemble_chunks([encoded])
+    assert torch.equal(values["x"], torch.arange(4))
 
 
 def test_parse_chunk_refuses_what_protobuf_refuses_and_reads_long_varints() -> None:

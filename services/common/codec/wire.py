@@ -896,13 +896,18 @@ def parse_chunk(data: bytes | bytearray | memoryview) -> ChunkView:
     everything else goes through protobuf. Usable as a gRPC request/response
     deserializer. Raises :class:`CodecError` on malformed bytes.
     """
+    return _parse_chunk(data, [])
+
+
+def _parse_chunk(data: bytes | bytearray | memoryview, data_at: list[int]) -> ChunkView:
+    """:func:`parse_chunk`, appending each piece's data offset in ``data`` to ``data_at``."""
     buf = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
     rest: list[memoryview] = []
     pieces: list[PieceView] = []
     try:
         for number, wire, start, pos, stop in proto_fields(buf, 0, len(buf)):
             if number == 4 and wire == 2:
-                pieces.append(_parse_piece(buf, pos, stop))
+                pieces.append(_parse_piece(buf, pos, stop, data_at))
             else:
                 rest.append(buf[start:stop])
         msg = common_pb2.TensorBatchChunk.FromString(b"".join(rest))
@@ -911,15 +916,17 @@ def parse_chunk(data: bytes | bytearray | memoryview) -> ChunkView:
     return ChunkView._with_pieces(msg, pieces)
 
 
-def _parse_piece(buf: memoryview, begin: int, end: int) -> PieceView:
+def _parse_piece(buf: memoryview, begin: int, end: int, data_at: list[int]) -> PieceView:
     header: list[memoryview] = []
-    data: memoryview = buf[begin:begin]
+    data_start = data_end = begin
     for number, wire, start, pos, stop in proto_fields(buf, begin, end):
         if number == 6 and wire == 2:
-            data = buf[pos:stop]  # last one wins, as protobuf merges bytes fields
+            data_start, data_end = pos, stop  # last one wins, as protobuf merges bytes fields
         else:
             header.append(buf[start:stop])
     p = common_pb2.TensorPiece.FromString(b"".join(header))
+    data_at.append(data_start)
+    data = buf[data_start:data_end]
     return PieceView(p.name, p.dtype, tuple(p.shape), p.nbytes, p.offset, data)
 
 
@@ -1026,16 +1033,24 @@ class ChunkAssembler:
     def add(self, chunk: ChunkLike) -> bool:
         """Add the next chunk (a message, its serialized bytes, or a ChunkView).
         Returns True when the stream is complete and verified."""
+        sources: list[int] | None = None  # the address of each piece's data, where known
         if isinstance(chunk, ChunkView):
             view = chunk
-        elif isinstance(chunk, bytes | bytearray | memoryview):
+        elif isinstance(chunk, bytes):
+            # Immutable and held through this call: its buffer's address is found
+            # once, and each piece's data sits at an offset the parser saw.
+            data_at: list[int] = []
+            view = _parse_chunk(chunk, data_at)
+            base = ctypes.cast(ctypes.c_char_p(chunk), ctypes.c_void_p).value or 0
+            sources = [base + at for at in data_at]
+        elif isinstance(chunk, bytearray | memoryview):
             view = parse_chunk(chunk)
         else:
             view = ChunkView.from_proto(chunk)
         if self._error is not None:
             raise CodecError(f"stream failed earlier: {self._error}")
         try:
-            return self._add(view)
+            return self._add(view, sources)
         except CodecError as exc:
             self._error = exc  # buffers may hold unverified bytes: refuse to go on
             raise
@@ -1043,7 +1058,7 @@ class ChunkAssembler:
     def _where(self, view: ChunkView) -> str:
         return f"stream {self._stream_id or view.stream_id!r} chunk seq {view.seq}"
 
-    def _add(self, view: ChunkView) -> bool:
+    def _add(self, view: ChunkView, sources: list[int] | None) -> bool:
         # The common chunk (pieces only, nothing wrong) costs a few attribute reads
         # and comparisons here: error texts are built only on the way out, and the
         # stream digest is fed at the end (_finish) from the records kept anyway.
@@ -1092,10 +1107,13 @@ class ChunkAssembler:
         # pass; bytes that fail the crc32c are never handed out (the error sticks).
         places = [self._place(p, view) for p in view.pieces]
         crc = 0
-        for p, dst in zip(view.pieces, places, strict=True):
+        for i, (p, dst) in enumerate(zip(view.pieces, places, strict=True)):
             # _place checked that the piece fits in its tensor's bytes from ``dst`` on.
-            src = np.frombuffer(p.data, dtype=np.uint8)
-            crc = copy_crc_at(src.ctypes.data, dst, src.nbytes, crc)
+            if sources is not None:
+                crc = copy_crc_at(sources[i], dst, len(p.data), crc)  # a "B" view of bytes
+            else:
+                src = np.frombuffer(p.data, dtype=np.uint8)
+                crc = copy_crc_at(src.ctypes.data, dst, src.nbytes, crc)
         if crc != view.crc32c:
             raise ChecksumMismatch(
                 f"{self._where(view)}: crc32c of piece data is {crc:#010x}, the chunk says "
