@@ -196,6 +196,10 @@ def test_every_torch_dtype_odd_layouts(dtype: torch.dtype) -> None:
         "transposed": base.transpose(0, 2),
         "sliced": base[:, 1:, ::3],
         "expanded": base[:1, :1, :1].expand(2, 3, 4),
+        # Contiguous, but with odd strides on its size-1 dims.
+        "size1_strides": torch.empty_strided((1, 4, 1), (99, 1, 7), dtype=dtype).copy_(
+            base[:1, 0, :].reshape(1, 4, 1)
+        ),
         "grad": torch.ones(3, dtype=torch.float32, requires_grad=True)
         if dtype.is_floating_point
         else base,
@@ -459,6 +463,11 @@ def test_assembler_decodes_into_given_buffers() -> None:
     values, _ = asm.result()
     assert values["w"] is out["w"] and values["ids"] is out["ids"] and values["c"] == ["x"]
     assert torch.equal(out["w"], batch["w"]) and np.array_equal(out["ids"], batch["ids"])
+    # Odd strides on a size-1 dim: still the destination's own memory that is written.
+    odd = torch.zeros(1, 4).as_strided((1, 4), (99, 1))
+    assert odd.is_contiguous()
+    wire.ChunkAssembler(out={"m": odd}).add(next(wire.iter_chunk_bytes({"m": torch.ones(1, 4)})))
+    assert torch.equal(odd, torch.ones(1, 4))
     # The destination must match what the stream declares, and be writable in place.
     for bad, match in [
         (torch.empty(99_999), r"'w' is FLOAT32 \[100000\], its destination FLOAT32 \[99999\]"),
