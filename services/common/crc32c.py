@@ -32,7 +32,7 @@ __all__ = [
     "CRC_RELEASES_GIL",
     "IMPLEMENTATION",
     "copy_crc",
-    "copy_crc_at",
+    "copy_crc_from",
     "crc32c_extend",
 ]
 
@@ -123,39 +123,41 @@ def copy_crc(src: np.ndarray, dst: np.ndarray, crc: int) -> int:
     for name, a in (("src", src), ("dst", dst)):
         if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
             raise ValueError(f"copy_crc: {name} must be a contiguous 1-D uint8 array")
-        if name == "dst" and not a.flags.writeable:
-            raise ValueError("copy_crc: dst is read-only")
     if len(src) != len(dst):
         raise ValueError(f"copy_crc: src has {len(src)} bytes, dst {len(dst)}")
-    return copy_crc_at(src.ctypes.data, dst.ctypes.data, len(src), crc)
+    return copy_crc_from(src.ctypes.data, dst.data, crc)
 
 
-def copy_crc_at(src: int, dst: int, n: int, crc: int) -> int:
-    """:func:`copy_crc` on raw addresses, for callers that already hold them (a
-    tensor's or a chunk's base address plus an offset, found once): ``n`` bytes from
-    address ``src`` to address ``dst``. The caller vouches that both ranges are live,
-    that much long and that ``dst`` is writable; nothing here can check it. Saves
-    finding two addresses per call (a microsecond each through numpy), which adds up
-    over the few hundred pieces of a large weight stream."""
+def copy_crc_from(src: int, dst: memoryview, crc: int) -> int:
+    """:func:`copy_crc` from a raw address, for callers that hold one already (a
+    tensor's or a chunk's base address plus an offset, found once): the
+    ``len(dst)`` bytes at address ``src`` into ``dst``, a writable, C-contiguous,
+    one-dimensional view of bytes. The caller vouches that those source bytes are
+    live; the destination's bounds and writability are the view's own. Saves finding
+    the source's address per call (a microsecond through numpy), which adds up over
+    the few hundred pieces of a large weight stream."""
+    if dst.ndim != 1 or dst.itemsize != 1 or not dst.c_contiguous:
+        raise ValueError("copy_crc_from: dst must be a contiguous 1-D view of bytes")
+    if dst.readonly:
+        raise ValueError("copy_crc_from: dst is read-only")
+    n = dst.nbytes
+    if n == 0:
+        return crc
+    # The ctypes object goes at once, and with it its hold on the buffer.
+    d = ctypes.addressof(ctypes.c_char.from_buffer(dst))
     if _crc_fast is not None:
-        if n <= 0:
-            return crc
-        out = memoryview((ctypes.c_char * n).from_address(dst))  # sliced per block
         for start in range(0, n, BLOCK):
-            ctypes.memmove(dst + start, src + start, min(BLOCK, n - start))
-            crc = _crc_fast(out[start : start + BLOCK], crc)
+            ctypes.memmove(d + start, src + start, min(BLOCK, n - start))
+            crc = _crc_fast(dst[start : start + BLOCK], crc)
         return int(crc)
     if _crc_raw is None:
+        block_view = np.frombuffer(dst, np.uint8)
         for start in range(0, n, BLOCK):
-            size = min(BLOCK, n - start)
-            ctypes.memmove(dst + start, src + start, size)
-            block = np.frombuffer(
-                memoryview((ctypes.c_char * size).from_address(dst + start)), np.uint8
-            )
-            crc = int(google_crc32c.extend(crc, block))
+            ctypes.memmove(d + start, src + start, min(BLOCK, n - start))
+            crc = int(google_crc32c.extend(crc, block_view[start : start + BLOCK]))
         return crc
     for start in range(0, n, BLOCK):
         size = min(BLOCK, n - start)
-        ctypes.memmove(dst + start, src + start, size)
-        crc = _crc_raw(crc, dst + start, size)
+        ctypes.memmove(d + start, src + start, size)
+        crc = _crc_raw(crc, d + start, size)
     return int(crc)

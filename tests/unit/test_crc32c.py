@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rlfleet.common import crc32c as crc32c_module
-from rlfleet.common.crc32c import BLOCK, copy_crc, copy_crc_at
+from rlfleet.common.crc32c import BLOCK, copy_crc, copy_crc_from
 
 
 def test_copy_crc_copies_checksums_and_refuses_layouts_it_cannot_address() -> None:
@@ -25,17 +25,22 @@ def test_copy_crc_copies_checksums_and_refuses_layouts_it_cannot_address() -> No
         copy_crc(src[:8], np.frombuffer(bytes(8), dtype=np.uint8), 0)
 
 
-def test_copy_crc_at_writes_exactly_the_range_it_is_given() -> None:
-    """The raw-address copy the codec uses: the n bytes at the destination address,
-    nothing before or after, and the same value as copy_crc."""
+def test_copy_crc_from_writes_exactly_the_view_it_is_given() -> None:
+    """The raw-address copy the codec uses: as many bytes as the destination view
+    holds, nothing before or after it, the same value as copy_crc; a read-only or
+    non-byte destination is refused."""
     src = np.random.default_rng(2).integers(0, 256, 2 * BLOCK + 5, dtype=np.uint8)
     dst = np.full(len(src) + 64, 0xAB, dtype=np.uint8)
     n = len(src) - 3
-    crc = copy_crc_at(src.ctypes.data + 3, dst.ctypes.data + 32, n, 0)
+    crc = copy_crc_from(src.ctypes.data + 3, dst.data[32 : 32 + n], 0)
     assert crc == google_crc32c.value(src[3:].tobytes())
     assert np.array_equal(dst[32 : 32 + n], src[3:])
     assert (dst[:32] == 0xAB).all() and (dst[32 + n :] == 0xAB).all()
-    assert copy_crc_at(src.ctypes.data, dst.ctypes.data, 0, 5) == 5
+    assert copy_crc_from(src.ctypes.data, dst.data[:0], 5) == 5
+    with pytest.raises(ValueError, match="read-only"):
+        copy_crc_from(src.ctypes.data, memoryview(bytes(8)), 0)
+    with pytest.raises(ValueError, match="1-D view of bytes"):
+        copy_crc_from(src.ctypes.data, memoryview(np.zeros(2, dtype=np.float32)), 0)
 
 
 @pytest.fixture(params=["awscrt", "google-crc32c", "google-crc32c-python"])
@@ -73,7 +78,7 @@ def test_every_implementation_gives_google_crc32c_values(implementation: str) ->
     )
     assert resumed == expected
     dst[:] = 0
-    assert crc32c_module.copy_crc_at(data.ctypes.data, dst.ctypes.data, len(data), 0) == expected
+    assert crc32c_module.copy_crc_from(data.ctypes.data, dst.data, 0) == expected
     assert np.array_equal(dst, data)
 
 

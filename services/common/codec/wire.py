@@ -61,7 +61,7 @@ from rlfleet.common.codec.batch import (
     expected_nbytes,
     split_batch,
 )
-from rlfleet.common.crc32c import copy_crc_at, crc32c_extend
+from rlfleet.common.crc32c import copy_crc_from, crc32c_extend
 from rlfleet.v1 import common_pb2
 
 __all__ = [
@@ -712,7 +712,7 @@ def _chunk_bytes(
         # object back from getvalue(): the chunk is built where gRPC will read it,
         # with no join copy (CPython; elsewhere getvalue() copies, still correct).
         # The framing goes first, leaving a hole for each piece's data; then the data
-        # is copied into the holes at their addresses (``copy_crc_at``, which lets
+        # is copied into the holes through views of them (``copy_crc_from``, which lets
         # other threads run) and checksummed block by block while in cache.
         width = _varint_len(size + room)
         outer = b""
@@ -730,12 +730,10 @@ def _chunk_bytes(
         data_end = out.tell()
         crc = 0
         with out.getbuffer() as buf:
-            if len(buf) < data_end:  # the raw copies below write up to data_end
+            if len(buf) < data_end:  # each hole must be whole: the source is read as long
                 raise AssertionError(f"chunk buffer of {len(buf)} bytes, holes up to {data_end}")
-            # The ctypes object goes at once: the buffer is released when the block ends.
-            at0 = ctypes.addressof(ctypes.c_char.from_buffer(buf))
             for p, at in zip(pc.pieces, holes, strict=True):
-                crc = copy_crc_at(p.src, at0 + at, p.length, crc)
+                crc = copy_crc_from(p.src, buf[at : at + p.length], crc)
         views = [_piece_data(p).data for p in pc.pieces] if digest == "data" else []
         out.seek(data_end)
         sha = stream_digest.add(seq, crc, views)
@@ -952,7 +950,7 @@ class _Slot:
     shape: tuple[int, ...]
     nbytes: int
     buf: U8Array
-    addr: int  # buf's first byte, found once
+    view: memoryview  # buf's bytes, made once
     filled: int = 0
     value: Any = None  # the caller's destination (``out``), returned as it is
 
@@ -1110,10 +1108,9 @@ class ChunkAssembler:
         for i, (p, dst) in enumerate(zip(view.pieces, places, strict=True)):
             # _place checked that the piece fits in its tensor's bytes from ``dst`` on.
             if sources is not None:
-                crc = copy_crc_at(sources[i], dst, len(p.data), crc)  # a "B" view of bytes
+                crc = copy_crc_from(sources[i], dst, crc)
             else:
-                src = np.frombuffer(p.data, dtype=np.uint8)
-                crc = copy_crc_at(src.ctypes.data, dst, src.nbytes, crc)
+                crc = copy_crc_from(np.frombuffer(p.data, dtype=np.uint8).ctypes.data, dst, crc)
         if crc != view.crc32c:
             raise ChecksumMismatch(
                 f"{self._where(view)}: crc32c of piece data is {crc:#010x}, the chunk says "
@@ -1149,9 +1146,9 @@ class ChunkAssembler:
         else:
             have[1].extend(rows)
 
-    def _place(self, p: PieceView, view: ChunkView) -> int:
+    def _place(self, p: PieceView, view: ChunkView) -> memoryview:
         """Check a piece against its tensor (allocating the tensor's buffer at its
-        first piece) and return the address of the bytes it fills."""
+        first piece) and return the bytes it fills (as long as the piece's data)."""
         name = p.name
         slot = self._slots.get(name)
         n = p.data.nbytes if isinstance(p.data, memoryview) else len(p.data)
@@ -1189,7 +1186,7 @@ class ChunkAssembler:
                         field=name,
                         value=p.nbytes,
                     ) from e
-                slot = _Slot(p.dtype, p.shape, p.nbytes, buffer, buffer.ctypes.data)
+                slot = _Slot(p.dtype, p.shape, p.nbytes, buffer, buffer.data)
             self._slots[name] = slot
         else:
             if (p.dtype, p.shape, p.nbytes) != (slot.dtype, slot.shape, slot.nbytes):
@@ -1223,7 +1220,7 @@ class ChunkAssembler:
             )
         slot.filled += n
         self._bytes += n
-        return slot.addr + p.offset
+        return slot.view[p.offset : p.offset + n]
 
     def _destination(self, p: PieceView, view: ChunkView) -> _Slot:
         """The slot of a tensor the caller gave a destination for: its dtype and shape
@@ -1239,7 +1236,7 @@ class ChunkAssembler:
                 value=list(p.shape),
             )
         data = dst.data
-        return _Slot(p.dtype, p.shape, p.nbytes, data, data.ctypes.data, value=self._out[p.name])
+        return _Slot(p.dtype, p.shape, p.nbytes, data, data.data, value=self._out[p.name])
 
     @property
     def held(self) -> int:
