@@ -138,11 +138,11 @@ def copy_crc_from(src: int, dst: memoryview, crc: int) -> int:
     the few hundred pieces of a large weight stream."""
     if dst.ndim != 1 or dst.itemsize != 1 or not dst.c_contiguous:
         raise ValueError("copy_crc_from: dst must be a contiguous 1-D view of bytes")
-    if dst.readonly:
-        raise ValueError("copy_crc_from: dst is read-only")
     n = dst.nbytes
     if n == 0:
         return crc
+    if dst.readonly:
+        raise ValueError("copy_crc_from: dst is read-only")
     # The ctypes object goes at once, and with it its hold on the buffer.
     d = ctypes.addressof(ctypes.c_char.from_buffer(dst))
     if _crc_fast is not None:

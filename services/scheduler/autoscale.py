@@ -189,8 +189,12 @@ class Autoscaler:
                 # Someone else moved the count (`rlfleet scale`): a change like one of
                 # ours, so the next decision waits for a step measured with it.
                 # The step published when it was set, not the one now: this round may
-                # come after a step already measured with the new count.
+                # come after a step already measured with the new count. With no count
+                # ever set the target follows the replicas alive: a replica came or
+                # went, and the step now is the first one that may not have seen it.
                 set_at = self.core.scale_set_at_step("rollout")
+                if set_at < 0:
+                    set_at = sig.step
                 logger.warning(
                     "autoscale: rollout replicas set to %d from outside at step %d; next "
                     "decision after a step with them", target, set_at,

@@ -204,3 +204,21 @@ def test_a_step_that_waited_for_a_replica_counts_that_wait_as_generation() -> No
     assert auto.signals().gen_share == pytest.approx(3.05 / 4.0)
     event = auto.check()
     assert event is not None and event.replicas_to == 2 and "0.76" in event.reason
+
+
+def test_with_no_count_set_a_replica_lost_waits_for_a_step_without_it() -> None:
+    """No `rlfleet scale` yet: the target follows the replicas alive, so a replica's
+    loss moves it. The next decision waits for a step after the one published when
+    the loss was seen, not on the evidence of a step that ran with the lost replica."""
+    core = SchedulerCore(Registry(heartbeat_interval_s=1000.0))
+    auto = Autoscaler(core, S.model_copy(update={"cooldown_s": 0}), clock=Clock())
+    ids = [_replica(core, i) for i in range(3)]
+    _step(core, 10, gen=0.9)
+    assert auto.check() is None  # at max_replicas, however busy
+    core.deregister(ids[2])
+    assert core.scale_set_at_step("rollout") == -1  # never set
+    assert auto.check() is None  # step 10 ran with three
+    _step(core, 11, gen=0.9)
+    event = auto.check()
+    assert event is not None and (event.replicas_from, event.replicas_to) == (2, 3)
+    assert event.step == 11

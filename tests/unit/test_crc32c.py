@@ -37,6 +37,7 @@ def test_copy_crc_from_writes_exactly_the_view_it_is_given() -> None:
     assert np.array_equal(dst[32 : 32 + n], src[3:])
     assert (dst[:32] == 0xAB).all() and (dst[32 + n :] == 0xAB).all()
     assert copy_crc_from(src.ctypes.data, dst.data[:0], 5) == 5
+    assert copy_crc_from(src.ctypes.data, memoryview(b""), 5) == 5  # nothing to write
     with pytest.raises(ValueError, match="read-only"):
         copy_crc_from(src.ctypes.data, memoryview(bytes(8)), 0)
     with pytest.raises(ValueError, match="1-D view of bytes"):

@@ -1034,14 +1034,14 @@ class ChunkAssembler:
         sources: list[int] | None = None  # the address of each piece's data, where known
         if isinstance(chunk, ChunkView):
             view = chunk
-        elif isinstance(chunk, bytes):
+        elif type(chunk) is bytes:  # a subclass may export another buffer
             # Immutable and held through this call: its buffer's address is found
             # once, and each piece's data sits at an offset the parser saw.
             data_at: list[int] = []
             view = _parse_chunk(chunk, data_at)
             base = ctypes.cast(ctypes.c_char_p(chunk), ctypes.c_void_p).value or 0
             sources = [base + at for at in data_at]
-        elif isinstance(chunk, bytearray | memoryview):
+        elif isinstance(chunk, bytes | bytearray | memoryview):
             view = parse_chunk(chunk)
         else:
             view = ChunkView.from_proto(chunk)
