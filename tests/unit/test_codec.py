@@ -556,6 +556,12 @@ def test_parse_chunk_accepts_other_field_orders() -> None:
     # first, or given twice (protobuf keeps the last), lands where it should.
     values, _ = wire.assemble_chunks([encoded])
     assert torch.equal(values["x"], torch.arange(4))
+
+    class Sub(bytes):  # a subclass may export another buffer: parsed as a view
+        pass
+
+    values, _ = wire.assemble_chunks([Sub(encoded)])
+    assert torch.equal(values["x"], torch.arange(4))
     twice = common_pb2.TensorPiece(data=bytes(len(piece.data))).SerializeToString() + data_first
     encoded = rest.SerializeToString() + b"\x22" + wire.encode_varint(len(twice)) + twice
     assert common_pb2.TensorBatchChunk.FromString(encoded) == msg
