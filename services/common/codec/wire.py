@@ -515,6 +515,29 @@ else:  # pragma: no cover - other interpreters
     _uninitialized_bytes = None
 
 
+def _bytes_address_ctypes(data: bytes) -> int:
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+
+
+def _bytes_address_fixed(data: bytes) -> int:
+    return id(data) + _BYTES_DATA_OFFSET
+
+
+# Where a bytes object's first byte is: in CPython a fixed offset from the object's
+# address (``id``), checked here against ctypes; elsewhere, and should the check fail,
+# ctypes, which costs a microsecond more per chunk.
+_BYTES_DATA_OFFSET = bytes.__basicsize__ - 1
+_bytes_address = (
+    _bytes_address_fixed
+    if sys.implementation.name == "cpython"
+    and all(
+        _bytes_address_fixed(b) == _bytes_address_ctypes(b)
+        for b in (b"probe-" + bytes(range(40)), bytes(100_000))
+    )
+    else _bytes_address_ctypes
+)
+
+
 def _piece_data(p: _PlannedPiece) -> U8Array:
     return p.tensor.data[p.offset : p.offset + p.length]
 
@@ -900,6 +923,10 @@ def parse_chunk(data: bytes | bytearray | memoryview) -> ChunkView:
 def _parse_chunk(data: bytes | bytearray | memoryview, data_at: list[int]) -> ChunkView:
     """:func:`parse_chunk`, appending each piece's data offset in ``data`` to ``data_at``."""
     buf = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+    view = _parse_plain_chunk(buf, data_at)
+    if view is not None:
+        return view
+    del data_at[:]  # the general parse reports every piece again
     rest: list[memoryview] = []
     pieces: list[PieceView] = []
     try:
@@ -912,6 +939,108 @@ def _parse_chunk(data: bytes | bytearray | memoryview, data_at: list[int]) -> Ch
     except DecodeError as exc:
         raise CodecError(f"malformed TensorBatchChunk: {exc}") from exc
     return ChunkView._with_pieces(msg, pieces)
+
+
+def _short_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    """The varint at ``pos`` if it is at most 5 bytes long and within ``end`` (any
+    uint32 is), as (value, position after it); (-1, pos) otherwise."""
+    result = 0
+    for shift in (0, 7, 14, 21, 28):
+        if pos >= end:
+            return -1, pos
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+    return -1, pos
+
+
+def _parse_plain_chunk(buf: memoryview, data_at: list[int]) -> ChunkView | None:
+    """The common chunk -- stream_id, seq, last, pieces and crc32c, each field with
+    its usual tag and short varints, pieces with their data last -- read field by field
+    without protobuf objects for the chunk itself: most of a chunk's parse, which
+    runs right after megabytes of copying and so with cold caches. None for anything
+    else (columns, meta, totals, unknown fields, long varints, other layouts, malformed
+    bytes): the general parse then reads it as protobuf does. What is read here is
+    what protobuf reads (the last of a repeated scalar wins; uint32 keeps 32 bits)."""
+    end = len(buf)
+    pos = 0
+    sid = ""
+    seq = crc = 0
+    last = False
+    pieces: list[PieceView] = []
+    try:
+        while pos < end:
+            key = buf[pos]
+            if key == 0x22 or key == 0x0A:  # a piece, or stream_id
+                length, at = _short_varint(buf, pos + 1, end)
+                stop = at + length
+                if length < 0 or stop > end:
+                    return None
+                if key == 0x22:
+                    piece = _parse_plain_piece(buf, at, stop, data_at)
+                    if piece is None:
+                        return None
+                    pieces.append(piece)
+                else:
+                    sid = str(buf[at:stop], "utf-8")
+                pos = stop
+            elif key == 0x10 or key == 0x18 or key == 0x38:  # seq, last, crc32c
+                value, pos = _short_varint(buf, pos + 1, end)
+                if value < 0:
+                    return None
+                if key == 0x10:
+                    seq = value & 0xFFFFFFFF
+                elif key == 0x18:
+                    last = value != 0
+                else:
+                    crc = value & 0xFFFFFFFF
+            else:
+                return None
+    except UnicodeDecodeError:
+        return None
+    return ChunkView(sid, seq, last, pieces, [], {}, crc, 0, 0, "")
+
+
+def _parse_plain_piece(
+    buf: memoryview, begin: int, end: int, data_at: list[int]
+) -> PieceView | None:
+    """A piece whose header fields come first and whose data field, read once, ends
+    it (as every encoder writes it): the header through protobuf, the data as a view.
+    None for any other layout."""
+    pos = begin
+    while pos < end:
+        key = buf[pos]
+        wire = key & 7
+        if key == 0x32:
+            length, at = _short_varint(buf, pos + 1, end)
+            if length < 0 or at + length != end:
+                return None
+            try:
+                p = common_pb2.TensorPiece.FromString(buf[begin:pos])
+            except DecodeError:
+                return None
+            data_at.append(at)
+            return PieceView(p.name, p.dtype, tuple(p.shape), p.nbytes, p.offset, buf[at:end])
+        if key >= 0x80 or key < 0x08:
+            return None
+        if wire == 2:
+            if pos + 1 < end and buf[pos + 1] < 0x80:  # a one-byte length, inline
+                pos += 2 + buf[pos + 1]
+                continue
+            length, pos = _short_varint(buf, pos + 1, end)
+            if length < 0:
+                return None
+            pos += length
+        elif wire == 0:
+            pos += 1
+            while pos < end and buf[pos] >= 0x80:
+                pos += 1
+            pos += 1
+        else:
+            return None
+    return None
 
 
 def _parse_piece(buf: memoryview, begin: int, end: int, data_at: list[int]) -> PieceView:
@@ -1001,10 +1130,13 @@ class ChunkAssembler:
         # here costs a fraction of the same calls made between the copies of large
         # chunks, which leave the caches cold. A destination that is unusable fails
         # only if the stream sends its tensor.
-        self._dst: dict[str, TensorBytes | CodecError] = {}
+        self._dst: dict[str, _Slot | CodecError] = {}
         for name, value in self._out.items():
             try:
-                self._dst[name] = destination_bytes(name, value)
+                d = destination_bytes(name, value)
+                self._dst[name] = _Slot(
+                    d.dtype, d.shape, d.nbytes, d.data, d.data.data, value=value
+                )
             except CodecError as exc:
                 self._dst[name] = exc
             except Exception as exc:  # what torch raises for tensors it cannot describe
@@ -1039,7 +1171,7 @@ class ChunkAssembler:
             # once, and each piece's data sits at an offset the parser saw.
             data_at: list[int] = []
             view = _parse_chunk(chunk, data_at)
-            base = ctypes.cast(ctypes.c_char_p(chunk), ctypes.c_void_p).value or 0
+            base = _bytes_address(chunk)
             sources = [base + at for at in data_at]
         elif isinstance(chunk, bytes | bytearray | memoryview):
             view = parse_chunk(chunk)
@@ -1153,90 +1285,92 @@ class ChunkAssembler:
         slot = self._slots.get(name)
         n = p.data.nbytes if isinstance(p.data, memoryview) else len(p.data)
         if slot is None:
-            expected = expected_nbytes(name, p.dtype, p.shape)
-            if p.nbytes != expected:
-                raise CodecError(
-                    f"{self._where(view)}: tensor {name!r} says nbytes={p.nbytes}, but "
-                    f"{dtype_name(p.dtype)} {list(p.shape)} needs {expected}",
-                    field=name,
-                    value=p.nbytes,
-                )
-            if name in self._columns:
-                raise CodecError(
-                    f"{self._where(view)}: tensor {name!r} has the name of a column", field=name
-                )
-            if name in self._out:
-                slot = self._destination(p, view)
-            else:
-                # Its name and bookkeeping too: many empty tensors with long names are
-                # memory as well (a zero-byte tensor cost nothing before).
-                if self.max_bytes is not None:
-                    self._charge(
-                        p.nbytes + len(name) + SLOT_OVERHEAD_BYTES,
-                        name,
-                        f"{self._where(view)}: tensor {name!r} {dtype_name(p.dtype)} "
-                        f"{list(p.shape)} ({p.nbytes} bytes)",
-                    )
-                try:
-                    buffer = np.empty(p.nbytes, dtype=np.uint8)
-                except MemoryError as e:
-                    raise StreamTooLarge(
-                        f"{self._where(view)}: tensor {name!r} declares {p.nbytes} bytes, more than this "
-                        "process can hold",
-                        field=name,
-                        value=p.nbytes,
-                    ) from e
-                slot = _Slot(p.dtype, p.shape, p.nbytes, buffer, buffer.data)
-            self._slots[name] = slot
-        else:
-            if (p.dtype, p.shape, p.nbytes) != (slot.dtype, slot.shape, slot.nbytes):
-                raise CodecError(
-                    f"{self._where(view)}: tensor {name!r} piece says {dtype_name(p.dtype)} "
-                    f"{list(p.shape)} nbytes={p.nbytes}, earlier pieces said "
-                    f"{dtype_name(slot.dtype)} {list(slot.shape)} nbytes={slot.nbytes}",
-                    field=name,
-                    value=list(p.shape),
-                )
-            if slot.filled == slot.nbytes:
-                raise CodecError(
-                    f"{self._where(view)}: tensor {name!r} got a piece at offset {p.offset} after it was "
-                    "complete",
-                    field=name,
-                    value=p.offset,
-                )
-        if p.offset != slot.filled:
+            slot = self._slots[name] = self._first_piece(p, view)
+        elif (p.dtype, p.shape, p.nbytes) != (slot.dtype, slot.shape, slot.nbytes):
             raise CodecError(
-                f"{self._where(view)}: tensor {name!r} piece starts at offset {p.offset}, expected "
-                f"{slot.filled} (pieces must arrive in order, without gaps or overlaps)",
+                f"{self._where(view)}: tensor {name!r} piece says {dtype_name(p.dtype)} "
+                f"{list(p.shape)} nbytes={p.nbytes}, earlier pieces said "
+                f"{dtype_name(slot.dtype)} {list(slot.shape)} nbytes={slot.nbytes}",
+                field=name,
+                value=list(p.shape),
+            )
+        elif slot.filled == slot.nbytes:
+            raise CodecError(
+                f"{self._where(view)}: tensor {name!r} got a piece at offset {p.offset} after it was "
+                "complete",
                 field=name,
                 value=p.offset,
             )
-        if p.offset + n > slot.nbytes:
+        offset = p.offset
+        if offset != slot.filled:
             raise CodecError(
-                f"{self._where(view)}: tensor {name!r} piece [{p.offset}, {p.offset + n}) overflows its "
+                f"{self._where(view)}: tensor {name!r} piece starts at offset {offset}, expected "
+                f"{slot.filled} (pieces must arrive in order, without gaps or overlaps)",
+                field=name,
+                value=offset,
+            )
+        if offset + n > slot.nbytes:
+            raise CodecError(
+                f"{self._where(view)}: tensor {name!r} piece [{offset}, {offset + n}) overflows its "
                 f"{slot.nbytes} bytes",
                 field=name,
-                value=p.offset + n,
+                value=offset + n,
             )
         slot.filled += n
         self._bytes += n
-        return slot.view[p.offset : p.offset + n]
+        return slot.view[offset : offset + n]
 
-    def _destination(self, p: PieceView, view: ChunkView) -> _Slot:
-        """The slot of a tensor the caller gave a destination for: its dtype and shape
-        must be the ones the stream declares."""
-        dst = self._dst[p.name]
-        if isinstance(dst, CodecError):
-            raise dst
-        if (dst.dtype, dst.shape) != (p.dtype, p.shape):
+    def _first_piece(self, p: PieceView, view: ChunkView) -> _Slot:
+        """The slot of a tensor whose first piece ``p`` is: the caller's destination,
+        or a new buffer charged against ``max_bytes``, once ``p`` passed the checks."""
+        name = p.name
+        dst = self._dst.get(name)
+        if (
+            type(dst) is _Slot  # the usual case: a destination of the declared type
+            and (p.dtype, p.shape, p.nbytes) == (dst.dtype, dst.shape, dst.nbytes)
+            and name not in self._columns
+        ):
+            return dst
+        expected = expected_nbytes(name, p.dtype, p.shape)
+        if p.nbytes != expected:
             raise CodecError(
-                f"{self._where(view)}: tensor {p.name!r} is {dtype_name(p.dtype)} {list(p.shape)}, its "
+                f"{self._where(view)}: tensor {name!r} says nbytes={p.nbytes}, but "
+                f"{dtype_name(p.dtype)} {list(p.shape)} needs {expected}",
+                field=name,
+                value=p.nbytes,
+            )
+        if name in self._columns:
+            raise CodecError(
+                f"{self._where(view)}: tensor {name!r} has the name of a column", field=name
+            )
+        if dst is not None:
+            if isinstance(dst, CodecError):
+                raise dst
+            raise CodecError(
+                f"{self._where(view)}: tensor {name!r} is {dtype_name(p.dtype)} {list(p.shape)}, its "
                 f"destination {dtype_name(dst.dtype)} {list(dst.shape)}",
-                field=p.name,
+                field=name,
                 value=list(p.shape),
             )
-        data = dst.data
-        return _Slot(p.dtype, p.shape, p.nbytes, data, data.data, value=self._out[p.name])
+        # Its name and bookkeeping too: many empty tensors with long names are memory as
+        # well (a zero-byte tensor cost nothing before).
+        if self.max_bytes is not None:
+            self._charge(
+                p.nbytes + len(name) + SLOT_OVERHEAD_BYTES,
+                name,
+                f"{self._where(view)}: tensor {name!r} {dtype_name(p.dtype)} "
+                f"{list(p.shape)} ({p.nbytes} bytes)",
+            )
+        try:
+            buffer = np.empty(p.nbytes, dtype=np.uint8)
+        except MemoryError as e:
+            raise StreamTooLarge(
+                f"{self._where(view)}: tensor {name!r} declares {p.nbytes} bytes, more than this "
+                "process can hold",
+                field=name,
+                value=p.nbytes,
+            ) from e
+        return _Slot(p.dtype, p.shape, p.nbytes, buffer, buffer.data)
 
     @property
     def held(self) -> int:
