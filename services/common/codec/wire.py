@@ -201,11 +201,31 @@ def decode_batch(msg: common_pb2.TensorBatch, *, to: To = "torch") -> tuple[Batc
 
 
 def _varint_len(n: int) -> int:
-    return max(1, (n.bit_length() + 6) // 7)
+    return (n.bit_length() + 6) // 7 or 1
 
 
 def encode_varint(n: int) -> bytes:
     """Protobuf base-128 varint of ``n`` >= 0."""
+    # Up to five bytes (any length below 256 MiB, any crc32c) without a loop: framing
+    # is written per chunk and per piece.
+    if n < 0x80:
+        return bytes((n,))
+    if n < 1 << 14:
+        return bytes((n & 0x7F | 0x80, n >> 7))
+    if n < 1 << 21:
+        return bytes((n & 0x7F | 0x80, n >> 7 & 0x7F | 0x80, n >> 14))
+    if n < 1 << 28:
+        return bytes((n & 0x7F | 0x80, n >> 7 & 0x7F | 0x80, n >> 14 & 0x7F | 0x80, n >> 21))
+    if n < 1 << 35:  # a crc32c is 5 bytes more often than not
+        return bytes(
+            (
+                n & 0x7F | 0x80,
+                n >> 7 & 0x7F | 0x80,
+                n >> 14 & 0x7F | 0x80,
+                n >> 21 & 0x7F | 0x80,
+                n >> 28,
+            )
+        )
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -267,9 +287,14 @@ def _planned_piece(
 class _PlannedChunk:
     pieces: list[_PlannedPiece] = field(default_factory=list)
     columns: list[common_pb2.Column] = field(default_factory=list)
+    pieces_size: int = 0  # the pieces' bytes on the wire, framing included
 
     def empty(self) -> bool:
         return not self.pieces and not self.columns
+
+    def add(self, piece: _PlannedPiece) -> None:
+        self.pieces.append(piece)
+        self.pieces_size += len(piece.prefix) + piece.length
 
 
 # The tail of a chunk with nothing but its crc32c: field 7's tag and a varint of up to
@@ -360,13 +385,16 @@ def _plan(
 
     for t in tensors:
         off = 0
+        nbytes = t.nbytes
         base = t.data.ctypes.data  # found once per tensor, not per piece
+        # The header at offset 0 leaves out field 5 (proto3), the last of the header's
+        # fields: at any other offset it is the same bytes followed by field 5.
+        first = header = _piece_header(t, 0)
         while True:
-            header = _piece_header(t, off)
-            rem = t.nbytes - off
+            rem = nbytes - off
             need = _framed(_piece_len(len(header), rem))
             if need <= room:
-                cur.pieces.append(_planned_piece(t, off, rem, header, base))
+                cur.add(_planned_piece(t, off, rem, header, base))
                 room -= need
                 break
             if need <= cap and room < cap:
@@ -381,8 +409,9 @@ def _plan(
                     )
                 next_chunk()
                 continue
-            cur.pieces.append(_planned_piece(t, off, n, header, base))
+            cur.add(_planned_piece(t, off, n, header, base))
             off += n
+            header = first + b"\x28" + encode_varint(off)
             next_chunk()
     if not cur.empty() or not chunks:
         chunks.append(cur)
@@ -713,8 +742,9 @@ def _chunk_bytes(
             msg.digest = sha
         return msg.SerializeToString(deterministic=True)
 
+    final = len(plan) - 1
     for seq, pc in enumerate(plan):
-        last = seq == len(plan) - 1
+        last = seq == final
         # Field order on the wire: 1-3 (head), 4 (pieces), 5-10 (tail), written by hand
         # as protobuf would (proto3: zero and false fields left out).
         head = sid_field
@@ -730,7 +760,7 @@ def _chunk_bytes(
             room = _PLAIN_TAIL_ROOM
         else:
             room = len(full_tail(0xFFFFFFFF, f"{digest}:{'0' * 64}" if last else "", seq, pc))
-        size = len(head) + sum(len(p.prefix) + p.length for p in pc.pieces)
+        size = len(head) + pc.pieces_size
         # A BytesIO over a bytes object it alone holds writes in place and hands that
         # object back from getvalue(): the chunk is built where gRPC will read it,
         # with no join copy (CPython; elsewhere getvalue() copies, still correct).
