@@ -1004,7 +1004,10 @@ def _parse_plain_chunk(buf: memoryview, data_at: list[int]) -> ChunkView | None:
         while pos < end:
             key = buf[pos]
             if key == 0x22 or key == 0x0A:  # a piece, or stream_id
-                length, at = _short_varint(buf, pos + 1, end)
+                if pos + 1 < end and buf[pos + 1] < 0x80:  # a one-byte length, inline
+                    length, at = buf[pos + 1], pos + 2
+                else:
+                    length, at = _short_varint(buf, pos + 1, end)
                 stop = at + length
                 if length < 0 or stop > end:
                     return None
@@ -1017,7 +1020,10 @@ def _parse_plain_chunk(buf: memoryview, data_at: list[int]) -> ChunkView | None:
                     sid = str(buf[at:stop], "utf-8")
                 pos = stop
             elif key == 0x10 or key == 0x18 or key == 0x38:  # seq, last, crc32c
-                value, pos = _short_varint(buf, pos + 1, end)
+                if pos + 1 < end and buf[pos + 1] < 0x80:
+                    value, pos = buf[pos + 1], pos + 2
+                else:
+                    value, pos = _short_varint(buf, pos + 1, end)
                 if value < 0:
                     return None
                 if key == 0x10:
