@@ -1239,16 +1239,17 @@ class ChunkAssembler:
     def add(self, chunk: ChunkLike) -> bool:
         """Add the next chunk (a message, its serialized bytes, or a ChunkView).
         Returns True when the stream is complete and verified."""
-        sources: list[int] | None = None  # the address of each piece's data, where known
-        if isinstance(chunk, ChunkView):
-            view = chunk
-        elif type(chunk) is bytes:  # a subclass may export another buffer
+        # Where each piece's data is, where known: at ``base`` plus its offset.
+        base = 0
+        data_at: list[int] | None = None
+        if type(chunk) is bytes:  # a subclass may export another buffer
             # Immutable and held through this call: its buffer's address is found
             # once, and each piece's data sits at an offset the parser saw.
-            data_at: list[int] = []
+            data_at = []
             view = _parse_chunk(chunk, data_at)
             base = _bytes_address(chunk)
-            sources = [base + at for at in data_at]
+        elif isinstance(chunk, ChunkView):
+            view = chunk
         elif isinstance(chunk, bytes | bytearray | memoryview):
             view = parse_chunk(chunk)
         else:
@@ -1256,7 +1257,7 @@ class ChunkAssembler:
         if self._error is not None:
             raise CodecError(f"stream failed earlier: {self._error}")
         try:
-            return self._add(view, sources)
+            return self._add(view, base, data_at)
         except CodecError as exc:
             self._error = exc  # buffers may hold unverified bytes: refuse to go on
             raise
@@ -1264,7 +1265,7 @@ class ChunkAssembler:
     def _where(self, view: ChunkView) -> str:
         return f"stream {self._stream_id or view.stream_id!r} chunk seq {view.seq}"
 
-    def _add(self, view: ChunkView, sources: list[int] | None) -> bool:
+    def _add(self, view: ChunkView, base: int, data_at: list[int] | None) -> bool:
         # The common chunk (pieces only, nothing wrong) costs a few attribute reads
         # and comparisons here: error texts are built only on the way out, and the
         # stream digest is fed at the end (_finish) from the records kept anyway.
@@ -1311,14 +1312,19 @@ class ChunkAssembler:
             self._add_column(col, view)
         # Check every piece and find its place first, then copy and checksum in one
         # pass; bytes that fail the crc32c are never handed out (the error sticks).
-        places = [self._place(p, view) for p in view.pieces]
+        places = []
+        headers = []  # what the stream digest covers of each piece
+        for p in view.pieces:
+            places.append(self._place(p, view))
+            headers.append((p.name, p.dtype, p.shape, p.nbytes, p.offset, len(p.data)))
         crc = 0
-        for i, (p, dst) in enumerate(zip(view.pieces, places, strict=True)):
+        for i, dst in enumerate(places):
             # _place checked that the piece fits in its tensor's bytes from ``dst`` on.
-            if sources is not None:
-                crc = copy_crc_from(sources[i], dst, crc)
+            if data_at is not None:
+                crc = copy_crc_from(base + data_at[i], dst, crc)
             else:
-                crc = copy_crc_from(np.frombuffer(p.data, dtype=np.uint8).ctypes.data, dst, crc)
+                src = np.frombuffer(view.pieces[i].data, dtype=np.uint8).ctypes.data
+                crc = copy_crc_from(src, dst, crc)
         if crc != view.crc32c:
             raise ChecksumMismatch(
                 f"{self._where(view)}: crc32c of piece data is {crc:#010x}, the chunk says "
@@ -1326,15 +1332,7 @@ class ChunkAssembler:
             )
         if view.meta:
             self._meta.update(view.meta)
-        self._records.append(
-            _Record(
-                view.seq,
-                crc,
-                view.meta,
-                col_bytes,
-                [(p.name, p.dtype, p.shape, p.nbytes, p.offset, len(p.data)) for p in view.pieces],
-            )
-        )
+        self._records.append(_Record(view.seq, crc, view.meta, col_bytes, headers))
         self._next_seq += 1
         if view.last:
             self._finish(view, self._where(view))
