@@ -33,6 +33,7 @@ __all__ = [
     "IMPLEMENTATION",
     "copy_crc",
     "copy_crc_from",
+    "copy_crc_views",
     "crc32c_extend",
 ]
 
@@ -179,3 +180,33 @@ def copy_crc_from(src: int, dst: memoryview, crc: int) -> int:
         ctypes.memmove(d + start, src + start, size)
         crc = _crc_raw(crc, d + start, size)
     return int(crc)
+
+
+def copy_crc_views(src: memoryview, dst: memoryview, crc: int) -> int:
+    """:func:`copy_crc` between two views of bytes (C-contiguous, one-dimensional, the
+    same length; ``dst`` writable), a :data:`BLOCK` at a time, each block copied by
+    slice assignment (a ``memcpy`` under the GIL, checked by the views themselves:
+    no raw addresses) and then checksummed.
+
+    Cheaper per block than :func:`copy_crc_from`, whose ``ctypes`` call releasing the
+    GIL costs about a microsecond: 4% of a weight stream's encode and decode. The
+    GIL is held for one block's copy at a time (about 25 us) and released for its
+    checksum, so other threads still get their turn each block; where a thread must
+    run *during* the copies (a receiver filling the buffer being checksummed), use
+    :func:`copy_crc`."""
+    n = dst.nbytes
+    if src.nbytes != n:
+        raise ValueError(f"copy_crc_views: src has {src.nbytes} bytes, dst {n}")
+    if dst.itemsize != 1 or dst.ndim != 1 or src.itemsize != 1 or src.ndim != 1:
+        raise ValueError("copy_crc_views: src and dst must be one-dimensional views of bytes")
+    extend = _crc_fast if _crc_fast is not None else _extend_view
+    block = BLOCK
+    for start in range(0, n, block):
+        d = dst[start : start + block]
+        d[:] = src[start : start + block]  # refuses a read-only or differently shaped dst
+        crc = extend(d, crc)
+    return int(crc)
+
+
+def _extend_view(data: memoryview, crc: int) -> int:
+    return crc32c_extend(crc, np.frombuffer(data, np.uint8))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rlfleet.common import crc32c as crc32c_module
-from rlfleet.common.crc32c import BLOCK, copy_crc, copy_crc_from
+from rlfleet.common.crc32c import BLOCK, copy_crc, copy_crc_from, copy_crc_views
 
 
 def test_copy_crc_copies_checksums_and_refuses_layouts_it_cannot_address() -> None:
@@ -42,6 +42,32 @@ def test_copy_crc_from_writes_exactly_the_view_it_is_given() -> None:
         copy_crc_from(src.ctypes.data, memoryview(bytes(8)), 0)
     with pytest.raises(ValueError, match="1-D view of bytes"):
         copy_crc_from(src.ctypes.data, memoryview(np.zeros(2, dtype=np.float32)), 0)
+
+
+def test_copy_crc_views_copies_view_to_view_and_refuses_what_the_views_refuse() -> None:
+    """The codec's copy: exactly the destination view is written, the value is
+    google-crc32c's (extended from the one given), and a destination that is
+    read-only, shorter or not of bytes is refused before anything is written."""
+    src = np.random.default_rng(3).integers(0, 256, 2 * BLOCK + 9, dtype=np.uint8)
+    dst = np.full(len(src) + 64, 0xAB, dtype=np.uint8)
+    n = len(src) - 5
+    crc = copy_crc_views(src.data[5:], dst.data[32 : 32 + n], 0)
+    assert crc == google_crc32c.value(src[5:].tobytes())
+    assert np.array_equal(dst[32 : 32 + n], src[5:])
+    assert (dst[:32] == 0xAB).all() and (dst[32 + n :] == 0xAB).all()
+    head = google_crc32c.value(b"abc")
+    assert copy_crc_views(src.data, dst.data[: len(src)], head) == google_crc32c.value(
+        b"abc" + src.tobytes()
+    )
+    assert copy_crc_views(memoryview(b""), dst.data[:0], 5) == 5
+    before = dst.copy()
+    with pytest.raises(TypeError, match="read-only"):
+        copy_crc_views(src.data[:8], memoryview(bytes(8)), 0)
+    with pytest.raises(ValueError, match="src has 9 bytes, dst 8"):
+        copy_crc_views(src.data[:9], dst.data[:8], 0)
+    with pytest.raises(ValueError, match="views of bytes"):
+        copy_crc_views(src.data[:8], memoryview(np.zeros(2, dtype=np.float32)), 0)
+    assert np.array_equal(dst, before)
 
 
 @pytest.fixture(params=["awscrt", "google-crc32c", "google-crc32c-python"])
@@ -80,6 +106,9 @@ def test_every_implementation_gives_google_crc32c_values(implementation: str) ->
     assert resumed == expected
     dst[:] = 0
     assert crc32c_module.copy_crc_from(data.ctypes.data, dst.data, 0) == expected
+    assert np.array_equal(dst, data)
+    dst[:] = 0
+    assert crc32c_module.copy_crc_views(data.data, dst.data, 0) == expected
     assert np.array_equal(dst, data)
 
 

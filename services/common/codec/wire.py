@@ -20,7 +20,8 @@ Copies and checksums: building a chunk copies each piece into the chunk's bytes
 and computes its CRC-32C on the piece while it is still in cache, block by block;
 assembling copies each piece once into its tensor's buffer (freshly allocated, or
 the caller's via ``ChunkAssembler(out=...)``), again with the CRC-32C computed on
-the block just written. Decoded tensors own their memory: they never alias a
+the block just written. Both copy between views of the bytes, a 256 KiB block at a
+time (:func:`~rlfleet.common.crc32c.copy_crc_views`). Decoded tensors own their memory: they never alias a
 message or a received chunk. Every tensor byte is copied exactly once on decode;
 for a single ``TensorBatch`` upb's getter makes one more copy that cannot be
 avoided through its API.
@@ -61,7 +62,7 @@ from rlfleet.common.codec.batch import (
     expected_nbytes,
     split_batch,
 )
-from rlfleet.common.crc32c import copy_crc_from, crc32c_extend
+from rlfleet.common.crc32c import copy_crc_views, crc32c_extend
 from rlfleet.v1 import common_pb2
 
 __all__ = [
@@ -271,16 +272,16 @@ class _PlannedPiece:
     # Field 4's tag and length, the piece header, and field 6's tag and length: all
     # the framing before the data, written when the chunk is built.
     prefix: bytes
-    src: int  # the address of the piece's first byte (the tensor stays alive with the plan)
+    src: memoryview  # the piece's bytes in the tensor
 
 
 def _planned_piece(
-    t: TensorBytes, offset: int, length: int, header: bytes, base: int
+    t: TensorBytes, offset: int, length: int, header: bytes, whole: memoryview
 ) -> _PlannedPiece:
     prefix = b"\x22" + encode_varint(_piece_len(len(header), length)) + header
     if length:
         prefix += b"\x32" + encode_varint(length)
-    return _PlannedPiece(t, offset, length, prefix, base + offset)
+    return _PlannedPiece(t, offset, length, prefix, whole[offset : offset + length])
 
 
 @dataclass(slots=True)
@@ -386,7 +387,7 @@ def _plan(
     for t in tensors:
         off = 0
         nbytes = t.nbytes
-        base = t.data.ctypes.data  # found once per tensor, not per piece
+        whole = t.data.data  # the tensor's bytes, as a view made once
         # The header at offset 0 leaves out field 5 (proto3), the last of the header's
         # fields: at any other offset it is the same bytes followed by field 5.
         first = header = _piece_header(t, 0)
@@ -394,7 +395,7 @@ def _plan(
             rem = nbytes - off
             need = _framed(_piece_len(len(header), rem))
             if need <= room:
-                cur.add(_planned_piece(t, off, rem, header, base))
+                cur.add(_planned_piece(t, off, rem, header, whole))
                 room -= need
                 break
             if need <= cap and room < cap:
@@ -409,7 +410,7 @@ def _plan(
                     )
                 next_chunk()
                 continue
-            cur.add(_planned_piece(t, off, n, header, base))
+            cur.add(_planned_piece(t, off, n, header, whole))
             off += n
             header = first + b"\x28" + encode_varint(off)
             next_chunk()
@@ -542,29 +543,6 @@ if sys.implementation.name == "cpython":
     _uninitialized_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
 else:  # pragma: no cover - other interpreters
     _uninitialized_bytes = None
-
-
-def _bytes_address_ctypes(data: bytes) -> int:
-    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
-
-
-def _bytes_address_fixed(data: bytes) -> int:
-    return id(data) + _BYTES_DATA_OFFSET
-
-
-# Where a bytes object's first byte is: in CPython a fixed offset from the object's
-# address (``id``), checked here against ctypes; elsewhere, and should the check fail,
-# ctypes, which costs a microsecond more per chunk.
-_BYTES_DATA_OFFSET = bytes.__basicsize__ - 1
-_bytes_address = (
-    _bytes_address_fixed
-    if sys.implementation.name == "cpython"
-    and all(
-        _bytes_address_fixed(b) == _bytes_address_ctypes(b)
-        for b in (b"probe-" + bytes(range(40)), bytes(100_000))
-    )
-    else _bytes_address_ctypes
-)
 
 
 def _piece_data(p: _PlannedPiece) -> U8Array:
@@ -765,8 +743,8 @@ def _chunk_bytes(
         # object back from getvalue(): the chunk is built where gRPC will read it,
         # with no join copy (CPython; elsewhere getvalue() copies, still correct).
         # The framing goes first, leaving a hole for each piece's data; then the data
-        # is copied into the holes through views of them (``copy_crc_from``, which lets
-        # other threads run) and checksummed block by block while in cache.
+        # is copied into the holes, view to view (``copy_crc_views``: no raw
+        # addresses), and checksummed block by block while in cache.
         width = _varint_len(size + room)
         outer = b""
         if envelope is not None:
@@ -786,7 +764,7 @@ def _chunk_bytes(
             if len(buf) < data_end:  # each hole must be whole: the source is read as long
                 raise AssertionError(f"chunk buffer of {len(buf)} bytes, holes up to {data_end}")
             for p, at in zip(pc.pieces, holes, strict=True):
-                crc = copy_crc_from(p.src, buf[at : at + p.length], crc)
+                crc = copy_crc_views(p.src, buf[at : at + p.length], crc)
         views = [_piece_data(p).data for p in pc.pieces] if digest == "data" else []
         out.seek(data_end)
         sha = stream_digest.add(seq, crc, views)
@@ -947,22 +925,16 @@ def parse_chunk(data: bytes | bytearray | memoryview) -> ChunkView:
     everything else goes through protobuf. Usable as a gRPC request/response
     deserializer. Raises :class:`CodecError` on malformed bytes.
     """
-    return _parse_chunk(data, [])
-
-
-def _parse_chunk(data: bytes | bytearray | memoryview, data_at: list[int]) -> ChunkView:
-    """:func:`parse_chunk`, appending each piece's data offset in ``data`` to ``data_at``."""
     buf = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
-    view = _parse_plain_chunk(buf, data_at)
+    view = _parse_plain_chunk(buf)
     if view is not None:
         return view
-    del data_at[:]  # the general parse reports every piece again
     rest: list[memoryview] = []
     pieces: list[PieceView] = []
     try:
         for number, wire, start, pos, stop in proto_fields(buf, 0, len(buf)):
             if number == 4 and wire == 2:
-                pieces.append(_parse_piece(buf, pos, stop, data_at))
+                pieces.append(_parse_piece(buf, pos, stop))
             else:
                 rest.append(buf[start:stop])
         msg = common_pb2.TensorBatchChunk.FromString(b"".join(rest))
@@ -986,7 +958,7 @@ def _short_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
     return -1, pos
 
 
-def _parse_plain_chunk(buf: memoryview, data_at: list[int]) -> ChunkView | None:
+def _parse_plain_chunk(buf: memoryview) -> ChunkView | None:
     """The common chunk -- stream_id, seq, last, pieces and crc32c, each field with
     its usual tag and short varints, pieces with their data last -- read field by field
     without protobuf objects for the chunk itself: most of a chunk's parse, which
@@ -1012,7 +984,7 @@ def _parse_plain_chunk(buf: memoryview, data_at: list[int]) -> ChunkView | None:
                 if length < 0 or stop > end:
                     return None
                 if key == 0x22:
-                    piece = _parse_plain_piece(buf, at, stop, data_at)
+                    piece = _parse_plain_piece(buf, at, stop)
                     if piece is None:
                         return None
                     pieces.append(piece)
@@ -1039,9 +1011,7 @@ def _parse_plain_chunk(buf: memoryview, data_at: list[int]) -> ChunkView | None:
     return ChunkView(sid, seq, last, pieces, [], {}, crc, 0, 0, "")
 
 
-def _parse_plain_piece(
-    buf: memoryview, begin: int, end: int, data_at: list[int]
-) -> PieceView | None:
+def _parse_plain_piece(buf: memoryview, begin: int, end: int) -> PieceView | None:
     """A piece whose fields carry their usual tags and varints short enough to be
     read exactly (dtype up to 4 bytes, sizes and dimensions up to 9), with the data
     field, read once, last (as every encoder writes it), read field by field here:
@@ -1062,7 +1032,6 @@ def _parse_plain_piece(
                 length, at = _short_varint(buf, pos, end)
             if length < 0 or at + length != end:
                 return None
-            data_at.append(at)
             return PieceView(name, dtype, tuple(shape), nbytes, offset, buf[at:end])
         if key == 0x0A or key == 0x1A:  # name; shape, packed
             if pos < end and buf[pos] < 0x80:
@@ -1119,7 +1088,7 @@ def _uint63(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
     return -1, pos
 
 
-def _parse_piece(buf: memoryview, begin: int, end: int, data_at: list[int]) -> PieceView:
+def _parse_piece(buf: memoryview, begin: int, end: int) -> PieceView:
     header: list[memoryview] = []
     data_start = data_end = begin
     for number, wire, start, pos, stop in proto_fields(buf, begin, end):
@@ -1128,7 +1097,6 @@ def _parse_piece(buf: memoryview, begin: int, end: int, data_at: list[int]) -> P
         else:
             header.append(buf[start:stop])
     p = common_pb2.TensorPiece.FromString(b"".join(header))
-    data_at.append(data_start)
     data = buf[data_start:data_end]
     return PieceView(p.name, p.dtype, tuple(p.shape), p.nbytes, p.offset, data)
 
@@ -1239,25 +1207,16 @@ class ChunkAssembler:
     def add(self, chunk: ChunkLike) -> bool:
         """Add the next chunk (a message, its serialized bytes, or a ChunkView).
         Returns True when the stream is complete and verified."""
-        # Where each piece's data is, where known: at ``base`` plus its offset.
-        base = 0
-        data_at: list[int] | None = None
-        if type(chunk) is bytes:  # a subclass may export another buffer
-            # Immutable and held through this call: its buffer's address is found
-            # once, and each piece's data sits at an offset the parser saw.
-            data_at = []
-            view = _parse_chunk(chunk, data_at)
-            base = _bytes_address(chunk)
+        if isinstance(chunk, bytes | bytearray | memoryview):
+            view = parse_chunk(chunk)
         elif isinstance(chunk, ChunkView):
             view = chunk
-        elif isinstance(chunk, bytes | bytearray | memoryview):
-            view = parse_chunk(chunk)
         else:
             view = ChunkView.from_proto(chunk)
         if self._error is not None:
             raise CodecError(f"stream failed earlier: {self._error}")
         try:
-            return self._add(view, base, data_at)
+            return self._add(view)
         except CodecError as exc:
             self._error = exc  # buffers may hold unverified bytes: refuse to go on
             raise
@@ -1265,7 +1224,7 @@ class ChunkAssembler:
     def _where(self, view: ChunkView) -> str:
         return f"stream {self._stream_id or view.stream_id!r} chunk seq {view.seq}"
 
-    def _add(self, view: ChunkView, base: int, data_at: list[int] | None) -> bool:
+    def _add(self, view: ChunkView) -> bool:
         # The common chunk (pieces only, nothing wrong) costs a few attribute reads
         # and comparisons here: error texts are built only on the way out, and the
         # stream digest is fed at the end (_finish) from the records kept anyway.
@@ -1320,11 +1279,8 @@ class ChunkAssembler:
         crc = 0
         for i, dst in enumerate(places):
             # _place checked that the piece fits in its tensor's bytes from ``dst`` on.
-            if data_at is not None:
-                crc = copy_crc_from(base + data_at[i], dst, crc)
-            else:
-                src = np.frombuffer(view.pieces[i].data, dtype=np.uint8).ctypes.data
-                crc = copy_crc_from(src, dst, crc)
+            data = view.pieces[i].data
+            crc = copy_crc_views(data if type(data) is memoryview else memoryview(data), dst, crc)
         if crc != view.crc32c:
             raise ChecksumMismatch(
                 f"{self._where(view)}: crc32c of piece data is {crc:#010x}, the chunk says "
