@@ -533,6 +533,37 @@ def test_corrupt_piece_is_refused_when_decoding_into_a_buffer() -> None:
         asm.result()
 
 
+def test_stream_digests_keep_their_known_values() -> None:
+    """What the stream digest covers, byte for byte, is part of the wire format: a
+    fixed stream (tensors split across chunks, columns, meta) keeps the digests it
+    had when the format was set, under both schemes, and the assembler agrees."""
+    batch = {
+        "a": torch.arange(3000, dtype=torch.float32),
+        "b": torch.ones(7, dtype=torch.int8),
+        "c": ["x", "y"],
+        "d": torch.zeros(2, 3, dtype=torch.bfloat16),
+    }
+    known = {
+        "chunks": "chunks:5da20b1b09f13d50409debab06d6c4b3d7fd259aa3da728ac767f10f7ac58920",
+        "data": "data:284799bc3b151c45fe4e4c6249b623b7312cd636c7d2f4c6106332c70c51c2b6",
+    }
+    for scheme, want in known.items():
+        msgs = list(
+            wire.iter_chunks(
+                batch, {"k": "v", "a": "b"}, max_chunk_bytes=1024, stream_id="s", digest=scheme
+            )  # type: ignore[arg-type]
+        )
+        assert len(msgs) == 14 and msgs[-1].digest == want
+        wires = list(
+            wire.iter_chunk_bytes(
+                batch, {"k": "v", "a": "b"}, max_chunk_bytes=1024, stream_id="s", digest=scheme
+            )  # type: ignore[arg-type]
+        )
+        assert wire.parse_chunk(wires[-1]).digest == want
+        values, meta = wire.assemble_chunks(wires)
+        assert torch.equal(values["a"], batch["a"]) and meta == {"k": "v", "a": "b"}
+
+
 def test_parse_chunk_accepts_other_field_orders() -> None:
     # Pieces after the tail and data before the header: still a valid encoding.
     (msg,) = wire.iter_chunks({"x": torch.arange(4)}, {"m": "1"}, stream_id="s")

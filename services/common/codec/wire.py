@@ -434,32 +434,40 @@ class _Record:
     pieces: list[tuple[str, int, tuple[int, ...], int, int, int]]
 
 
+_DIGEST_RECORD = struct.Struct("<IIQQQ")
+_DIGEST_LEN = struct.Struct("<Q")
+_DIGEST_PIECE = struct.Struct("<iQQQQ")
+
+
 def _digest(h: Any, rec: _Record, data: Sequence[memoryview | bytes] | None) -> None:
     """Feed one chunk to the stream's sha256: seq, crc32c, meta, serialized columns and
     every piece header, plus the piece bytes themselves for the ``data:`` scheme
-    (the ``chunks:`` scheme binds them through the crc32c instead)."""
-
-    def text(s: str) -> None:
-        b = s.encode()
-        h.update(struct.pack("<Q", len(b)))
-        h.update(b)
-
-    h.update(
-        struct.pack("<IIQQQ", rec.seq, rec.crc, len(rec.meta), len(rec.col_bytes), len(rec.pieces))
-    )
+    (the ``chunks:`` scheme binds them through the crc32c instead). Strings go as
+    their length (``<Q``) and UTF-8 bytes; numbers little-endian, unpadded. The
+    parts are joined and fed at once (a chunk's are a few dozen bytes)."""
+    parts = [
+        _DIGEST_RECORD.pack(rec.seq, rec.crc, len(rec.meta), len(rec.col_bytes), len(rec.pieces))
+    ]
     for k in sorted(rec.meta):
-        text(k)
-        text(rec.meta[k])
+        for text in (k, rec.meta[k]):
+            b = text.encode()
+            parts += (_DIGEST_LEN.pack(len(b)), b)
     for cb in rec.col_bytes:
-        h.update(struct.pack("<Q", len(cb)))
-        h.update(cb)
+        parts += (_DIGEST_LEN.pack(len(cb)), cb)
     for i, (name, dtype, shape, nbytes, offset, length) in enumerate(rec.pieces):
-        text(name)
-        h.update(
-            struct.pack(f"<iQQQQ{len(shape)}q", dtype, nbytes, offset, length, len(shape), *shape)
+        b = name.encode()
+        parts += (
+            _DIGEST_LEN.pack(len(b)),
+            b,
+            _DIGEST_PIECE.pack(dtype, nbytes, offset, length, len(shape)),
         )
+        if shape:
+            parts.append(struct.pack(f"<{len(shape)}q", *shape))
         if data is not None:
+            h.update(b"".join(parts))
+            parts = []
             h.update(data[i])
+    h.update(b"".join(parts))
 
 
 def _prepare(
