@@ -564,6 +564,33 @@ def test_stream_digests_keep_their_known_values() -> None:
         assert torch.equal(values["a"], batch["a"]) and meta == {"k": "v", "a": "b"}
 
 
+def test_hand_built_chunk_views_with_any_contiguous_data_assemble() -> None:
+    """A ChunkView built by hand may carry piece data as any contiguous buffer (here
+    float32 views): it counts as its bytes. Data that is not contiguous is refused
+    as a CodecError naming the tensor, before anything is copied, and the refusal
+    sticks."""
+    batch = {"w": torch.arange(64, dtype=torch.float32), "b": torch.ones(100, dtype=torch.int8)}
+
+    def views() -> list[wire.ChunkView]:
+        msgs = wire.iter_chunks(batch, max_chunk_bytes=450, stream_id="s")
+        return [wire.ChunkView.from_proto(m) for m in msgs]
+
+    chunks = views()
+    assert len(chunks) == 2 and [p.name for p in chunks[0].pieces] == ["w"]
+    piece = chunks[0].pieces[0]
+    piece.data = memoryview(np.frombuffer(bytes(piece.data), dtype=np.float32))
+    values, _ = wire.assemble_chunks(chunks)
+    assert torch.equal(values["w"], batch["w"]) and torch.equal(values["b"], batch["b"])
+    chunks = views()
+    piece = chunks[0].pieces[0]
+    piece.data = memoryview(np.frombuffer(bytes(piece.data) * 2, dtype=np.uint8))[::2]
+    asm = wire.ChunkAssembler()
+    with pytest.raises(CodecError, match="'w' piece data is not contiguous"):
+        asm.add(chunks[0])
+    with pytest.raises(CodecError, match="failed earlier"):
+        asm.add(chunks[1])
+
+
 def test_parse_chunk_accepts_other_field_orders() -> None:
     # Pieces after the tail and data before the header: still a valid encoding.
     (msg,) = wire.iter_chunks({"x": torch.arange(4)}, {"m": "1"}, stream_id="s")

@@ -60,13 +60,18 @@ def test_copy_crc_views_copies_view_to_view_and_refuses_what_the_views_refuse() 
         b"abc" + src.tobytes()
     )
     assert copy_crc_views(memoryview(b""), dst.data[:0], 5) == 5
+    assert copy_crc_views(memoryview(b""), memoryview(b""), 5) == 5  # nothing to write
     before = dst.copy()
-    with pytest.raises(TypeError, match="read-only"):
+    with pytest.raises(ValueError, match="dst is read-only"):
         copy_crc_views(src.data[:8], memoryview(bytes(8)), 0)
+    strided = np.zeros(4 * BLOCK, dtype=np.uint8)
+    with pytest.raises(ValueError, match="dst must be a contiguous 1-D view"):
+        copy_crc_views(src.data[: 2 * BLOCK], strided.data[::2], 0)
+    assert not strided.any()
     with pytest.raises(ValueError, match="src has 9 bytes, dst 8"):
         copy_crc_views(src.data[:9], dst.data[:8], 0)
-    with pytest.raises(ValueError, match="views of bytes"):
-        copy_crc_views(src.data[:8], memoryview(np.zeros(2, dtype=np.float32)), 0)
+    with pytest.raises(ValueError, match="src must be a contiguous 1-D view"):
+        copy_crc_views(memoryview(np.zeros(2, dtype=np.float32)), dst.data[:8], 0)
     assert np.array_equal(dst, before)
 
 

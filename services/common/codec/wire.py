@@ -1279,16 +1279,20 @@ class ChunkAssembler:
             self._add_column(col, view)
         # Check every piece and find its place first, then copy and checksum in one
         # pass; bytes that fail the crc32c are never handed out (the error sticks).
+        sources = []
         places = []
         headers = []  # what the stream digest covers of each piece
         for p in view.pieces:
-            places.append(self._place(p, view))
-            headers.append((p.name, p.dtype, p.shape, p.nbytes, p.offset, len(p.data)))
+            src = p.data
+            if type(src) is not memoryview or src.format != "B" or not src.c_contiguous:
+                src = self._piece_bytes(p, view)  # a ChunkView built by hand
+            sources.append(src)
+            places.append(self._place(p, view, src.nbytes))
+            headers.append((p.name, p.dtype, p.shape, p.nbytes, p.offset, src.nbytes))
         crc = 0
-        for i, dst in enumerate(places):
+        for src, dst in zip(sources, places, strict=True):
             # _place checked that the piece fits in its tensor's bytes from ``dst`` on.
-            data = view.pieces[i].data
-            crc = copy_crc_views(data if type(data) is memoryview else memoryview(data), dst, crc)
+            crc = copy_crc_views(src, dst, crc)
         if crc != view.crc32c:
             raise ChecksumMismatch(
                 f"{self._where(view)}: crc32c of piece data is {crc:#010x}, the chunk says "
@@ -1316,12 +1320,22 @@ class ChunkAssembler:
         else:
             have[1].extend(rows)
 
-    def _place(self, p: PieceView, view: ChunkView) -> memoryview:
-        """Check a piece against its tensor (allocating the tensor's buffer at its
-        first piece) and return the bytes it fills (as long as the piece's data)."""
+    def _piece_bytes(self, p: PieceView, view: ChunkView) -> memoryview:
+        """A piece's data as a flat view of its bytes (``bytes``, or a view of any
+        contiguous buffer); CodecError for data that is not contiguous."""
+        data = memoryview(p.data)
+        if not data.c_contiguous:
+            raise CodecError(
+                f"{self._where(view)}: tensor {p.name!r} piece data is not contiguous bytes",
+                field=p.name,
+            )
+        return data if data.format == "B" and data.ndim == 1 else data.cast("B")
+
+    def _place(self, p: PieceView, view: ChunkView, n: int) -> memoryview:
+        """Check a piece of ``n`` bytes against its tensor (allocating the tensor's
+        buffer at its first piece) and return the bytes it fills."""
         name = p.name
         slot = self._slots.get(name)
-        n = p.data.nbytes if isinstance(p.data, memoryview) else len(p.data)
         if slot is None:
             slot = self._slots[name] = self._first_piece(p, view)
         elif (p.dtype, p.shape, p.nbytes) != (slot.dtype, slot.shape, slot.nbytes):
