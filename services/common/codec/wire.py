@@ -21,10 +21,10 @@ and computes its CRC-32C on the piece while it is still in cache, block by block
 assembling copies each piece once into its tensor's buffer (freshly allocated, or
 the caller's via ``ChunkAssembler(out=...)``), again with the CRC-32C computed on
 the block just written. Both copy between views of the bytes, a 256 KiB block at a
-time (:func:`~rlfleet.common.crc32c.copy_crc_views`). Decoded tensors own their memory: they never alias a
-message or a received chunk. Every tensor byte is copied exactly once on decode;
-for a single ``TensorBatch`` upb's getter makes one more copy that cannot be
-avoided through its API.
+time (:func:`~rlfleet.common.crc32c.copy_crc_views`). Decoded tensors own their
+memory: they never alias a message or a received chunk. Every tensor byte is copied
+exactly once on decode; for a single ``TensorBatch`` upb's getter makes one more
+copy that cannot be avoided through its API.
 
 Every malformed input raises :class:`~rlfleet.common.codec.batch.CodecError` (a
 ``ValueError``) with a message naming the tensor, column or chunk and the actual
@@ -969,8 +969,8 @@ def _short_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
 def _parse_plain_chunk(buf: memoryview) -> ChunkView | None:
     """The common chunk -- stream_id, seq, last, pieces and crc32c, each field with
     its usual tag and short varints, pieces with their data last -- read field by field
-    without protobuf objects for the chunk itself: most of a chunk's parse, which
-    runs right after megabytes of copying and so with cold caches. None for anything
+    without protobuf objects: most of a chunk's parse, which runs right after
+    megabytes of copying and so with cold caches. None for anything
     else (columns, meta, totals, unknown fields, long varints, other layouts, malformed
     bytes): the general parse then reads it as protobuf does. What is read here is
     what protobuf reads (the last of a repeated scalar wins; uint32 keeps 32 bits)."""
