@@ -951,18 +951,18 @@ def parse_chunk(data: bytes | bytearray | memoryview) -> ChunkView:
     return ChunkView._with_pieces(msg, pieces)
 
 
-def _short_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
-    """The varint at ``pos`` if it is at most 5 bytes long and within ``end`` (any
-    uint32 is), as (value, position after it); (-1, pos) otherwise."""
-    result = 0
-    for shift in (0, 7, 14, 21, 28):
-        if pos >= end:
-            return -1, pos
+def _bounded_varint(buf: memoryview, pos: int, end: int, bits: int) -> tuple[int, int]:
+    """The varint at ``pos`` if it is within ``end`` and short enough to carry at most
+    ``bits`` bits (35: five bytes, any uint32; 63: nine bytes, read the same as an
+    int64 or a uint64), as (value, position after it); (-1, pos) otherwise."""
+    result = shift = 0
+    while pos < end and shift < bits:
         b = buf[pos]
         pos += 1
         result |= (b & 0x7F) << shift
         if b < 0x80:
             return result, pos
+        shift += 7
     return -1, pos
 
 
@@ -987,7 +987,7 @@ def _parse_plain_chunk(buf: memoryview) -> ChunkView | None:
                 if pos + 1 < end and buf[pos + 1] < 0x80:  # a one-byte length, inline
                     length, at = buf[pos + 1], pos + 2
                 else:
-                    length, at = _short_varint(buf, pos + 1, end)
+                    length, at = _bounded_varint(buf, pos + 1, end, 35)
                 stop = at + length
                 if length < 0 or stop > end:
                     return None
@@ -1003,7 +1003,7 @@ def _parse_plain_chunk(buf: memoryview) -> ChunkView | None:
                 if pos + 1 < end and buf[pos + 1] < 0x80:
                     value, pos = buf[pos + 1], pos + 2
                 else:
-                    value, pos = _short_varint(buf, pos + 1, end)
+                    value, pos = _bounded_varint(buf, pos + 1, end, 35)
                 if value < 0:
                     return None
                 if key == 0x10:
@@ -1037,7 +1037,7 @@ def _parse_plain_piece(buf: memoryview, begin: int, end: int) -> PieceView | Non
             if pos < end and buf[pos] < 0x80:
                 length, at = buf[pos], pos + 1
             else:
-                length, at = _short_varint(buf, pos, end)
+                length, at = _bounded_varint(buf, pos, end, 35)
             if length < 0 or at + length != end:
                 return None
             return PieceView(name, dtype, tuple(shape), nbytes, offset, buf[at:end])
@@ -1045,7 +1045,7 @@ def _parse_plain_piece(buf: memoryview, begin: int, end: int) -> PieceView | Non
             if pos < end and buf[pos] < 0x80:
                 length, at = buf[pos], pos + 1
             else:
-                length, at = _short_varint(buf, pos, end)
+                length, at = _bounded_varint(buf, pos, end, 35)
             stop = at + length
             if length < 0 or stop > end:
                 return None
@@ -1056,7 +1056,7 @@ def _parse_plain_piece(buf: memoryview, begin: int, end: int) -> PieceView | Non
                     return None
             else:  # repeated: a second run of dimensions adds to the first
                 while at < stop:
-                    value, at = _uint63(buf, at, stop)
+                    value, at = _bounded_varint(buf, at, stop, 63)
                     if value < 0:
                         return None
                     shape.append(value)
@@ -1065,7 +1065,7 @@ def _parse_plain_piece(buf: memoryview, begin: int, end: int) -> PieceView | Non
             if pos < end and buf[pos] < 0x80:
                 value, pos = buf[pos], pos + 1
             else:
-                value, pos = _uint63(buf, pos, end)
+                value, pos = _bounded_varint(buf, pos, end, 63)
             if value < 0:
                 return None
             if key == 0x20:
@@ -1079,21 +1079,6 @@ def _parse_plain_piece(buf: memoryview, begin: int, end: int) -> PieceView | Non
         else:
             return None
     return None
-
-
-def _uint63(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
-    """The varint at ``pos`` if it is at most 9 bytes long and within ``end`` (below
-    2**63: read the same as an int64 or a uint64), as (value, position after it);
-    (-1, pos) otherwise."""
-    result = shift = 0
-    while pos < end and shift < 63:
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, pos
-        shift += 7
-    return -1, pos
 
 
 def _parse_piece(buf: memoryview, begin: int, end: int) -> PieceView:
