@@ -968,12 +968,12 @@ def _bounded_varint(buf: memoryview, pos: int, end: int, bits: int) -> tuple[int
 
 def _parse_plain_chunk(buf: memoryview) -> ChunkView | None:
     """The common chunk -- stream_id, seq, last, pieces and crc32c, each field with
-    its usual tag and short varints, pieces with their data last -- read field by field
-    without protobuf objects: most of a chunk's parse, which runs right after
-    megabytes of copying and so with cold caches. None for anything
-    else (columns, meta, totals, unknown fields, long varints, other layouts, malformed
-    bytes): the general parse then reads it as protobuf does. What is read here is
-    what protobuf reads (the last of a repeated scalar wins; uint32 keeps 32 bits)."""
+    its usual tag and short varints, pieces with their data last -- read field by
+    field without protobuf objects: most of a chunk's parse, which runs right after
+    megabytes of copying and so with cold caches. None for anything else (columns,
+    meta, totals, unknown fields, long varints, other layouts, malformed bytes): the
+    general parse then reads it as protobuf does. What is read here is what protobuf
+    reads (the last of a repeated scalar wins; uint32 keeps 32 bits)."""
     end = len(buf)
     pos = 0
     sid = ""
