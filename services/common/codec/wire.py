@@ -871,18 +871,14 @@ class ChunkView:
 
 
 def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= end:
-            raise CodecError("truncated varint in chunk")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise CodecError("varint longer than 10 bytes in chunk")
+    """The varint at ``pos`` (up to 10 bytes, as protobuf reads them) and the position
+    after it; CodecError if it is truncated or longer."""
+    value, after = _bounded_varint(buf, pos, end, 70)
+    if value >= 0:
+        return value, after
+    if after - pos >= 10:
+        raise CodecError("varint longer than 10 bytes in chunk")
+    raise CodecError("truncated varint in chunk")
 
 
 def proto_fields(buf: memoryview, pos: int, end: int) -> list[tuple[int, int, int, int, int]]:
