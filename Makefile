@@ -14,9 +14,9 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-# Re-runs only when the dependency list changes. torch goes in first, pinned,
-# so that no later requirement drags in a CUDA build.
-$(STAMP): pyproject.toml
+# Re-runs only when the dependency list or the C extension (setup.py) changes.
+# torch goes in first, pinned, so that no later requirement drags in a CUDA build.
+$(STAMP): pyproject.toml setup.py services/common/_copycrc.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
@@ -104,3 +104,4 @@ test-vllm: $(VLLM_STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -f services/common/_copycrc*.so

@@ -17,6 +17,14 @@ Two implementations, the first that loads is used (:data:`IMPLEMENTATION`):
 
 Both give the same values (checked at import against a known one); which one runs
 is a matter of speed only, never of what goes on the wire.
+
+The copies (:func:`copy_crc`, :func:`copy_crc_views`) run in one pass where the
+package's C extension ``rlfleet.common._copycrc`` was built and the CPU has SSE4.2
+(:data:`COPY_IMPLEMENTATION` ``"native"``): each byte is checksummed from a register
+as it is stored, three lanes side by side, and the GIL is released for the copy.
+Elsewhere (``"blocks"``) they copy a :data:`BLOCK` at a time in Python and checksum
+each block right after writing it, while it is in cache. The extension is checked
+at import against the functions above; it too changes speed only.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import numpy as np
 
 __all__ = [
     "BLOCK",
+    "COPY_IMPLEMENTATION",
     "CRC_RELEASES_GIL",
     "IMPLEMENTATION",
     "copy_crc",
@@ -124,18 +133,57 @@ def crc32c_extend(crc: int, data: np.ndarray) -> int:
 BLOCK = 1 << 18
 
 
-def copy_crc(src: np.ndarray, dst: np.ndarray, crc: int) -> int:
-    """Copy ``src`` into ``dst`` (C-contiguous uint8, same length) a :data:`BLOCK`
-    at a time, extending ``crc`` with each block right after writing it.
+def _load_native() -> Callable[[object, object, int], int] | None:
+    """The extension's ``copy_crc32c(dst, src, crc)``, or None where it was not built,
+    the CPU lacks SSE4.2, or it disagrees with :func:`crc32c_extend` on a probe long
+    enough for its three-lane path (checked once, at import)."""
+    try:
+        from rlfleet.common import _copycrc
+    except ImportError:
+        return None
+    if not getattr(_copycrc, "AVAILABLE", 0):
+        return None
+    fn: Callable[[object, object, int], int] = _copycrc.copy_crc32c
+    probe = (np.arange(3 * int(_copycrc.LANE) + 13, dtype=np.uint32) * 2654435761 >> 24).astype(
+        np.uint8
+    )
+    out = np.zeros_like(probe)
+    try:
+        ok = (
+            fn(bytearray(len(_PROBE)), _PROBE, 0) == _CHECK
+            and fn(out, probe, 12345) == crc32c_extend(12345, probe)
+            and np.array_equal(out, probe)
+        )
+    except Exception:  # any surprise from the extension: copy in Python instead
+        return None
+    return fn if ok else None
 
-    Both steps are C calls that release the GIL (``memmove`` through ``ctypes`` on
-    raw addresses, then the checksum): other threads (gRPC's, a receiver's) run
-    meanwhile, and a 256 KiB block costs two calls."""
+
+_copy_native = _load_native()
+
+#: How :func:`copy_crc` and :func:`copy_crc_views` run: ``"native"`` (one pass in the
+#: C extension, GIL released from 64 KiB) or ``"blocks"`` (Python, a :data:`BLOCK`
+#: at a time).
+COPY_IMPLEMENTATION = "native" if _copy_native is not None else "blocks"
+
+
+def copy_crc(src: np.ndarray, dst: np.ndarray, crc: int) -> int:
+    """Copy ``src`` into ``dst`` (C-contiguous uint8, same length), extending ``crc``
+    with the bytes copied.
+
+    Without the GIL, so that other threads (gRPC's, a receiver's) run meanwhile: in one
+    pass where the extension is there (:data:`COPY_IMPLEMENTATION`), else a
+    :data:`BLOCK` at a time, each block's two C calls (``memmove`` through ``ctypes``
+    on raw addresses, then the checksum) releasing it."""
     for name, a in (("src", src), ("dst", dst)):
         if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
             raise ValueError(f"copy_crc: {name} must be a contiguous 1-D uint8 array")
     if len(src) != len(dst):
         raise ValueError(f"copy_crc: src has {len(src)} bytes, dst {len(dst)}")
+    if _copy_native is not None and len(dst):
+        if not dst.flags.writeable:
+            raise ValueError("copy_crc: dst is read-only")
+        return int(_copy_native(dst, src, crc))
     return copy_crc_from(src.ctypes.data, dst.data, crc)
 
 
@@ -184,16 +232,18 @@ def copy_crc_from(src: int, dst: memoryview, crc: int) -> int:
 
 def copy_crc_views(src: memoryview, dst: memoryview, crc: int) -> int:
     """:func:`copy_crc` between two views of bytes (C-contiguous, one-dimensional, the
-    same length and format; ``dst`` writable), a :data:`BLOCK` at a time, each block
-    copied by slice assignment (a ``memcpy`` under the GIL, bounds kept by the views
-    themselves: no raw addresses) and then checksummed. ``ValueError`` for views
-    that do not fit, before anything is written.
+    same length and format; ``dst`` writable); ``ValueError`` for views that do not
+    fit, before anything is written. Bounds are kept by the views themselves: no raw
+    addresses.
 
-    Cheaper per block than :func:`copy_crc_from`, whose ``ctypes`` call releasing the
-    GIL costs about a microsecond: 4% of a weight stream's encode and decode. The
-    GIL is held for one block's copy at a time (about 25 us) and released for its
-    checksum, so other threads still get their turn each block; where a thread must
-    run *during* the copies (a receiver filling the buffer being checksummed), use
+    With the extension (:data:`COPY_IMPLEMENTATION` ``"native"``), one call copies and
+    checksums in one pass, without the GIL from 64 KiB. Without it, a :data:`BLOCK`
+    at a time: each block copied by slice assignment (a ``memcpy`` under the GIL) and
+    then checksummed. That is cheaper per block than :func:`copy_crc_from`, whose
+    ``ctypes`` call releasing the GIL costs about a microsecond. The GIL is then held
+    for one block's copy at a time (about 25 us) and released for its checksum, so
+    other threads still get their turn each block; where a thread must run *during*
+    the copies (a receiver filling the buffer being checksummed), use
     :func:`copy_crc`."""
     n = dst.nbytes
     if src.nbytes != n:
@@ -205,6 +255,8 @@ def copy_crc_views(src: memoryview, dst: memoryview, crc: int) -> int:
             raise ValueError(f"copy_crc_views: {name} must be a contiguous 1-D view of bytes")
     if dst.readonly and n:
         raise ValueError("copy_crc_views: dst is read-only")
+    if _copy_native is not None and n:
+        return int(_copy_native(dst, src, crc))
     extend = _crc_fast if _crc_fast is not None else _extend_view
     block = BLOCK
     for start in range(0, n, block):

@@ -1,6 +1,9 @@
-"""copy_crc: the copy that checksums what it writes, on raw addresses."""
+"""copy_crc: the copy that checksums what it writes, in one pass (the C extension)
+or a block at a time (Python), and the checksum implementations behind it."""
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import google_crc32c
 import numpy as np
@@ -9,8 +12,26 @@ import pytest
 from rlfleet.common import crc32c as crc32c_module
 from rlfleet.common.crc32c import BLOCK, copy_crc, copy_crc_from, copy_crc_views
 
+# The one-pass copy as loaded at import (None where the extension was not built or
+# the CPU lacks SSE4.2).
+_NATIVE = crc32c_module._copy_native
 
-def test_copy_crc_copies_checksums_and_refuses_layouts_it_cannot_address() -> None:
+
+@pytest.fixture(params=["native", "blocks"])
+def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each way the copies can run, made the one in use: the C extension's one pass,
+    and Python's blocks (what runs where the extension is absent)."""
+    if request.param == "native" and _NATIVE is None:
+        pytest.skip("the C extension rlfleet.common._copycrc is not built here (or no SSE4.2)")
+    monkeypatch.setattr(
+        crc32c_module, "_copy_native", _NATIVE if request.param == "native" else None
+    )
+    return str(request.param)
+
+
+def test_copy_crc_copies_checksums_and_refuses_layouts_it_cannot_address(
+    copy_path: str,
+) -> None:
     src = np.random.default_rng(0).integers(0, 256, 3 * BLOCK + 17, dtype=np.uint8)
     dst = np.zeros_like(src)
     assert copy_crc(src, dst, 0) == google_crc32c.value(src.tobytes())
@@ -44,7 +65,9 @@ def test_copy_crc_from_writes_exactly_the_view_it_is_given() -> None:
         copy_crc_from(src.ctypes.data, memoryview(np.zeros(2, dtype=np.float32)), 0)
 
 
-def test_copy_crc_views_copies_view_to_view_and_refuses_what_the_views_refuse() -> None:
+def test_copy_crc_views_copies_view_to_view_and_refuses_what_the_views_refuse(
+    copy_path: str,
+) -> None:
     """The codec's copy: exactly the destination view is written, the value is
     google-crc32c's (extended from the one given), and a destination that is
     read-only, shorter or not of bytes is refused before anything is written."""
@@ -90,7 +113,9 @@ def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     return str(name)
 
 
-def test_every_implementation_gives_google_crc32c_values(implementation: str) -> None:
+def test_every_implementation_gives_google_crc32c_values(
+    implementation: str, copy_path: str
+) -> None:
     """Which implementation runs changes speed only: each one's values, whole and
     extended piece by piece (pieces of any length, empty ones too), and copy_crc's
     copy and value are google-crc32c's."""
@@ -124,3 +149,76 @@ def test_the_fastest_importable_implementation_is_the_one_in_use() -> None:
         pytest.skip("awscrt is not importable here")
     assert crc32c_module.IMPLEMENTATION == "awscrt"
     assert crc32c_module.CRC_RELEASES_GIL
+
+
+# ------------------------------------------------------------------ the C extension
+
+
+def _native_module() -> ModuleType:
+    if _NATIVE is None:
+        pytest.skip("the C extension rlfleet.common._copycrc is not built here (or no SSE4.2)")
+    from rlfleet.common import _copycrc
+
+    return _copycrc
+
+
+def test_the_one_pass_copy_is_in_use_where_it_was_built() -> None:
+    """Where the extension imports and the CPU has SSE4.2, the copies use it."""
+    try:
+        from rlfleet.common import _copycrc
+    except ImportError:
+        pytest.skip("the C extension rlfleet.common._copycrc is not built here")
+    in_use = crc32c_module.COPY_IMPLEMENTATION
+    assert in_use == ("native" if _copycrc.AVAILABLE else "blocks")
+
+
+def test_one_pass_copy_matches_google_crc32c_at_every_lane_boundary() -> None:
+    """Runs of three lanes and the tails after them (eight bytes, then single ones),
+    at offsets that leave both sides unaligned, continuing a given crc: the bytes
+    copied and the value are google-crc32c's, and nothing outside dst is written."""
+    ext = _native_module()
+    run = 3 * ext.LANE
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, 3 * run + 64, dtype=np.uint8)
+    for n in [0, 1, 7, 8, 9, 15, run - 1, run, run + 1, run + 8, 2 * run + 13, 3 * run]:
+        for src_off, dst_off in [(0, 0), (3, 0), (0, 5), (7, 1)]:
+            src = data[src_off : src_off + n]
+            out = np.full(n + 16, 0xCD, dtype=np.uint8)
+            dst = out[dst_off : dst_off + n]
+            crc = int(rng.integers(0, 2**32))
+            assert ext.copy_crc32c(dst, src, crc) == google_crc32c.extend(crc, src.tobytes())
+            assert np.array_equal(dst, src)
+            assert (out[:dst_off] == 0xCD).all() and (out[dst_off + n :] == 0xCD).all()
+
+
+def test_one_pass_copy_moves_overlapping_views_like_memmove() -> None:
+    """Two views of one buffer that overlap, either way round: the result is what
+    memmove leaves, and the value is the CRC-32C of the bytes moved."""
+    ext = _native_module()
+    n = 3 * ext.LANE + 100
+    for src_at, dst_at in [(50, 0), (0, 50)]:
+        buf = (np.arange(n + 50) % 251).astype(np.uint8)
+        moved = buf[src_at : src_at + n].tobytes()
+        crc = ext.copy_crc32c(buf.data[dst_at : dst_at + n], buf.data[src_at : src_at + n], 0)
+        assert buf[dst_at : dst_at + n].tobytes() == moved
+        assert crc == google_crc32c.value(moved)
+
+
+def test_one_pass_copy_refuses_what_it_cannot_do() -> None:
+    """A read-only or shorter destination, a crc that is not a 32-bit value, or a
+    source that is not a buffer: an error, and the destination untouched."""
+    ext = _native_module()
+    dst = bytearray(4)
+    with pytest.raises(BufferError):
+        ext.copy_crc32c(b"abcd", b"wxyz", 0)
+    with pytest.raises(ValueError, match="src has 4 bytes, dst 3"):
+        ext.copy_crc32c(memoryview(dst)[:3], b"wxyz", 0)
+    with pytest.raises(ValueError, match="not a 32-bit value"):
+        ext.copy_crc32c(dst, b"wxyz", 2**32)
+    with pytest.raises(OverflowError):
+        ext.copy_crc32c(dst, b"wxyz", -1)
+    with pytest.raises(TypeError):
+        ext.copy_crc32c(dst, "wxyz", 0)
+    with pytest.raises(TypeError):
+        ext.copy_crc32c(dst, b"wxyz", 1.0)
+    assert dst == bytearray(4)
