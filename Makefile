@@ -86,7 +86,7 @@ VLLM_BASE_DEPS := grpcio grpcio-health-checking grpcio-reflection protobuf googl
 
 setup-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml Makefile
+$(VLLM_STAMP): pyproject.toml Makefile setup.py services/common/_copycrc.c
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) install -q --upgrade pip
 	$(VLLM_PIP) install -q torch==$(TORCH_VERSION)

@@ -1,7 +1,9 @@
 """The build's one native part: the copy that computes CRC-32C in the same pass
 (``services/common/_copycrc.c``). It is optional: where it cannot be compiled (no C
-compiler, a CPU without SSE4.2), the install goes on and ``rlfleet.common.crc32c``
-copies in Python blocks instead. Everything else is in ``pyproject.toml``."""
+compiler), the install goes on; where it is not usable (it needs gcc or clang on
+x86-64, and a CPU with SSE4.2 at run time), it says so (``AVAILABLE`` 0). Either
+way ``rlfleet.common.crc32c`` then copies in Python blocks. Everything else is in
+``pyproject.toml``."""
 
 from setuptools import Extension, setup
 

@@ -30,6 +30,7 @@ at import against the functions above; it too changes speed only.
 from __future__ import annotations
 
 import ctypes
+import operator
 from collections.abc import Callable
 
 import google_crc32c
@@ -169,17 +170,19 @@ COPY_IMPLEMENTATION = "native" if _copy_native is not None else "blocks"
 
 def copy_crc(src: np.ndarray, dst: np.ndarray, crc: int) -> int:
     """Copy ``src`` into ``dst`` (C-contiguous uint8, same length), extending ``crc``
-    with the bytes copied.
+    (a 32-bit value) with the bytes copied.
 
     Without the GIL, so that other threads (gRPC's, a receiver's) run meanwhile: in one
-    pass where the extension is there (:data:`COPY_IMPLEMENTATION`), else a
-    :data:`BLOCK` at a time, each block's two C calls (``memmove`` through ``ctypes``
-    on raw addresses, then the checksum) releasing it."""
+    pass where the extension is there (:data:`COPY_IMPLEMENTATION`; copies under 64
+    KiB keep the GIL, being short), else a :data:`BLOCK` at a time, each block's two
+    C calls (``memmove`` through ``ctypes`` on raw addresses, then the checksum)
+    releasing it."""
     for name, a in (("src", src), ("dst", dst)):
         if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
             raise ValueError(f"copy_crc: {name} must be a contiguous 1-D uint8 array")
     if len(src) != len(dst):
         raise ValueError(f"copy_crc: src has {len(src)} bytes, dst {len(dst)}")
+    crc = _crc_arg("copy_crc", crc)
     if _copy_native is not None and len(dst):
         if not dst.flags.writeable:
             raise ValueError("copy_crc: dst is read-only")
@@ -253,6 +256,9 @@ def copy_crc_views(src: memoryview, dst: memoryview, crc: int) -> int:
     for name, v in (("src", src), ("dst", dst)):
         if v.itemsize != 1 or v.ndim != 1 or not v.c_contiguous:
             raise ValueError(f"copy_crc_views: {name} must be a contiguous 1-D view of bytes")
+    if src.format != dst.format:  # as slice assignment refuses them
+        raise ValueError(f"copy_crc_views: src has format {src.format!r}, dst {dst.format!r}")
+    crc = _crc_arg("copy_crc_views", crc)
     if dst.readonly and n:
         raise ValueError("copy_crc_views: dst is read-only")
     if _copy_native is not None and n:
@@ -264,6 +270,15 @@ def copy_crc_views(src: memoryview, dst: memoryview, crc: int) -> int:
         d[:] = src[start : start + block]  # refuses a read-only or differently shaped dst
         crc = extend(d, crc)
     return int(crc)
+
+
+def _crc_arg(where: str, crc: int) -> int:
+    """``crc`` as an int (numpy integers too), or ``ValueError`` unless it is a 32-bit
+    value: the same on both copy paths, before anything is written."""
+    value = operator.index(crc)
+    if not 0 <= value <= 0xFFFFFFFF:
+        raise ValueError(f"{where}: crc {value} is not a 32-bit value")
+    return value
 
 
 def _extend_view(data: memoryview, crc: int) -> int:

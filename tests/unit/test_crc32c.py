@@ -98,6 +98,26 @@ def test_copy_crc_views_copies_view_to_view_and_refuses_what_the_views_refuse(
     assert np.array_equal(dst, before)
 
 
+def test_both_copy_paths_take_the_same_arguments(copy_path: str) -> None:
+    """On either path: a crc is any integer of 32 bits (numpy's too), views of bytes
+    in different formats are refused as slice assignment refuses them, and a refusal
+    comes before anything is written."""
+    src = np.random.default_rng(4).integers(0, 256, BLOCK + 3, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    expected = google_crc32c.extend(5, src.tobytes())
+    assert copy_crc(src, dst, np.uint32(5)) == expected  # type: ignore[arg-type]
+    assert copy_crc_views(src.data, dst.data, np.int64(5)) == expected  # type: ignore[arg-type]
+    dst[:] = 0
+    for bad, error in [(2**32, ValueError), (-1, ValueError), (1.0, TypeError)]:
+        with pytest.raises(error):
+            copy_crc(src, dst, bad)  # type: ignore[arg-type]
+        with pytest.raises(error):
+            copy_crc_views(src.data, dst.data, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="src has format 'b', dst 'B'"):
+        copy_crc_views(src.data.cast("b"), dst.data, 0)
+    assert not dst.any()
+
+
 @pytest.fixture(params=["awscrt", "google-crc32c", "google-crc32c-python"])
 def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each implementation the module can fall back to, made the one in use."""
