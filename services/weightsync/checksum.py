@@ -391,8 +391,9 @@ class StreamVerifier:
     the end.
 
     With ``copy_to``, the same thread first copies each range there from ``buffer``
-    as it lands (:func:`~rlfleet.common.crc32c.copy_crc`), checksumming each block
-    right after copying it (from this core's cache), and scans the copy: the
+    as it lands (:func:`~rlfleet.common.crc32c.copy_crc`), checksumming the bytes as
+    it copies them (in one pass, or each block right after copying it, from this
+    core's cache), and scans the copy: the
     receiver then verifies, and uses, bytes that no one else can write (``buffer``
     being memory a sender maps), copied while the sender is still writing. (A copy
     thread of its own, with the checks reading behind it from another core,

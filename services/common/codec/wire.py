@@ -17,11 +17,12 @@ messages and back. Torch-free at import time, like the batch module.
   every set and get).
 
 Copies and checksums: building a chunk copies each piece into the chunk's bytes
-and computes its CRC-32C on the piece while it is still in cache, block by block;
-assembling copies each piece once into its tensor's buffer (freshly allocated, or
-the caller's via ``ChunkAssembler(out=...)``), again with the CRC-32C computed on
-the block just written. Both copy between views of the bytes, a 256 KiB block at a
-time (:func:`~rlfleet.common.crc32c.copy_crc_views`). Decoded tensors own their
+and computes its CRC-32C on the bytes copied; assembling copies each piece once into
+its tensor's buffer (freshly allocated, or the caller's via
+``ChunkAssembler(out=...)``), again with the CRC-32C of the bytes copied. Both copy
+between views of the bytes (:func:`~rlfleet.common.crc32c.copy_crc_views`): in one
+pass where the C extension is built, else a 256 KiB block at a time, each block
+checksummed right after it is written, while it is in cache. Decoded tensors own their
 memory: they never alias a message or a received chunk. Every tensor byte is copied
 exactly once on decode; for a single ``TensorBatch`` upb's getter makes one more
 copy that cannot be avoided through its API.
@@ -752,7 +753,7 @@ def _chunk_bytes(
         # with no join copy (CPython; elsewhere getvalue() copies, still correct).
         # The framing goes first, leaving a hole for each piece's data; then the data
         # is copied into the holes, view to view (``copy_crc_views``: no raw
-        # addresses), and checksummed block by block while in cache.
+        # addresses), and checksummed as it is copied.
         width = _varint_len(size + room)
         outer = b""
         if envelope is not None:
