@@ -153,8 +153,10 @@ copy_crc32c(PyObject *Py_UNUSED(module), PyObject *args)
     const uint8_t *s = src.buf;
     size_t n = (size_t)src.len;
     /* Overlapping views of one buffer: move first, then checksum the bytes in place
-     * (a copy onto itself). */
-    if (n && s < d + n && d < s + n) {
+     * (a copy onto itself). Compared as integers: pointers into different objects
+     * have no order in C. */
+    uintptr_t da = (uintptr_t)d, sa = (uintptr_t)s;
+    if (n && sa < da + n && da < sa + n) {
         memmove(d, s, n);
         s = d;
     }
